@@ -1,0 +1,397 @@
+"""The step loop (schedule -> run -> post-process) and an async front that streams timestamped tokens.
+
+``LLMEngine`` is synchronous and single-threaded: tests drive it step by step. ``AsyncLLMEngine`` runs it in a
+background thread (torch releases the GIL inside kernels, so the event loop stays responsive) and delivers each
+step's tokens to per-request asyncio queues. Every timestamp is ``time.perf_counter()`` taken where the thing happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tailguard.engine.blocks import BlockPool
+from tailguard.engine.loader import load_gguf, write_tiny_gguf
+from tailguard.engine.model import LlamaModel
+from tailguard.engine.model_store import cache_dir, resolve_model_path
+from tailguard.engine.request import FinishReason, RequestError, SamplingParams, Sequence
+from tailguard.engine.runner import ModelRunner, pick_device
+from tailguard.engine.scheduler import Scheduler, SchedulerConfig
+from tailguard.engine.tokenizer import GGUFTokenizer, IncrementalDetokenizer
+
+
+@dataclass
+class EngineArgs:
+    model: str = "smollm2"  # alias, "tiny", or a path to a .gguf file
+    weight_format: str = "float32"  # float32 | bfloat16 | int8
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_tokens: int = 65536  # KV capacity in tokens (rounded down to whole blocks)
+    max_model_len: int | None = None  # defaults to the model's context length
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_prefill_chunk: int = 256
+    num_threads: int | None = None
+
+
+@dataclass
+class TokenEvent:
+    """One step's output for one request: zero or one new token and the text it completes."""
+
+    request_id: str
+    token_id: int | None
+    text: str
+    time: float
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # Filled on the final event.
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    arrival: float | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    num_preemptions: int
+    steps: int
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    emitted: int = 0  # characters of detok.text already sent
+    stopped_text: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def tiny_model_path(source: Path) -> Path:
+    """The tiny random-weight model, written once into the cache next to the real one (it borrows its tokenizer)."""
+    path = cache_dir() / "tailguard-tiny-random.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        write_tiny_gguf(partial, source)
+        partial.replace(path)
+    return path
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.args = args
+        if args.model == "tiny":
+            path = tiny_model_path(resolve_model_path("smollm2"))
+        else:
+            path = resolve_model_path(args.model)
+        self.model_path = path
+        self.model_name = "tiny" if args.model == "tiny" else Path(path).stem if args.model.endswith(".gguf") else args.model
+        self.device = pick_device(args.device)
+        self.tokenizer = GGUFTokenizer(path)
+        weights = load_gguf(path)
+        self.model = LlamaModel(weights, args.weight_format, self.device)
+        self.config = weights.config
+        max_len = min(args.max_model_len or self.config.max_position, self.config.max_position)
+        num_blocks = max(1, args.kv_cache_tokens // args.block_size)
+        self.pool = BlockPool(num_blocks, args.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=max_len,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_prefill_chunk=args.max_prefill_chunk,
+            ),
+            self.pool,
+        )
+        self.runner = ModelRunner(self.model, num_blocks, args.block_size)
+        self.stop_ids = set(self.tokenizer.stop_token_ids)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self.steps = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    # --- requests -------------------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        sampling = sampling or SamplingParams()
+        sampling.validate()
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        request_id = request_id or f"req-{next(self._ids)}"
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            priority=priority,
+            arrival_time=arrival_time if arrival_time is not None else time.perf_counter(),
+        )
+        self.scheduler.add(seq)
+        self._tracked[request_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer))
+        return request_id
+
+    def abort(self, request_id: str) -> TokenEvent | None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.finish(tracked.seq, FinishReason.ABORT)
+        self.runner.release(request_id)
+        return self._final_event(tracked, "", tracked.seq.times.finished)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=self.scheduler.num_waiting,
+            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_used=self.pool.num_used,
+            num_preemptions=self.scheduler.num_preemptions,
+            steps=self.steps,
+        )
+
+    # --- the step -------------------------------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out.chunks, self.scheduler.tables, self.stop_ids)
+        now = time.perf_counter()
+        self.scheduler.advance(out)
+        self.steps += 1
+        events: list[TokenEvent] = []
+        for chunk, token in zip(out.chunks, sampled):
+            if token is not None:
+                events.append(self._post_process(self._tracked[chunk.seq.request_id], token, now))
+        return events
+
+    def _post_process(self, tracked: _Tracked, token, now: float) -> TokenEvent:
+        seq = tracked.seq
+        sp = seq.sampling
+        seq.output_token_ids.append(token.token_id)
+        seq.times.token_times.append(now)
+        if seq.times.first_token is None:
+            seq.times.first_token = now
+        tracked.detok.add(token.token_id)
+        reason: FinishReason | None = None
+        n_out = len(seq.output_token_ids)
+        if n_out >= sp.min_tokens and (
+            (token.token_id in self.stop_ids and not sp.ignore_eos) or token.token_id in sp.stop_token_ids
+        ):
+            reason = FinishReason.STOP
+        text = tracked.detok.text
+        cut = len(text)
+        if sp.stop and n_out >= sp.min_tokens:
+            hit = min(((text.find(s, max(0, tracked.emitted - len(s))), s) for s in sp.stop if s in text), default=None)
+            if hit is not None:
+                cut = hit[0]
+                seq.stop_string_hit = hit[1]
+                reason = FinishReason.STOP
+        if reason is None and n_out >= sp.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is None and sp.stop:
+            # Hold back a tail that could still grow into a stop string.
+            cut = len(text) - _stop_prefix_overlap(text, sp.stop)
+        delta = text[tracked.emitted : max(cut, tracked.emitted)]
+        tracked.emitted = max(cut, tracked.emitted)
+        if reason is None:
+            return TokenEvent(seq.request_id, token.token_id, delta, now, token.logprob, token.top_logprobs)
+        self._tracked.pop(seq.request_id, None)
+        self.scheduler.finish(seq, reason)
+        self.runner.release(seq.request_id)
+        event = self._final_event(tracked, delta, now)
+        event.token_id, event.logprob, event.top_logprobs = token.token_id, token.logprob, token.top_logprobs
+        return event
+
+    def _final_event(self, tracked: _Tracked, delta: str, now: float) -> TokenEvent:
+        seq = tracked.seq
+        return TokenEvent(
+            seq.request_id,
+            None,
+            delta,
+            now,
+            finished=True,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+            arrival=seq.times.arrival,
+            first_scheduled=seq.times.first_scheduled,
+            first_token=seq.times.first_token,
+            num_preemptions=seq.num_preemptions,
+        )
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None) -> list[list[int]]:
+        """Run prompts to completion (offline use and tests); returns output token ids per prompt."""
+        ids = [self.add_request(p, SamplingParams(**vars(sampling)) if sampling else None) for p in prompts]
+        seqs = {rid: self._tracked[rid].seq for rid in ids}
+        while self.has_unfinished():
+            self.step()
+        return [list(seqs[rid].output_token_ids) for rid in ids]
+
+
+def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class AsyncLLMEngine:
+    """Runs an LLMEngine in a background thread and streams TokenEvents to asyncio consumers."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tailguard-engine", daemon=True)
+        self._last_stats = engine.stats()
+        self.error: BaseException | None = None
+        self._thread.start()
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> AsyncLLMEngine:
+        return cls(LLMEngine(args))
+
+    def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        sampling.validate()
+        self.engine.scheduler.check_fits(num_prompt_tokens, sampling.max_tokens)
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[TokenEvent]:
+        """Stream a request's tokens. Leaving the iterator early (client gone, cancel) aborts the request."""
+        if self.error is not None:
+            raise RuntimeError(f"engine stopped: {self.error!r}")
+        self.check_request(len(prompt_token_ids), sampling)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._queues:
+                raise RequestError(f"duplicate request id {request_id!r}")
+            self._queues[request_id] = (loop, q)
+        self._commands.put(("add", (prompt_token_ids, sampling, request_id, priority, arrival_time)))
+        finished = False
+        try:
+            while True:
+                event: TokenEvent = await q.get()
+                if event.error is not None:
+                    finished = True
+                    raise RequestError(event.error) if event.finish_reason is None else RuntimeError(event.error)
+                yield event
+                if event.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._queues.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        return self._last_stats
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout=10)
+
+    # --- engine thread ----------------------------------------------------------------------------------------------
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenEvent]]] = {}
+        with self._lock:
+            for ev in events:
+                target = self._queues.get(ev.request_id)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], ev))
+        for loop, items in by_loop.items():
+            # One wake-up of the event loop per step, not one per token.
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _handle(self, command: tuple) -> None:
+        kind, payload = command
+        if kind == "add":
+            prompt, sampling, request_id, priority, arrival = payload
+            try:
+                self.engine.add_request(prompt, sampling, request_id, priority, arrival)
+            except RequestError as exc:
+                self._deliver([TokenEvent(request_id, None, "", time.perf_counter(), finished=True, error=str(exc))])
+        elif kind == "abort":
+            self.engine.abort(payload)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                block = not self.engine.has_unfinished()
+                try:
+                    command = self._commands.get(block=block, timeout=0.5 if block else None) if block else self._commands.get_nowait()
+                    self._handle(command)
+                    while True:
+                        self._handle(self._commands.get_nowait())
+                except queue.Empty:
+                    pass
+                if self.engine.has_unfinished():
+                    events = self.engine.step()
+                    self._last_stats = self.engine.stats()
+                    if events:
+                        self._deliver(events)
+                else:
+                    self._last_stats = self.engine.stats()
+        except BaseException as exc:  # noqa: BLE001 - surface any engine crash to every waiting request
+            self.error = exc
+            with self._lock:
+                pending = list(self._queues)
+            self._deliver(
+                [TokenEvent(r, None, "", time.perf_counter(), True, FinishReason.ERROR, error=f"engine failure: {exc!r}") for r in pending]
+            )
+            raise
+
+
+def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
+    for q, ev in items:
+        q.put_nowait(ev)

@@ -1,0 +1,190 @@
+"""GGUF -> torch tensors for Llama-family models, and a tiny random-weight model of the same architecture.
+
+llama.cpp's converter permutes the rows of the Q and K projections so that its RoPE can rotate adjacent pairs; we undo
+that permutation so that the model uses the usual rotate-half RoPE of the Hugging Face reference. Forgetting this
+produces fluent-looking garbage with no error, which the reference test against transformers catches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from tailguard.engine.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor  # [q_dim + 2 * kv_dim, hidden]: Q, K and V fused into one matmul
+    o: torch.Tensor
+    ffn_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate and up fused into one matmul
+    down: torch.Tensor
+
+
+@dataclass
+class ModelWeights:
+    config: ModelConfig
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def read_config(reader: gguf.GGUFReader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; tailguard's engine runs Llama-family models")
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        name=str(_field(reader, "general.name", "llama")),
+        num_layers=int(_field(reader, "llama.block_count")),
+        hidden_size=int(_field(reader, "llama.embedding_length")),
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_heads=int(_field(reader, "llama.attention.head_count")),
+        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv")),
+        vocab_size=int(_field(reader, "llama.vocab_size", len(tokens.data))),
+        max_position=int(_field(reader, "llama.context_length")),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
+    )
+
+
+def unpermute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Invert llama.cpp's ``permute``: rows (head, half, pair) -> (head, pair, half)."""
+    rows = weight.shape[0]
+    return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def permute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's ``permute`` (used to write test GGUF files the way the converter does)."""
+    rows = weight.shape[0]
+    return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _dequantize(tensor) -> np.ndarray:
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    # GGUF lists dims fastest-first; torch wants them slowest-first.
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    # Copy: F32 tensors come back as read-only views of the memory-mapped file.
+    return np.array(data.reshape(shape), dtype=np.float32, copy=True)
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> ModelWeights:
+    reader = gguf.GGUFReader(str(path))
+    config = read_config(reader)
+    arrays = {t.name: t for t in reader.tensors}
+
+    def get(name: str, n_heads: int | None = None) -> torch.Tensor:
+        if name not in arrays:
+            raise ValueError(f"GGUF file {path} lacks tensor {name}")
+        array = _dequantize(arrays[name])
+        if n_heads is not None:
+            array = unpermute_qk(array, n_heads)
+        return torch.from_numpy(array).to(device=device, dtype=dtype)
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"blk.{i}."
+        q = get(p + "attn_q.weight", config.num_heads)
+        k = get(p + "attn_k.weight", config.num_kv_heads)
+        v = get(p + "attn_v.weight")
+        gate = get(p + "ffn_gate.weight")
+        up = get(p + "ffn_up.weight")
+        layers.append(
+            LayerWeights(
+                attn_norm=get(p + "attn_norm.weight"),
+                qkv=torch.cat([q, k, v], dim=0).contiguous(),
+                o=get(p + "attn_output.weight"),
+                ffn_norm=get(p + "ffn_norm.weight"),
+                gate_up=torch.cat([gate, up], dim=0).contiguous(),
+                down=get(p + "ffn_down.weight"),
+            )
+        )
+    embed = get("token_embd.weight")
+    lm_head = embed if config.tie_embeddings else get("output.weight")
+    return ModelWeights(config=config, embed=embed, layers=layers, norm=get("output_norm.weight"), lm_head=lm_head)
+
+
+def write_tiny_gguf(
+    path: str | Path,
+    tokenizer_source: str | Path,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position: int = 2048,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight Llama GGUF that borrows the real model's tokenizer, for fast tests.
+
+    The weights go through the same permutation as llama.cpp's converter, so the loader's un-permute is exercised.
+    """
+    source = gguf.GGUFReader(str(tokenizer_source))
+    vocab_size = len(source.fields["tokenizer.ggml.tokens"].data)
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tailguard-tiny-random")
+    writer.add_block_count(num_layers)
+    writer.add_context_length(max_position)
+    writer.add_embedding_length(hidden_size)
+    writer.add_feed_forward_length(intermediate_size)
+    writer.add_head_count(num_heads)
+    writer.add_head_count_kv(num_kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab_size)
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer."):
+            value = field.contents()
+            if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+                writer.add_array(key, value)
+            elif key == "tokenizer.ggml.token_type":
+                writer.add_token_types(value)
+            elif isinstance(value, bool):
+                writer.add_bool(key, value)
+            elif isinstance(value, int):
+                writer.add_uint32(key, value)
+            elif isinstance(value, str):
+                writer.add_string(key, value)
+
+    def rand(*shape: int, scale: float = 0.08) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    head_dim = hidden_size // num_heads
+    writer.add_tensor("token_embd.weight", rand(vocab_size, hidden_size, scale=0.5))
+    for i in range(num_layers):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", (1 + rand(hidden_size, scale=0.1)).astype(np.float32))
+        writer.add_tensor(p + "attn_q.weight", permute_qk(rand(hidden_size, hidden_size), num_heads))
+        writer.add_tensor(p + "attn_k.weight", permute_qk(rand(num_kv_heads * head_dim, hidden_size), num_kv_heads))
+        writer.add_tensor(p + "attn_v.weight", rand(num_kv_heads * head_dim, hidden_size))
+        writer.add_tensor(p + "attn_output.weight", rand(hidden_size, hidden_size))
+        writer.add_tensor(p + "ffn_norm.weight", (1 + rand(hidden_size, scale=0.1)).astype(np.float32))
+        writer.add_tensor(p + "ffn_gate.weight", rand(intermediate_size, hidden_size))
+        writer.add_tensor(p + "ffn_up.weight", rand(intermediate_size, hidden_size))
+        writer.add_tensor(p + "ffn_down.weight", rand(hidden_size, intermediate_size))
+    writer.add_tensor("output_norm.weight", np.ones(hidden_size, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)

@@ -1,0 +1,152 @@
+"""A Llama-family transformer (RMSNorm, RoPE, grouped-query attention, SwiGLU) that reads K/V through block tables.
+
+The model works on a flat batch of tokens from many sequences (decodes and prefill chunks mixed). Linear layers run
+once over all tokens; attention runs once for all decode tokens (keys gathered from the paged cache into a padded
+batch) and once per prefill chunk. Logits are computed only at the positions that are sampled: on this CPU the LM head
+(49152 x 576) costs more than a whole layer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tailguard.engine.loader import ModelWeights
+
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
+
+
+@dataclass
+class PrefillSpan:
+    token_start: int  # index of the chunk's first token in the flat batch
+    token_end: int
+    gather: torch.Tensor | None  # [ctx] cache slots of every key the chunk attends to; None when the chunk starts at 0
+    mask: torch.Tensor | None  # [n, ctx] causal mask with the chunk's offset; None when the chunk starts at 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each token's K/V is written
+    positions: torch.Tensor  # [T]
+    num_decodes: int
+    decode_gather: torch.Tensor | None  # [D, Lmax] slots of each decode's keys (padded)
+    decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] True where a key is real
+    prefills: list[PrefillSpan]
+
+
+class Linear:
+    """y = x @ W^T in the chosen weight format. int8 uses fbgemm's dynamic per-channel quantized kernel."""
+
+    def __init__(self, weight: torch.Tensor, fmt: str) -> None:
+        self.fmt = fmt
+        self.out_features = weight.shape[0]
+        if fmt == "int8":
+            w = weight.float()
+            scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                q = torch.quantize_per_channel(w, scales.double(), torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
+                self._packed = torch.ops.quantized.linear_prepack(q, None)
+            self.weight = None
+        else:
+            self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "int8":
+            return torch.ops.quantized.linear_dynamic(x, self._packed, True)
+        return F.linear(x, self.weight)
+
+
+class LlamaModel:
+    def __init__(self, weights: ModelWeights, weight_format: str = "float32", device: str | torch.device = "cpu") -> None:
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}")
+        if weight_format == "int8" and torch.device(device).type != "cpu":
+            raise ValueError("the int8 weight format uses fbgemm and runs on the CPU only")
+        cfg = weights.config
+        self.config = cfg
+        self.device = torch.device(device)
+        self.weight_format = weight_format
+        # Activations and the KV cache: bf16 for bf16 weights, fp32 otherwise (int8 kernels take fp32 input).
+        self.dtype = torch.bfloat16 if weight_format == "bfloat16" else torch.float32
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=self.device, dtype=self.dtype)
+
+        def lin(t: torch.Tensor) -> Linear:
+            return Linear(t.float() if weight_format == "int8" else dev(t), weight_format)
+
+        self.embed = dev(weights.embed)
+        self.layers = [
+            (dev(lw.attn_norm), lin(lw.qkv), lin(lw.o), dev(lw.ffn_norm), lin(lw.gate_up), lin(lw.down))
+            for lw in weights.layers
+        ]
+        self.norm = dev(weights.norm)
+        self.lm_head = Linear(weights.lm_head.float(), "int8") if weight_format == "int8" else Linear(dev(weights.lm_head), weight_format)
+        head_dim = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(cfg.max_position, dtype=torch.float64), inv_freq)
+        emb = torch.cat([angles, angles], dim=-1)
+        self.cos = emb.cos().to(device=self.device, dtype=self.dtype)
+        self.sin = emb.sin().to(device=self.device, dtype=self.dtype)
+
+    def allocate_kv_cache(self, num_slots: int) -> torch.Tensor:
+        cfg = self.config
+        return torch.zeros(
+            cfg.num_layers, 2, num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device
+        )
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        cfg = self.config
+        n_tok = input_ids.shape[0]
+        n_heads, n_kv, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim
+        cos = self.cos[meta.positions].unsqueeze(1)
+        sin = self.sin[meta.positions].unsqueeze(1)
+        d = meta.num_decodes
+        x = self.embed[input_ids]
+        for layer_idx, (attn_norm, qkv_proj, o_proj, ffn_norm, gate_up_proj, down_proj) in enumerate(self.layers):
+            h = F.rms_norm(x, (cfg.hidden_size,), attn_norm, cfg.rms_eps)
+            qkv = qkv_proj(h)
+            q = self._rope(qkv[:, :q_dim].view(n_tok, n_heads, head_dim), cos, sin)
+            k = self._rope(qkv[:, q_dim : q_dim + kv_dim].view(n_tok, n_kv, head_dim), cos, sin)
+            v = qkv[:, q_dim + kv_dim :].view(n_tok, n_kv, head_dim)
+            k_cache, v_cache = kv_cache[layer_idx, 0], kv_cache[layer_idx, 1]
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
+            attn = torch.empty(n_tok, n_heads, head_dim, dtype=x.dtype, device=x.device)
+            if d:
+                kd = k_cache[meta.decode_gather].transpose(1, 2)  # [D, kv, L, hd]
+                vd = v_cache[meta.decode_gather].transpose(1, 2)
+                qd = q[:d].unsqueeze(2)  # [D, H, 1, hd]
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
+                attn[:d] = od.squeeze(2)
+            for span in meta.prefills:
+                qp = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+                if span.gather is None:
+                    kp = k[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
+                    vp = v[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
+                    op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+                else:
+                    kp = k_cache[span.gather].transpose(0, 1).unsqueeze(0)
+                    vp = v_cache[span.gather].transpose(0, 1).unsqueeze(0)
+                    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, enable_gqa=True)
+                attn[span.token_start : span.token_end] = op.squeeze(0).transpose(0, 1)
+            x = x + o_proj(attn.view(n_tok, q_dim))
+            h = F.rms_norm(x, (cfg.hidden_size,), ffn_norm, cfg.rms_eps)
+            gate, up = gate_up_proj(h).chunk(2, dim=-1)
+            x = x + down_proj(F.silu(gate) * up)
+        x = F.rms_norm(x[logits_indices], (cfg.hidden_size,), self.norm, cfg.rms_eps)
+        return self.lm_head(x).float()

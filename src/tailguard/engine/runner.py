@@ -1,0 +1,156 @@
+"""All tensor work of a step: build the flat batch and its attention metadata, run the model, sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tailguard.engine.blocks import BlockTable
+from tailguard.engine.model import AttentionMetadata, LlamaModel, PrefillSpan
+from tailguard.engine.request import SamplingParams, Sequence
+from tailguard.engine.scheduler import ScheduledChunk
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.kv_cache = model.allocate_kv_cache(num_blocks * block_size)
+        self._generators: dict[str, torch.Generator] = {}
+
+    @staticmethod
+    def kv_bytes_per_token(model: LlamaModel) -> int:
+        cfg = model.config
+        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(model.dtype).bits // 8
+
+    # --- batch building -------------------------------------------------------------------------------------------
+    def _build(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable]):
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        decode_ctx: list[list[int]] = []
+        prefills: list[PrefillSpan] = []
+        dev = self.device
+        for chunk in chunks:
+            seq, table = chunk.seq, tables[chunk.seq.request_id]
+            start_tok = len(ids)
+            ids.extend(seq.token_ids_slice(chunk.start, chunk.end))
+            positions.extend(range(chunk.start, chunk.end))
+            slots.extend(table.slot(p) for p in range(chunk.start, chunk.end))
+            if chunk.samples:
+                logits_indices.append(len(ids) - 1)
+            if chunk.is_decode:
+                decode_ctx.append([table.slot(p) for p in range(chunk.end)])
+            elif chunk.start == 0:
+                prefills.append(PrefillSpan(start_tok, len(ids), None, None))
+            else:
+                ctx = torch.tensor([table.slot(p) for p in range(chunk.end)], dtype=torch.long, device=dev)
+                q_pos = torch.arange(chunk.start, chunk.end, device=dev).unsqueeze(1)
+                mask = torch.arange(chunk.end, device=dev).unsqueeze(0) <= q_pos
+                prefills.append(PrefillSpan(start_tok, len(ids), ctx, mask))
+        decode_gather = decode_mask = None
+        if decode_ctx:
+            longest = max(len(c) for c in decode_ctx)
+            gather = torch.zeros(len(decode_ctx), longest, dtype=torch.long)
+            lengths = torch.tensor([len(c) for c in decode_ctx])
+            for i, c in enumerate(decode_ctx):
+                gather[i, : len(c)] = torch.tensor(c)
+            decode_gather = gather.to(dev)
+            decode_mask = (torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1)).view(len(decode_ctx), 1, 1, longest).to(dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            num_decodes=len(decode_ctx),
+            decode_gather=decode_gather,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta, torch.tensor(logits_indices, dtype=torch.long, device=dev)
+
+    # --- the step -------------------------------------------------------------------------------------------------
+    def execute(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable], stop_ids: set[int]) -> list[SampledToken | None]:
+        """Run one step; returns a sampled token for each chunk that reaches the end of its known tokens."""
+        if not chunks:
+            return []
+        input_ids, meta, logits_indices = self._build(chunks, tables)
+        logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices)
+        sampling_seqs = [c.seq for c in chunks if c.samples]
+        sampled = iter(self.sample(logits, sampling_seqs, stop_ids))
+        return [next(sampled) if c.samples else None for c in chunks]
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], stop_ids: set[int]) -> list[SampledToken]:
+        results: list[SampledToken] = []
+        greedy_rows = [i for i, s in enumerate(seqs) if s.sampling.greedy]
+        picks: dict[int, int] = {}
+        if greedy_rows:
+            idx = torch.tensor(greedy_rows, device=logits.device)
+            masked = self._mask_early_stop(logits[idx], [seqs[i] for i in greedy_rows], stop_ids)
+            for row, tok in zip(greedy_rows, masked.argmax(dim=-1).tolist()):
+                picks[row] = tok
+        for row, seq in enumerate(seqs):
+            if row in picks:
+                continue
+            picks[row] = self._sample_one(logits[row : row + 1], seq, stop_ids)
+        for row, seq in enumerate(seqs):
+            tok = picks[row]
+            n_top = seq.sampling.logprobs
+            if n_top is None:
+                results.append(SampledToken(tok))
+                continue
+            logprobs = torch.log_softmax(logits[row], dim=-1)
+            top = torch.topk(logprobs, n_top) if n_top else None
+            top_list = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            results.append(SampledToken(tok, float(logprobs[tok]), top_list))
+        return results
+
+    @staticmethod
+    def _mask_early_stop(logits: torch.Tensor, seqs: list[Sequence], stop_ids: set[int]) -> torch.Tensor:
+        """Forbid stop tokens while a request is below its min_tokens."""
+        rows = [i for i, s in enumerate(seqs) if len(s.output_token_ids) < s.sampling.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        banned = list(stop_ids | set().union(*(set(seqs[i].sampling.stop_token_ids) for i in rows)))
+        for i in rows:
+            logits[i, banned] = float("-inf")
+        return logits
+
+    def _sample_one(self, logits: torch.Tensor, seq: Sequence, stop_ids: set[int]) -> int:
+        sp: SamplingParams = seq.sampling
+        row = self._mask_early_stop(logits, [seq], stop_ids)[0] / sp.temperature
+        if sp.top_k:
+            kth = torch.topk(row, min(sp.top_k, row.shape[-1])).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if sp.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+            drop = cumulative - sorted_probs >= sp.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        gen = self._generators.get(seq.request_id)
+        if gen is None and sp.seed is not None:
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed(sp.seed)
+            self._generators[seq.request_id] = gen
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)

@@ -1,0 +1,223 @@
+"""Iteration-level continuous batching under a per-step token budget (plain Python, no torch).
+
+Each step the scheduler hands the runner a list of chunks, one per sequence: a decode step is a chunk of one token, a
+prefill is cut into chunks so that a long prompt shares steps with running streams instead of freezing them. Running
+sequences in decode go first (they cost one token each), then running prefills, then newly admitted requests, in
+priority order (lower value first, then arrival). When the KV pool runs short the lowest-priority, latest request is
+preempted: its blocks are freed and it is recomputed later from its prompt plus the tokens it already produced.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from tailguard.engine.blocks import BlockPool, BlockTable
+from tailguard.engine.request import FinishReason, RequestError, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # per-step token budget shared by decodes and prefill chunks
+    max_prefill_chunk: int = 256  # longest prefill chunk one sequence may take in a step
+    watermark: float = 0.01  # share of KV blocks kept free when admitting new requests
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every decode fits in a step")
+        if self.max_prefill_chunk < 1 or self.max_model_len < 2:
+            raise ValueError("max_prefill_chunk and max_model_len must be positive")
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed in this step (= tokens already in the KV cache)
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so its last position yields a new token."""
+        return self.end == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start > 0 and self.samples
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, clock=time.perf_counter) -> None:
+        self.config = config
+        self.pool = pool
+        self.clock = clock
+        self.running: list[Sequence] = []
+        self._waiting: list[tuple[int, float, int, Sequence]] = []
+        self._counter = itertools.count()
+        self.tables: dict[str, BlockTable] = {}
+        self._watermark_blocks = max(1, int(pool.num_blocks * config.watermark)) if pool.num_blocks > 1 else 0
+        self.num_preemptions = 0
+
+    # --- admission ------------------------------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestError for a request that could never be served, before it takes a place in the queue."""
+        limit = self.config.max_model_len
+        if num_prompt_tokens < 1:
+            raise RequestError("the prompt is empty")
+        if num_prompt_tokens >= limit:
+            raise RequestError(
+                f"the prompt has {num_prompt_tokens} tokens; this model's context window is {limit} tokens"
+            )
+        if num_prompt_tokens + max_tokens > limit:
+            raise RequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} "
+                f"exceeds the context window of {limit} tokens; lower max_tokens to at most {limit - num_prompt_tokens}"
+            )
+        need = self.pool.blocks_for(num_prompt_tokens + max_tokens)
+        if need > self.pool.num_blocks:
+            raise RequestError(
+                f"the request needs {need} KV blocks at full length; the KV cache holds {self.pool.num_blocks}"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq.num_prompt_tokens, seq.sampling.max_tokens)
+        if seq.request_id in self.tables:
+            raise RequestError(f"duplicate request id {seq.request_id!r}")
+        self.tables[seq.request_id] = BlockTable(self.pool, seq.request_id)
+        self._push_waiting(seq)
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, (seq.priority, seq.arrival_time, next(self._counter), seq))
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return [entry[3] for entry in sorted(self._waiting)]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self._waiting)
+
+    # --- the step -------------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunk_of: dict[str, ScheduledChunk] = {}
+
+        def preempt(victim: Sequence) -> None:
+            nonlocal budget
+            dropped = chunk_of.pop(victim.request_id, None)
+            if dropped is not None:
+                out.chunks.remove(dropped)
+                budget += dropped.num_tokens
+            self._preempt(victim)
+            out.preempted.append(victim)
+
+        def victim_for(seq: Sequence, candidates: list[Sequence]) -> Sequence | None:
+            pool = [s for s in candidates if s.status is SequenceStatus.RUNNING]
+            return max(pool, key=lambda s: (s.priority, s.arrival_time), default=None)
+
+        # 1. Running sequences: decodes first so that prefill never starves streams, then unfinished prefills.
+        for seq in sorted(self.running, key=lambda s: (not s.in_decode, s.priority, s.arrival_time)):
+            if seq.status is not SequenceStatus.RUNNING or budget <= 0:
+                continue
+            n = min(seq.num_pending_tokens, budget, self.config.max_prefill_chunk)
+            table = self.tables[seq.request_id]
+            while not table.ensure(seq.num_computed_tokens + n):
+                victim = victim_for(seq, self.running)
+                preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            chunk = ScheduledChunk(seq, seq.num_computed_tokens, n)
+            out.chunks.append(chunk)
+            chunk_of[seq.request_id] = chunk
+            budget -= n
+
+        # 2. Admit waiting requests while budget, sequence slots and KV blocks (above the watermark) allow.
+        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+            seq = self._waiting[0][3]
+            n = min(seq.num_pending_tokens, budget, self.config.max_prefill_chunk)
+            table = self.tables[seq.request_id]
+            need = table.blocks_needed(seq.num_computed_tokens + n)
+            if not self.pool.can_allocate(need + self._watermark_blocks):
+                # A more important request may take the place of a less important running one.
+                victim = victim_for(seq, self.running)
+                if victim is None or victim.priority <= seq.priority:
+                    break
+                preempt(victim)
+                continue
+            heapq.heappop(self._waiting)
+            table.ensure(seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if seq.times.first_scheduled is None:
+                seq.times.first_scheduled = self.clock()
+            chunk = ScheduledChunk(seq, seq.num_computed_tokens, n)
+            out.chunks.append(chunk)
+            chunk_of[seq.request_id] = chunk
+            budget -= n
+
+        # The runner wants decodes first (one token each), then prefill chunks.
+        out.chunks.sort(key=lambda c: not c.is_decode)
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.tables[seq.request_id].release()
+        self.running.remove(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(seq)
+
+    # --- after the step -------------------------------------------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> None:
+        for chunk in out.chunks:
+            chunk.seq.num_computed_tokens = chunk.end
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        table = self.tables.pop(seq.request_id, None)
+        if table is not None:
+            table.release()
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self._waiting = [e for e in self._waiting if e[3] is not seq]
+            heapq.heapify(self._waiting)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.times.finished = self.clock()
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in self.running:
+            if seq.request_id == request_id:
+                return seq
+        for entry in self._waiting:
+            if entry[3].request_id == request_id:
+                return entry[3]
+        return None

@@ -1,0 +1,145 @@
+"""The tokenizer and chat template, built from GGUF metadata with Hugging Face ``tokenizers`` (Rust BPE).
+
+We build a byte-level BPE from the GGUF's vocabulary and merges. The pre-tokenizer splits digits one by one before
+the GPT-2 byte-level split: that is what SmolLM2's own tokenizer.json does and what llama.cpp's ``smollm`` pre-tokenizer
+does. (transformers' GGUF converter drops the digit split, so its ids differ on text with multi-digit numbers.)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from threading import Lock
+
+import gguf
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+_CONTROL_TOKEN_TYPE = 3
+
+# Pre-tokenizer regexes known by llama.cpp's ``tokenizer.ggml.pre`` names; unknown names fall back to plain GPT-2.
+_DIGIT_SPLITTING_PRE = {"smollm", "starcoder", "refact", "gpt2-digits"}
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class GGUFTokenizer:
+    """Encode/decode plus the chat template; thread-safe, with a small LRU cache of encodings."""
+
+    def __init__(self, path: str | Path, cache_size: int = 4096) -> None:
+        reader = gguf.GGUFReader(str(path))
+
+        def field(key: str, default=None):
+            f = reader.fields.get(key)
+            return default if f is None else f.contents()
+
+        model_type = field("tokenizer.ggml.model")
+        if model_type != "gpt2":
+            raise ValueError(f"unsupported tokenizer model {model_type!r}; only byte-level BPE (gpt2) is supported")
+        tokens: list[str] = field("tokenizer.ggml.tokens")
+        merges_raw: list[str] = field("tokenizer.ggml.merges")
+        token_types: list[int] = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+        tok = Tokenizer(bpe)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        pre = str(field("tokenizer.ggml.pre", "gpt2"))
+        if pre in _DIGIT_SPLITTING_PRE:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tok.pre_tokenizer = byte_level
+        tok.decoder = decoders.ByteLevel()
+        specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, token_types) if ty == _CONTROL_TOKEN_TYPE]
+        tok.add_special_tokens(specials)
+        self._tok = tok
+        self.vocab_size = len(tokens)
+        self.special_ids = {vocab[t.content] for t in specials}
+        self.bos_token_id = field("tokenizer.ggml.bos_token_id")
+        self.eos_token_id = int(field("tokenizer.ggml.eos_token_id"))
+        self.add_bos = bool(field("tokenizer.ggml.add_bos_token", False))
+        self.chat_template_source = field("tokenizer.chat_template")
+        self.tokens = tokens
+        # ChatML models end a turn with <|im_end|>; generation stops there as well as at EOS.
+        im_end = vocab.get("<|im_end|>")
+        self.stop_token_ids = {self.eos_token_id} | ({im_end} if im_end is not None else set())
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
+        self._template = env.from_string(self.chat_template_source) if self.chat_template_source else None
+        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = Lock()
+        self.cache_hits = 0
+
+    # --- encoding -------------------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        with self._lock:
+            hit = self._cache.get(text)
+            if hit is not None:
+                self._cache.move_to_end(text)
+                self.cache_hits += 1
+                return list(hit)
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        if self._cache_size:
+            with self._lock:
+                self._cache[text] = tuple(ids)
+                if len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        return ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode many texts at once; the Rust side runs them in parallel."""
+        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        prefix = [self.bos_token_id] if self.add_bos and self.bos_token_id is not None else []
+        return [prefix + e.ids for e in encodings]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # --- chat -----------------------------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict] | list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError("this model has no chat template; use the completions API")
+        msgs = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+        return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict] | list[ChatMessage]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding the whole output each step.
+
+    Keeps a short window of tokens before the read offset so that multi-token characters (common in Chinese) and
+    byte-level merges decode correctly; a delta that ends in an incomplete UTF-8 sequence is held back.
+    """
+
+    def __init__(self, tokenizer: GGUFTokenizer, prompt_tail: list[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_tail or [])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        if token_id in self.tokenizer.special_ids:
+            # Special tokens (e.g. <|im_end|>) carry no visible text.
+            self.prefix_offset = self.read_offset = len(self.ids)
+            return ""
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
