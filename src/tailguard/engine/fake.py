@@ -1,0 +1,151 @@
+"""A fake engine with the AsyncLLMEngine interface and scripted timings.
+
+It lets the server, gateway, SLO monitor and bench be tested deterministically without a model: time to first token,
+inter-token gaps, jitter and concurrency slots are set by the test (and may be changed while it runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from tailguard.engine.engine import EngineStats, TokenEvent
+from tailguard.engine.request import FinishReason, RequestError, SamplingParams
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (ids 3..258) plus three specials; a ChatML-like template. Deterministic and model-free."""
+
+    BOS, EOS, IM_END = 0, 1, 2
+    _OFFSET = 3
+
+    def __init__(self) -> None:
+        self.vocab_size = 256 + self._OFFSET
+        self.eos_token_id = self.EOS
+        self.stop_token_ids = {self.EOS, self.IM_END}
+        self.special_ids = {self.BOS, self.EOS, self.IM_END}
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self._OFFSET for b in text.encode("utf-8")]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i - self._OFFSET for i in ids if i >= self._OFFSET).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+
+@dataclass
+class FakeTiming:
+    ttft: float = 0.02  # seconds from scheduling to the first token (the "prefill")
+    itl: float = 0.005  # seconds between tokens
+    jitter: float = 0.0  # uniform +- fraction applied to every wait
+    prefill_per_token: float = 0.0  # extra prefill seconds per prompt token
+    max_num_seqs: int = 256  # concurrency slots; more requests queue
+    output_text: str = "The quick brown fox jumps over the lazy dog. "
+    seed: int = 0
+
+
+class FakeEngine:
+    def __init__(self, timing: FakeTiming | None = None, max_model_len: int = 8192, model_name: str = "fake") -> None:
+        self.timing = timing or FakeTiming()
+        self.tokenizer = ByteTokenizer()
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self._slots: asyncio.Semaphore | None = None
+        self._rng = random.Random(self.timing.seed)
+        self.running = 0
+        self.waiting = 0
+        self.aborted: list[str] = []
+        self.completed = 0
+
+    def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        sampling.validate()
+        if num_prompt_tokens < 1:
+            raise RequestError("the prompt is empty")
+        if num_prompt_tokens + sampling.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context window "
+                f"of {self.max_model_len} tokens"
+            )
+
+    def _wait(self, base: float) -> float:
+        j = self.timing.jitter
+        return max(0.0, base * (1 + self._rng.uniform(-j, j))) if j else base
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[TokenEvent]:
+        self.check_request(len(prompt_token_ids), sampling)
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.timing.max_num_seqs)
+        arrival = arrival_time if arrival_time is not None else time.perf_counter()
+        text = self.timing.output_text.encode("utf-8")
+        finished = False
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        try:
+            scheduled = time.perf_counter()
+            await asyncio.sleep(self._wait(self.timing.ttft + self.timing.prefill_per_token * len(prompt_token_ids)))
+            first = None
+            out: list[int] = []
+            emitted = ""
+            for i in range(sampling.max_tokens):
+                if i:
+                    await asyncio.sleep(self._wait(self.timing.itl))
+                tok = text[i % len(text)] + ByteTokenizer._OFFSET
+                out.append(tok)
+                now = time.perf_counter()
+                first = first or now
+                full = self.tokenizer.decode(out)
+                delta, emitted = full[len(emitted) :], full
+                reason = None
+                if sampling.stop and any(s in full for s in sampling.stop):
+                    reason = FinishReason.STOP
+                elif len(out) >= sampling.max_tokens:
+                    reason = FinishReason.LENGTH
+                if reason is None:
+                    yield TokenEvent(request_id, tok, delta, now)
+                    continue
+                finished = True
+                self.completed += 1
+                yield TokenEvent(
+                    request_id, tok, delta, now, finished=True, finish_reason=reason,
+                    num_prompt_tokens=len(prompt_token_ids), num_output_tokens=len(out),
+                    arrival=arrival, first_scheduled=scheduled, first_token=first,
+                )
+                return
+        finally:
+            self.running -= 1
+            self._slots.release()
+            if not finished:
+                self.aborted.append(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=self.running, waiting=self.waiting, kv_blocks_total=0, kv_blocks_used=0,
+                           num_preemptions=0, steps=0)
+
+    def shutdown(self) -> None:
+        pass
