@@ -133,10 +133,16 @@ def write_tiny_gguf(
     num_kv_heads: int = 2,
     max_position: int = 2048,
     seed: int = 0,
+    tie_embeddings: bool = True,
 ) -> Path:
     """Write a random-weight Llama GGUF that borrows the real model's tokenizer, for fast tests.
 
     The weights go through the same permutation as llama.cpp's converter, so the loader's un-permute is exercised.
+
+    With tied embeddings (the default) the random model is close to an identity map: the last token's own embedding
+    dominates its logits, so greedy decoding just repeats the last prompt token whatever the context. Tests that must
+    see attention and the KV cache at work use ``tie_embeddings=False`` (a separate random ``output.weight``), which
+    makes the greedy continuation depend on the whole context.
     """
     source = gguf.GGUFReader(str(tokenizer_source))
     vocab_size = len(source.fields["tokenizer.ggml.tokens"].data)
@@ -183,6 +189,8 @@ def write_tiny_gguf(
         writer.add_tensor(p + "ffn_up.weight", rand(intermediate_size, hidden_size))
         writer.add_tensor(p + "ffn_down.weight", rand(hidden_size, intermediate_size))
     writer.add_tensor("output_norm.weight", np.ones(hidden_size, dtype=np.float32))
+    if not tie_embeddings:
+        writer.add_tensor("output.weight", rand(vocab_size, hidden_size, scale=0.3))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -23,8 +23,8 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
 class PrefillSpan:
     token_start: int  # index of the chunk's first token in the flat batch
     token_end: int
-    gather: torch.Tensor | None  # [ctx] cache slots of every key the chunk attends to; None when the chunk starts at 0
-    mask: torch.Tensor | None  # [n, ctx] causal mask with the chunk's offset; None when the chunk starts at 0
+    gather: torch.Tensor | None  # [blocks] the sequence's block table; None when the chunk starts at 0
+    mask: torch.Tensor | None  # [n, blocks * block_size] causal mask with the chunk's offset; None when it starts at 0
 
 
 @dataclass
@@ -32,8 +32,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each token's K/V is written
     positions: torch.Tensor  # [T]
     num_decodes: int
-    decode_gather: torch.Tensor | None  # [D, Lmax] slots of each decode's keys (padded)
-    decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] True where a key is real
+    decode_gather: torch.Tensor | None  # [D, max_blocks] each decode's block table (padded with block 0)
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] True where a key is real
     prefills: list[PrefillSpan]
 
 
@@ -57,6 +57,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "int8":
             return torch.ops.quantized.linear_dynamic(x, self._packed, True)
+        if self.fmt == "bfloat16":
+            return F.linear(x.to(torch.bfloat16), self.weight).float()
         return F.linear(x, self.weight)
 
 
@@ -70,14 +72,16 @@ class LlamaModel:
         self.config = cfg
         self.device = torch.device(device)
         self.weight_format = weight_format
-        # Activations and the KV cache: bf16 for bf16 weights, fp32 otherwise (int8 kernels take fp32 input).
-        self.dtype = torch.bfloat16 if weight_format == "bfloat16" else torch.float32
+        # The residual stream, norms, RoPE and the KV cache stay float32 whatever the weight format: with a bf16
+        # residual stream SmolLM2 answers "What is the capital of France?" with nonsense. Only matmuls change format.
+        self.dtype = torch.float32
+        weight_dtype = torch.bfloat16 if weight_format == "bfloat16" else torch.float32
 
         def dev(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=self.device, dtype=self.dtype)
 
         def lin(t: torch.Tensor) -> Linear:
-            return Linear(t.float() if weight_format == "int8" else dev(t), weight_format)
+            return Linear(t.to(device=self.device, dtype=weight_dtype), weight_format)
 
         self.embed = dev(weights.embed)
         self.layers = [
@@ -85,7 +89,7 @@ class LlamaModel:
             for lw in weights.layers
         ]
         self.norm = dev(weights.norm)
-        self.lm_head = Linear(weights.lm_head.float(), "int8") if weight_format == "int8" else Linear(dev(weights.lm_head), weight_format)
+        self.lm_head = lin(weights.lm_head)
         head_dim = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         angles = torch.outer(torch.arange(cfg.max_position, dtype=torch.float64), inv_freq)
@@ -93,10 +97,11 @@ class LlamaModel:
         self.cos = emb.cos().to(device=self.device, dtype=self.dtype)
         self.sin = emb.sin().to(device=self.device, dtype=self.dtype)
 
-    def allocate_kv_cache(self, num_slots: int) -> torch.Tensor:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        # [layer, k|v, block, slot-in-block, kv_head, head_dim]: gathering whole blocks moves block_size rows per index.
         cfg = self.config
         return torch.zeros(
-            cfg.num_layers, 2, num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device
         )
 
     @staticmethod
@@ -120,16 +125,17 @@ class LlamaModel:
         for layer_idx, (attn_norm, qkv_proj, o_proj, ffn_norm, gate_up_proj, down_proj) in enumerate(self.layers):
             h = F.rms_norm(x, (cfg.hidden_size,), attn_norm, cfg.rms_eps)
             qkv = qkv_proj(h)
-            q = self._rope(qkv[:, :q_dim].view(n_tok, n_heads, head_dim), cos, sin)
-            k = self._rope(qkv[:, q_dim : q_dim + kv_dim].view(n_tok, n_kv, head_dim), cos, sin)
+            # Q and K heads rotated together: one RoPE for both.
+            qk = self._rope(qkv[:, : q_dim + kv_dim].view(n_tok, n_heads + n_kv, head_dim), cos, sin)
+            q, k = qk[:, :n_heads], qk[:, n_heads:]
             v = qkv[:, q_dim + kv_dim :].view(n_tok, n_kv, head_dim)
             k_cache, v_cache = kv_cache[layer_idx, 0], kv_cache[layer_idx, 1]
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
+            k_cache.view(-1, n_kv, head_dim).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, n_kv, head_dim).index_copy_(0, meta.slot_mapping, v)
             attn = torch.empty(n_tok, n_heads, head_dim, dtype=x.dtype, device=x.device)
             if d:
-                kd = k_cache[meta.decode_gather].transpose(1, 2)  # [D, kv, L, hd]
-                vd = v_cache[meta.decode_gather].transpose(1, 2)
+                kd = k_cache[meta.decode_gather].flatten(1, 2).transpose(1, 2)  # [D, kv, L, hd]
+                vd = v_cache[meta.decode_gather].flatten(1, 2).transpose(1, 2)
                 qd = q[:d].unsqueeze(2)  # [D, H, 1, hd]
                 od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
                 attn[:d] = od.squeeze(2)
@@ -140,8 +146,8 @@ class LlamaModel:
                     vp = v[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
                     op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
                 else:
-                    kp = k_cache[span.gather].transpose(0, 1).unsqueeze(0)
-                    vp = v_cache[span.gather].transpose(0, 1).unsqueeze(0)
+                    kp = k_cache[span.gather].flatten(0, 1).transpose(0, 1).unsqueeze(0)
+                    vp = v_cache[span.gather].flatten(0, 1).transpose(0, 1).unsqueeze(0)
                     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, enable_gqa=True)
                 attn[span.token_start : span.token_end] = op.squeeze(0).transpose(0, 1)
             x = x + o_proj(attn.view(n_tok, q_dim))

@@ -30,7 +30,7 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        self.kv_cache = model.allocate_kv_cache(num_blocks * block_size)
+        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
         self._generators: dict[str, torch.Generator] = {}
 
     @staticmethod
@@ -44,9 +44,11 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
-        decode_ctx: list[list[int]] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
         dev = self.device
+        bs = self.block_size
         for chunk in chunks:
             seq, table = chunk.seq, tables[chunk.seq.request_id]
             start_tok = len(ids)
@@ -55,28 +57,27 @@ class ModelRunner:
             slots.extend(table.slot(p) for p in range(chunk.start, chunk.end))
             if chunk.samples:
                 logits_indices.append(len(ids) - 1)
+            used_blocks = table.blocks[: -(-chunk.end // bs)]
             if chunk.is_decode:
-                decode_ctx.append([table.slot(p) for p in range(chunk.end)])
+                decode_tables.append(used_blocks)
+                decode_lens.append(chunk.end)
             elif chunk.start == 0:
                 prefills.append(PrefillSpan(start_tok, len(ids), None, None))
             else:
-                ctx = torch.tensor([table.slot(p) for p in range(chunk.end)], dtype=torch.long, device=dev)
+                gather = torch.tensor(used_blocks, dtype=torch.long, device=dev)
                 q_pos = torch.arange(chunk.start, chunk.end, device=dev).unsqueeze(1)
-                mask = torch.arange(chunk.end, device=dev).unsqueeze(0) <= q_pos
-                prefills.append(PrefillSpan(start_tok, len(ids), ctx, mask))
+                mask = torch.arange(len(used_blocks) * bs, device=dev).unsqueeze(0) <= q_pos
+                prefills.append(PrefillSpan(start_tok, len(ids), gather, mask))
         decode_gather = decode_mask = None
-        if decode_ctx:
-            longest = max(len(c) for c in decode_ctx)
-            gather = torch.zeros(len(decode_ctx), longest, dtype=torch.long)
-            lengths = torch.tensor([len(c) for c in decode_ctx])
-            for i, c in enumerate(decode_ctx):
-                gather[i, : len(c)] = torch.tensor(c)
-            decode_gather = gather.to(dev)
-            decode_mask = (torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1)).view(len(decode_ctx), 1, 1, longest).to(dev)
+        if decode_tables:
+            widest = max(len(t) for t in decode_tables)
+            decode_gather = torch.tensor([t + [0] * (widest - len(t)) for t in decode_tables], dtype=torch.long).to(dev)
+            lengths = torch.tensor(decode_lens)
+            decode_mask = (torch.arange(widest * bs).unsqueeze(0) < lengths.unsqueeze(1)).view(len(decode_lens), 1, 1, -1).to(dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            num_decodes=len(decode_ctx),
+            num_decodes=len(decode_tables),
             decode_gather=decode_gather,
             decode_mask=decode_mask,
             prefills=prefills,

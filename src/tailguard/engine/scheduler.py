@@ -160,12 +160,20 @@ class Scheduler:
             budget -= n
 
         # 2. Admit waiting requests while budget, sequence slots and KV blocks (above the watermark) allow.
-        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+        # No admission in a step where running sequences already ran short of blocks. A preemption made below, for a
+        # more important request, does not stop the loop: that request is retried (and admitted) in this same step.
+        running_short = bool(out.preempted)
+        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not running_short:
             seq = self._waiting[0][3]
+            if any(seq is p for p in out.preempted):
+                break  # just pushed out to make room; it does not come straight back
             n = min(seq.num_pending_tokens, budget, self.config.max_prefill_chunk)
             table = self.tables[seq.request_id]
             need = table.blocks_needed(seq.num_computed_tokens + n)
-            if not self.pool.can_allocate(need + self._watermark_blocks):
+            # The watermark keeps room for running sequences to grow; with none running, a request that check_fits
+            # accepted (it fits the whole pool) must be admissible, or it would wait forever.
+            watermark = self._watermark_blocks if self.running else 0
+            if not self.pool.can_allocate(need + watermark):
                 # A more important request may take the place of a less important running one.
                 victim = victim_for(seq, self.running)
                 if victim is None or victim.priority <= seq.priority:
