@@ -141,7 +141,7 @@ def run_demo(args) -> int:
     from tailguard.cli import engine_args_from
     from tailguard.engine.engine import AsyncLLMEngine
 
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with console.status(f"loading {args.model} ..."):
@@ -154,8 +154,9 @@ def run_demo(args) -> int:
     finally:
         engine.shutdown()
     table = Table(title=f"{len(records)} concurrent chat requests (times in ms)")
-    for col in ("id", "in", "out", "queue", "prefill", "decode", "TTFT", "E2E", "TPOT", "output"):
-        table.add_column(col, justify="left" if col in ("id", "output") else "right")
+    for col in ("id", "in", "out", "queue", "prefill", "decode", "TTFT", "E2E", "TPOT"):
+        table.add_column(col, justify="left" if col == "id" else "right", no_wrap=True)
+    table.add_column("output", no_wrap=True, overflow="ellipsis", max_width=36)
     for r in records:
         table.add_row(r.request_id, str(r.prompt_tokens), str(r.output_tokens), f"{r.queue_s * 1000:.0f}",
                       f"{r.prefill_s * 1000:.0f}", f"{r.decode_s * 1000:.0f}", f"{r.ttft_s * 1000:.0f}",

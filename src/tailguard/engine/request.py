@@ -17,7 +17,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, end-of-turn token or a stop string
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled by the caller (client disconnect, timeout)
