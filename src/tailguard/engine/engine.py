@@ -211,7 +211,11 @@ class LLMEngine:
         text = tracked.detok.text
         cut = len(text)
         if sp.stop and n_out >= sp.min_tokens:
-            hit = min(((text.find(s, max(0, tracked.emitted - len(s))), s) for s in sp.stop if s in text), default=None)
+            # Search only text not yet emitted (plus the overlap a stop string may straddle): a stop string seen
+            # before min_tokens was reached is part of the output and must not end the request later.
+            hit = min(
+                ((i, s) for s in sp.stop if (i := text.find(s, max(0, tracked.emitted - len(s) + 1))) >= 0), default=None
+            )
             if hit is not None:
                 cut = hit[0]
                 seq.stop_string_hit = hit[1]

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from tailguard.engine.engine import EngineStats, TokenEvent
+from tailguard.engine.engine import EngineStats, TokenEvent, _stop_prefix_overlap
 from tailguard.engine.request import FinishReason, RequestError, SamplingParams
 
 
@@ -108,7 +108,7 @@ class FakeEngine:
             await asyncio.sleep(self._wait(self.timing.ttft + self.timing.prefill_per_token * len(prompt_token_ids)))
             first = None
             out: list[int] = []
-            emitted = ""
+            emitted = 0  # characters of the decoded output already sent
             for i in range(sampling.max_tokens):
                 if i:
                     await asyncio.sleep(self._wait(self.timing.itl))
@@ -117,12 +117,20 @@ class FakeEngine:
                 now = time.perf_counter()
                 first = first or now
                 full = self.tokenizer.decode(out)
-                delta, emitted = full[len(emitted) :], full
+                # Text rules of the real engine: the stop string is cut from the text, a tail that could still grow
+                # into one is held back, and so is half a UTF-8 character.
                 reason = None
-                if sampling.stop and any(s in full for s in sampling.stop):
-                    reason = FinishReason.STOP
+                cut = len(full)
+                hits = [full.find(s) for s in sampling.stop if s in full]
+                if hits:
+                    reason, cut = FinishReason.STOP, min(hits)
                 elif len(out) >= sampling.max_tokens:
                     reason = FinishReason.LENGTH
+                else:
+                    cut = len(full.rstrip("\ufffd"))
+                    cut -= _stop_prefix_overlap(full[:cut], sampling.stop) if sampling.stop else 0
+                delta = full[emitted:max(cut, emitted)]
+                emitted = max(cut, emitted)
                 if reason is None:
                     yield TokenEvent(request_id, tok, delta, now)
                     continue

@@ -1,0 +1,124 @@
+"""Shared fixtures: models load once per session; engine fixtures check that every test leaves the engine clean."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Nothing in the tests may reach the network (transformers only reads the local GGUF files).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tailguard.engine.model_store import ModelNotFoundError, resolve_model_path  # noqa: E402
+
+# Small budgets so that chunked prefill and decodes share steps even with short prompts.
+TINY_BATCHED_TOKENS = 64
+TINY_PREFILL_CHUNK = 48
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    try:
+        return Path(resolve_model_path("smollm2"))
+    except ModelNotFoundError as exc:
+        pytest.skip(f"SmolLM2 GGUF not available: {exc}")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_path):
+    from tailguard.engine.tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm2_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(smollm2_path, tmp_path_factory) -> Path:
+    """A 2-layer random Llama with an untied output head, so that its greedy output depends on the whole context.
+
+    (The engine's built-in "tiny" model ties the head to the embeddings and just repeats the last prompt token,
+    which would let KV-cache and batching bugs pass unnoticed.)
+    """
+    from tailguard.engine.loader import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("models") / "tiny-untied.gguf"
+    return write_tiny_gguf(path, smollm2_path, tie_embeddings=False, seed=0)
+
+
+def _make_engine(path: Path, **overrides):
+    from tailguard.engine.engine import EngineArgs, LLMEngine
+
+    args = dict(
+        model=str(path),
+        kv_cache_tokens=16384,
+        max_num_seqs=32,
+        max_num_batched_tokens=TINY_BATCHED_TOKENS,
+        max_prefill_chunk=TINY_PREFILL_CHUNK,
+        max_model_len=512,
+        # One thread: the tiny model's matmuls are too small to share, and the test machine has few, busy cores.
+        num_threads=1,
+    )
+    args.update(overrides)
+    return LLMEngine(EngineArgs(**args))
+
+
+def _assert_clean(engine) -> None:
+    assert not engine.has_unfinished(), "a test left requests in the engine"
+    assert engine.pool.num_used == 0, f"KV blocks leaked: {engine.pool.num_used} used by {engine.pool.owners()}"
+    assert engine.pool.owners() == set()
+    assert engine.scheduler.tables == {}
+    assert engine._tracked == {}
+
+
+@pytest.fixture(scope="session")
+def _tiny_engine_session(tiny_gguf):
+    return _make_engine(tiny_gguf)
+
+
+@pytest.fixture
+def tiny_engine(_tiny_engine_session):
+    """The shared tiny engine (plenty of KV); the test must leave it with no requests and no blocks in use."""
+    _assert_clean(_tiny_engine_session)
+    yield _tiny_engine_session
+    _assert_clean(_tiny_engine_session)
+
+
+@pytest.fixture(scope="session")
+def _small_kv_engine_session(tiny_gguf):
+    # 24 blocks of 16 tokens: a handful of concurrent requests already overflow it, so preemption really happens.
+    return _make_engine(tiny_gguf, kv_cache_tokens=384, max_num_seqs=16)
+
+
+@pytest.fixture
+def small_kv_engine(_small_kv_engine_session):
+    _assert_clean(_small_kv_engine_session)
+    yield _small_kv_engine_session
+    _assert_clean(_small_kv_engine_session)
+
+
+@pytest.fixture(scope="session")
+def real_engine(smollm2_path):
+    from tailguard.engine.engine import EngineArgs, LLMEngine
+
+    return LLMEngine(
+        EngineArgs(
+            model="smollm2",
+            kv_cache_tokens=4096,
+            max_num_batched_tokens=256,
+            max_prefill_chunk=128,
+            num_threads=1,
+        )
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    # Real-model tests are the slowest; run them last so that a quick failure elsewhere shows first.
+    items.sort(key=lambda item: 1 if item.get_closest_marker("real_model") else 0)
