@@ -53,6 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.add_argument("--output-dir", default="runs/demo")
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible server with per-request timelines, metrics and a store")
+    _add_engine_args(serve)
+    serve.set_defaults(model=None)  # so that a --config file's model is not overridden by the flag's default
+    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1: loopback only)")
+    serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    serve.add_argument("--config", default=None, help="YAML file of server settings (flags override it)")
+    serve.add_argument("--store", dest="store_path", default=None, help="SQLite request store path")
+    serve.add_argument("--store-text", action="store_true", default=None,
+                       help="also store prompts and outputs, redacted (e-mails, phones, IDs, IPs, cards)")
+    serve.add_argument("--retention-days", type=float, default=None, help="request store retention (default 15)")
+    serve.add_argument("--max-queue", type=int, default=None, help="bound of the waiting queue; beyond it: 429")
+    serve.add_argument("--served-model-name", action="append", dest="served_model_names", default=None,
+                       help="extra model name clients may use (repeatable)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or TAILGUARD_API_KEY)")
+    serve.add_argument("--no-access-log", dest="access_log", action="store_false", default=None)
+    serve.add_argument("--log-level", default=None)
+
     gen = sub.add_parser("generate", help="generate from one prompt on the embedded engine")
     _add_engine_args(gen)
     gen.add_argument("prompt")
@@ -75,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         from tailguard.demo import run_demo
 
         return run_demo(args)
+    if args.command == "serve":
+        return _serve(args, argv if argv is not None else sys.argv[1:])
     if args.command == "generate":
         from tailguard.engine.engine import LLMEngine
         from tailguard.engine.request import SamplingParams
@@ -85,6 +104,39 @@ def main(argv: list[str] | None = None) -> int:
         print(engine.tokenizer.decode(out))
         return 0
     return 2
+
+
+def _serve(args: argparse.Namespace, argv: list[str]) -> int:
+    from tailguard.serving.config import ServerConfig
+    from tailguard.serving.server import serve
+
+    def given(flag: str) -> bool:
+        return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+    overrides = {k: getattr(args, k) for k in ("host", "port", "store_path", "store_text", "retention_days",
+                                                "max_queue", "served_model_names", "api_key", "access_log",
+                                                "log_level", "model") if getattr(args, k) is not None}
+    # Engine flags set on the command line override the config file's ``engine:`` section; their defaults do not.
+    engine_flags = {"--weight-format": "weight_format", "--device": "device", "--kv-cache-tokens": "kv_cache_tokens",
+                    "--block-size": "block_size", "--max-num-seqs": "max_num_seqs",
+                    "--max-num-batched-tokens": "max_num_batched_tokens", "--max-prefill-chunk": "max_prefill_chunk",
+                    "--threads": "num_threads"}
+    engine = {field: getattr(args, "threads" if field == "num_threads" else field)
+              for flag, field in engine_flags.items() if given(flag)}
+    if engine:
+        overrides["engine"] = engine
+    try:
+        config = ServerConfig.load(args.config, **overrides)
+    except (OSError, ValueError) as exc:
+        print(f"tailguard serve: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    if config.model == "fake":
+        return serve(config)
+    if args.model is None:
+        args.model = config.model
+    engine_args = engine_args_from(args)
+    # Defaults of the engine flags apply unless the config file's ``engine:`` section says otherwise.
+    return serve(config, engine_args)
 
 
 if __name__ == "__main__":

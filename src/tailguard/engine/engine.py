@@ -84,12 +84,15 @@ class _Tracked:
 
 
 def tiny_model_path(source: Path) -> Path:
-    """The tiny random-weight model, written once into the cache next to the real one (it borrows its tokenizer)."""
-    path = cache_dir() / "tailguard-tiny-random.gguf"
+    """The tiny random-weight model, written once into the cache next to the real one (it borrows its tokenizer).
+
+    Untied output head: with tied embeddings a random model just repeats the last prompt token, which hides bugs.
+    """
+    path = cache_dir() / "tailguard-tiny-random-untied.gguf"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
-        write_tiny_gguf(partial, source)
+        write_tiny_gguf(partial, source, tie_embeddings=False)
         partial.replace(path)
     return path
 

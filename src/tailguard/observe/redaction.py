@@ -5,17 +5,15 @@ Presidio's pattern recognizers need no NLP model, so this works offline. We use 
 ID numbers (ISO 7064 MOD 11-2 checksum) and let Presidio's anonymizer resolve overlaps and replace the spans.
 
 Two adjustments, both for offline, CJK-mixed text:
-- Regexes run with ``re.ASCII``: Python treats Han characters as word characters, so ``\\b`` never fires between
+- Regexes run with the ASCII flag (of the ``regex`` module Presidio matches with): Python treats Han characters as word characters, so ``\\b`` never fires between
   "卡号" and "4111..." and a card number glued to Chinese text would slip through.
 - The e-mail recognizer's domain check uses tldextract's bundled suffix list, never a download.
 """
 
 from __future__ import annotations
 
-import re
 from functools import cached_property
 
-_FLAGS = re.DOTALL | re.MULTILINE | re.IGNORECASE | re.ASCII
 _ID_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 _ID_CHECK = "10X98765432"
 
@@ -43,10 +41,11 @@ class Redactor:
 
     def __init__(self, phone_regions: tuple[str, ...] = DEFAULT_PHONE_REGIONS) -> None:
         self.phone_regions = phone_regions
-        self._recognizers  # import and build now, not on the first request
+        _ = self._recognizers  # import and build now, not on the first request
 
     @cached_property
     def _recognizers(self) -> list:
+        import regex
         import tldextract
         from presidio_analyzer import Pattern, PatternRecognizer
         from presidio_analyzer.predefined_recognizers import (
@@ -76,6 +75,8 @@ class Redactor:
             def validate_result(self, pattern_text: str) -> bool:
                 return cn_id_checksum_ok(pattern_text)
 
+        # Presidio matches with the third-party ``regex`` module, whose flag values differ from ``re``'s.
+        self._flags = regex.DOTALL | regex.MULTILINE | regex.IGNORECASE | regex.ASCII
         return [
             OfflineEmailRecognizer(),
             PhoneRecognizer(supported_regions=self.phone_regions),
@@ -95,7 +96,7 @@ class Redactor:
         results = []
         for rec in self._recognizers:
             if hasattr(rec, "patterns"):
-                found = rec.analyze(text, rec.supported_entities, None, regex_flags=_FLAGS)
+                found = rec.analyze(text, rec.supported_entities, None, regex_flags=self._flags)
             else:
                 found = rec.analyze(text, rec.supported_entities, None)
             results.extend(r for r in found or [] if r.score > 0)
