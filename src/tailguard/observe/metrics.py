@@ -1,0 +1,163 @@
+"""Prometheus metrics in vLLM's naming style (``tailguard_`` for ``vllm:``), fed once per finished request.
+
+Histogram buckets have edges at every SLO threshold of the seed (0.2, 0.3, 0.35, 0.45, 1.2, 1.5, 1.8, 2, 2.5, 3 s)
+and at the output-pacing targets (80, 100, 120, 150 ms): Prometheus interpolates linearly inside a bucket, so a
+threshold that falls inside a wide default bucket makes "share of requests under 2 s" and P99 quietly wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from tailguard.observe.timeline import Outcome, Timeline
+
+SLO_THRESHOLDS = (0.2, 0.3, 0.35, 0.45, 1.2, 1.5, 1.8, 2.0, 2.5, 3.0)
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4,
+    0.45, 0.5, 0.6, 0.75, 1.0, 1.2, 1.5, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LABEL_RE = re.compile(r"[^A-Za-z0-9_.\-]")
+
+
+def clean_label(value: str | None, default: str = "default", max_len: int = 32) -> str:
+    """A label value safe for Prometheus and for cardinality: short, plain characters."""
+    if not value:
+        return default
+    return _LABEL_RE.sub("_", value.strip())[:max_len] or default
+
+
+class ServerMetrics:
+    """All series of one server. A private registry per instance, so tests can run several apps in one process."""
+
+    def __init__(self, model: str, business_types: Iterable[str] | None = None, max_business_types: int = 32) -> None:
+        self.model = model
+        self.registry = CollectorRegistry(auto_describe=True)
+        # Business type comes from a client header: cap the label set so a client cannot explode cardinality.
+        self._allowed = {clean_label(b) for b in business_types} if business_types else None
+        self._seen: set[str] = set()
+        self._max_business_types = max_business_types
+        r = self.registry
+        req = ["model", "business_type"]
+
+        def hist(name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, req, buckets=buckets, registry=r)
+
+        self.ttft = hist("tailguard_time_to_first_token_seconds",
+                         "Time to first token: arrival at the server to the first content token leaving it.")
+        self.itl = hist("tailguard_inter_token_latency_seconds",
+                        "Inter-token latency: each gap between consecutive tokens leaving the server.")
+        self.tpot = hist("tailguard_request_time_per_output_token_seconds",
+                         "Time per output token per request: (E2E - TTFT) / (output tokens - 1).")
+        self.e2e = hist("tailguard_e2e_request_latency_seconds",
+                        "End-to-end latency: arrival at the server to the last byte of the response.")
+        self.tokenize = hist("tailguard_request_tokenize_time_seconds",
+                             "Tokenize stage: arrival to prompt tokens ready (parse, validate, chat template, encode).")
+        self.queue = hist("tailguard_request_queue_time_seconds",
+                          "Queue stage: prompt tokens ready to first scheduled by the engine.")
+        self.prefill = hist("tailguard_request_prefill_time_seconds",
+                            "Prefill stage: first scheduled to first token produced.")
+        self.decode = hist("tailguard_request_decode_time_seconds",
+                           "Decode stage: first token produced to last token produced.")
+        self.stream = hist("tailguard_request_stream_time_seconds",
+                           "Stream stage: last token produced to the last byte of the response leaving the server.")
+        self.prompt_len = hist("tailguard_request_prompt_tokens", "Prompt length of each request in tokens.",
+                               TOKEN_BUCKETS)
+        self.output_len = hist("tailguard_request_generation_tokens", "Output length of each request in tokens.",
+                               TOKEN_BUCKETS)
+        self.requests = Counter("tailguard_requests", "Finished requests by outcome and HTTP status.",
+                                [*req, "outcome", "status"], registry=r)
+        self.success = Counter("tailguard_request_success", "Completed requests by finish reason.",
+                               [*req, "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("tailguard_prompt_tokens", "Prompt tokens of admitted requests.", req, registry=r)
+        self.generation_tokens = Counter("tailguard_generation_tokens", "Output tokens produced.", req, registry=r)
+        m = ["model"]
+        self.running = Gauge("tailguard_num_requests_running", "Requests in the engine's running batch.", m,
+                             registry=r)
+        self.waiting = Gauge("tailguard_num_requests_waiting", "Requests waiting in the engine's queue.", m,
+                             registry=r)
+        self.admission = Gauge("tailguard_server_queue_requests",
+                               "Requests admitted by the server and still waiting for their first token.", m,
+                               registry=r)
+        self.admission_limit = Gauge("tailguard_server_queue_capacity",
+                                     "Bound of the server's waiting queue (beyond it: 429).", m, registry=r)
+        self.in_flight = Gauge("tailguard_server_requests_in_flight", "Requests being handled by the server.", m,
+                               registry=r)
+        self.kv_used = Gauge("tailguard_kv_cache_blocks_used", "KV-cache blocks in use.", m, registry=r)
+        self.kv_free = Gauge("tailguard_kv_cache_blocks_free", "KV-cache blocks free.", m, registry=r)
+        self.kv_usage = Gauge("tailguard_kv_cache_usage_ratio", "Share of KV-cache blocks in use (0-1).", m,
+                              registry=r)
+        self.preemptions = Counter("tailguard_num_preemptions", "Requests preempted by the engine.", m, registry=r)
+        self.store_errors = Counter("tailguard_store_errors", "Request records the store failed to write.", m,
+                                    registry=r)
+        self.store_dropped = Counter("tailguard_store_dropped", "Request records dropped: the store's backlog was full.",
+                                     m, registry=r)
+        self._last_preemptions = 0
+        self.admission_limit.labels(model).set(0)
+
+    def business_type(self, raw: str | None) -> str:
+        bt = clean_label(raw)
+        if self._allowed is not None:
+            return bt if bt in self._allowed or bt == "default" else "other"
+        if bt not in self._seen:
+            if len(self._seen) >= self._max_business_types:
+                return "other"
+            self._seen.add(bt)
+        return bt
+
+    def observe(self, tl: Timeline) -> None:
+        """Feed one finished request (called once, by the server, when the record is closed)."""
+        s = tl.summary()
+        labels = (self.model, tl.business_type)
+        outcome = tl.outcome.value if tl.outcome else "unknown"
+        self.requests.labels(*labels, outcome, str(tl.status)).inc()
+        if tl.outcome is Outcome.SUCCESS:
+            self.success.labels(*labels, tl.finish_reason or "unknown").inc()
+        if tl.outcome in (Outcome.INVALID, Outcome.REJECTED):
+            return  # never reached the engine: their latencies would dilute the served distribution
+        # Stage times, TTFT and token gaps are real for every request that reached the engine, aborted ones included
+        # (a client that gave up in the queue did wait there); E2E and TPOT describe complete answers only.
+        for name, hist in (("tokenize", self.tokenize), ("queue", self.queue), ("prefill", self.prefill),
+                           ("decode", self.decode), ("stream", self.stream)):
+            hist.labels(*labels).observe(s.stages[name])
+        if s.ttft is not None:
+            self.ttft.labels(*labels).observe(s.ttft)
+        if s.itl:
+            child = self.itl.labels(*labels)
+            for gap in s.itl:
+                child.observe(gap)
+        if tl.outcome is Outcome.SUCCESS:
+            self.e2e.labels(*labels).observe(s.e2e)
+            if s.tpot is not None:
+                self.tpot.labels(*labels).observe(s.tpot)
+        if tl.num_prompt_tokens:
+            self.prompt_tokens.labels(*labels).inc(tl.num_prompt_tokens)
+            self.prompt_len.labels(*labels).observe(tl.num_prompt_tokens)
+        if tl.num_output_tokens:
+            self.generation_tokens.labels(*labels).inc(tl.num_output_tokens)
+        self.output_len.labels(*labels).observe(tl.num_output_tokens)
+
+    def sample(self, running: int, waiting: int, kv_total: int, kv_used: int, preemptions: int,
+               admission_queue: int, in_flight: int, admission_limit: int) -> None:
+        """Set the gauges from one snapshot of engine and server state (called every <= 500 ms)."""
+        m = self.model
+        self.running.labels(m).set(running)
+        self.waiting.labels(m).set(waiting)
+        self.kv_used.labels(m).set(kv_used)
+        self.kv_free.labels(m).set(max(0, kv_total - kv_used))
+        self.kv_usage.labels(m).set(kv_used / kv_total if kv_total else 0.0)
+        self.admission.labels(m).set(admission_queue)
+        self.admission_limit.labels(m).set(admission_limit)
+        self.in_flight.labels(m).set(in_flight)
+        if preemptions > self._last_preemptions:
+            self.preemptions.labels(m).inc(preemptions - self._last_preemptions)
+        self._last_preemptions = max(self._last_preemptions, preemptions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,197 @@
+"""One request's timeline: monotonic timestamps taken where things happen, and every latency derived from them.
+
+Boundaries, in order: received -> tokenized -> scheduled -> first token -> last token -> last byte. The five stages
+(tokenize, queue, prefill, decode, stream) are the gaps between consecutive boundaries, so they add up to E2E
+exactly. A boundary that never happened (a rejected or aborted request) takes the value of the next one that did:
+its interval is charged to the stage the request was in when it ended. docs/metrics.md has the definitions.
+
+All times are ``time.perf_counter()`` of this process (the engine's timestamps come from the same clock); the wall
+clock is read once, at arrival, only to date the record.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+STAGES = ("tokenize", "queue", "prefill", "decode", "stream")
+
+
+class Outcome(enum.StrEnum):
+    SUCCESS = "success"  # a complete answer (finish reason stop or length)
+    INVALID = "invalid"  # the client's request was wrong (4xx other than 429)
+    REJECTED = "rejected"  # admission said no: queue full (429) or not ready (503)
+    ABORTED = "aborted"  # the client went away before the answer was complete
+    ERROR = "error"  # our fault (5xx)
+
+
+@dataclass
+class Summary:
+    """Latencies derived once from a finished timeline (seconds)."""
+
+    e2e: float
+    stages: dict[str, float]
+    ttft: float | None
+    tpot: float | None
+    itl: list[float]
+
+
+@dataclass
+class Timeline:
+    request_id: str
+    endpoint: str
+    received: float = field(default_factory=time.perf_counter)
+    received_unix: float = field(default_factory=time.time)
+    model: str = ""
+    user: str | None = None
+    business_type: str = "default"
+    stream: bool = False
+    # Boundaries (perf_counter seconds); None until they happen.
+    tokenized: float | None = None
+    queued: float | None = None  # handed to the engine (inside the queue stage)
+    scheduled: float | None = None  # engine: first scheduled
+    first_token: float | None = None  # engine: first token produced
+    last_token: float | None = None  # engine: last token produced
+    last_byte: float | None = None  # server: last byte of the response handed to the transport
+    token_times: list[float] = field(default_factory=list)  # engine production time of each token
+    token_sent: list[float] = field(default_factory=list)  # time each token left the server (streaming)
+    status: int = 200
+    outcome: Outcome | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    sampling: dict[str, Any] | None = None
+    resources: dict[str, Any] | None = None
+    # Text audit (T1/T3); filled only when text storage is on, redacted by the store before it is written.
+    prompt_text: str | None = None
+    output_text: str | None = None
+    prompt_token_ids: list[int] | None = None
+    logprobs: list[dict] | None = None
+    _summary: Summary | None = field(default=None, repr=False)
+    _finalized: bool = field(default=False, repr=False)
+
+    # --- recording ------------------------------------------------------------------------------------------------
+    def add_tokens_sent(self, count: int, at: float) -> None:
+        """``count`` tokens left the server in one chunk at ``at`` (k tokens in a chunk give k-1 zero gaps)."""
+        self.token_sent.extend([at] * count)
+
+    def finalize(self, status: int, outcome: Outcome, at: float | None = None) -> bool:
+        """Close the timeline once; returns False if it was already closed (so a record is emitted exactly once)."""
+        if self._finalized:
+            return False
+        self._finalized = True
+        self.status = status
+        self.outcome = outcome
+        self.last_byte = at if at is not None else time.perf_counter()
+        self.num_output_tokens = max(self.num_output_tokens, len(self.token_times))
+        self._summary = None
+        return True
+
+    @property
+    def finalized(self) -> bool:
+        return self._finalized
+
+    # --- derived --------------------------------------------------------------------------------------------------
+    def boundaries(self) -> list[float]:
+        """received, tokenized, scheduled, first token, last token, last byte: monotone, missing ones filled."""
+        end = self.last_byte if self.last_byte is not None else time.perf_counter()
+        raw = [self.tokenized, self.scheduled, self.first_token, self.last_token]
+        out = [self.received]
+        for i, t in enumerate(raw):
+            if t is None:
+                # Charge the missing interval to the current stage: take the next boundary that happened.
+                t = next((u for u in raw[i + 1 :] if u is not None), end)
+            out.append(min(max(t, out[-1]), end))
+        out.append(max(end, out[-1]))
+        return out
+
+    def summary(self) -> Summary:
+        if self._summary is not None and self._finalized:
+            return self._summary
+        b = self.boundaries()
+        stages = {name: b[i + 1] - b[i] for i, name in enumerate(STAGES)}
+        e2e = b[-1] - b[0]
+        # Tokens "leave" when streamed; a non-streamed answer has no per-token departure, so, as vLLM does, its
+        # TTFT and ITL are taken where the server receives each token from the engine.
+        times = self.token_sent if self.stream and self.token_sent else self.token_times
+        ttft = times[0] - self.received if times else None
+        itl = [b2 - a for a, b2 in zip(times, times[1:])]
+        n = self.num_output_tokens
+        tpot = (e2e - ttft) / (n - 1) if ttft is not None and n > 1 else None
+        s = Summary(e2e=e2e, stages=stages, ttft=ttft, tpot=tpot, itl=itl)
+        if self._finalized:
+            self._summary = s
+        return s
+
+    def server_timing(self) -> str:
+        """W3C Server-Timing header value (milliseconds)."""
+        s = self.summary()
+        parts = [f"{name};dur={s.stages[name] * 1e3:.3f}" for name in STAGES]
+        if s.ttft is not None:
+            parts.append(f"ttft;dur={s.ttft * 1e3:.3f}")
+        parts.append(f"total;dur={s.e2e * 1e3:.3f}")
+        return ", ".join(parts)
+
+    def stage_object(self) -> dict[str, Any]:
+        """The ``tailguard`` object of the final SSE chunk: stage times so far, in seconds."""
+        s = self.summary()
+        return {
+            "request_id": self.request_id,
+            "stages": {k: round(v, 6) for k, v in s.stages.items()},
+            "e2e": round(s.e2e, 6),
+            "ttft": None if s.ttft is None else round(s.ttft, 6),
+            "tpot": None if s.tpot is None else round(s.tpot, 6),
+            "queue_wait": round(s.stages["queue"], 6),
+            "prompt_tokens": self.num_prompt_tokens,
+            "output_tokens": self.num_output_tokens,
+        }
+
+    def to_record(self) -> dict[str, Any]:
+        """The full record: what the store keeps and ``GET /v1/requests/{id}`` returns (times in seconds)."""
+        s = self.summary()
+        r0 = self.received
+
+        def rel(t: float | None) -> float | None:
+            return None if t is None else round(t - r0, 6)
+
+        return {
+            "request_id": self.request_id,
+            "received_at": self.received_unix,
+            "endpoint": self.endpoint,
+            "model": self.model,
+            "user": self.user,
+            "business_type": self.business_type,
+            "stream": self.stream,
+            "status": self.status,
+            "outcome": self.outcome.value if self.outcome else None,
+            "finish_reason": self.finish_reason,
+            "error": self.error,
+            "prompt_tokens": self.num_prompt_tokens,
+            "output_tokens": self.num_output_tokens,
+            "preemptions": self.num_preemptions,
+            "e2e": s.e2e,
+            "ttft": s.ttft,
+            "tpot": s.tpot,
+            "stages": dict(s.stages),
+            "timestamps": {
+                # perf_counter (CLOCK_MONOTONIC on Linux, shared by every process of the machine) at arrival: lets a
+                # client on the same host join its own timestamps with this record.
+                "received_monotonic": r0,
+                "received": 0.0,
+                "tokenized": rel(self.tokenized),
+                "queued": rel(self.queued),
+                "scheduled": rel(self.scheduled),
+                "first_token": rel(self.first_token),
+                "last_token": rel(self.last_token),
+                "first_sent": rel(self.token_sent[0]) if self.token_sent else None,
+                "last_byte": rel(self.last_byte),
+            },
+            "token_times": [round(t - r0, 6) for t in self.token_times],
+            "token_sent": [round(t - r0, 6) for t in self.token_sent],
+            "sampling": self.sampling,
+            "resources": self.resources,
+        }

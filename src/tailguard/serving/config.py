@@ -1,0 +1,84 @@
+"""The server's settings: defaults < YAML file (``--config``) < command-line flags, validated in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+
+def default_store_path() -> str:
+    root = os.environ.get("TAILGUARD_HOME")
+    base = Path(root) if root else Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "tailguard"
+    return str(base / "requests.sqlite3")
+
+
+class FakeEngineConfig(BaseModel):
+    """Scripted timings for ``--model fake`` (no model: tests, demos, overhead benchmarks)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ttft: float = Field(0.02, ge=0)
+    itl: float = Field(0.005, ge=0)
+    jitter: float = Field(0.0, ge=0, le=1)
+    prefill_per_token: float = Field(0.0, ge=0)
+    max_num_seqs: int = Field(256, ge=1)
+    max_model_len: int = Field(8192, ge=2)
+    output_text: str = "The quick brown fox jumps over the lazy dog. "
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = "smollm2"
+    served_model_names: list[str] = Field(default_factory=list, description="extra names clients may use")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_queue: int = Field(512, ge=1, description="requests admitted but without a first token; beyond: 429")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    default_max_tokens: int | None = Field(None, ge=1, description="chat default; None = the rest of the context")
+    store_path: str = Field(default_factory=default_store_path)
+    store_text: bool = False
+    retention_days: float = Field(15.0, gt=0)
+    sample_interval: float = Field(0.25, gt=0, le=0.5, description="gauge sampling period (<= 500 ms)")
+    business_types: list[str] | None = None
+    api_key: SecretStr | None = None
+    access_log: bool = True
+    log_level: str = "info"
+    tokenize_in_thread_chars: int = Field(4096, ge=0, description="longer prompts are tokenized off the event loop")
+    graceful_shutdown_s: float = Field(30.0, ge=0)
+    engine: dict[str, Any] = Field(default_factory=dict, description="EngineArgs overrides (kv_cache_tokens, ...)")
+    fake: FakeEngineConfig = Field(default_factory=FakeEngineConfig)
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        v = v.lower()
+        if v not in {"critical", "error", "warning", "info", "debug", "trace"}:
+            raise ValueError("log_level must be one of critical, error, warning, info, debug, trace")
+        return v
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, **overrides: Any) -> ServerConfig:
+        data: dict[str, Any] = {}
+        if path:
+            text = Path(path).read_text(encoding="utf-8")
+            loaded = yaml.safe_load(text) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: the config file must be a mapping of settings")
+            data.update(loaded)
+        for key, value in overrides.items():
+            if key == "engine" and isinstance(value, dict):
+                data["engine"] = {**data.get("engine", {}), **value}
+            else:
+                data[key] = value
+        if "api_key" not in data and os.environ.get("TAILGUARD_API_KEY"):
+            data["api_key"] = os.environ["TAILGUARD_API_KEY"]
+        return cls.model_validate(data)
+
+    def model_names(self, engine_name: str) -> list[str]:
+        names = [engine_name, *self.served_model_names]
+        if self.model not in names and not self.model.endswith(".gguf"):
+            names.append(self.model)
+        return list(dict.fromkeys(names))

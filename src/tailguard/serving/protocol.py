@@ -1,0 +1,230 @@
+"""The OpenAI request schema we accept, validated strictly: wrong types and unsupported parameters are refused.
+
+A parameter we do not implement is never silently ignored: it is accepted only at its neutral value (``n=1``,
+``presence_penalty=0``, ...) and refused otherwise, with a message naming it. vLLM's common extensions ``top_k``,
+``min_tokens`` and ``ignore_eos`` are accepted (load generators send ``ignore_eos``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tailguard.serving.errors import APIError
+
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+# OpenAI parameters we do not implement, with the value(s) at which they change nothing.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "store": (False,),
+    "parallel_tool_calls": (False, True),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "metadata": ({},),
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str = Field(min_length=1, max_length=512)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool = False
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    stop: str | list[str] | None = None
+    user: str | None = Field(None, max_length=256)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=256)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+@dataclass
+class Parsed:
+    """What the handler needs from a validated request."""
+
+    model: str
+    stream: bool
+    include_usage: bool
+    user: str | None
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    min_tokens: int
+    ignore_eos: bool
+    seed: int | None
+    stop: list[str]
+    logprobs: int | None  # number of alternatives per token; None = no logprobs at all
+    messages: list[dict[str, str]] | None = None  # chat
+    prompt: str | None = None  # completions, text prompt
+    prompt_token_ids: list[int] | None = None  # completions, pre-tokenized prompt
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def sampling_record(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "seed": self.seed, "stop": self.stop, "logprobs": self.logprobs, "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+        }
+
+
+def decode_json(body: bytes) -> dict[str, Any]:
+    if not body:
+        raise APIError(400, "the request body is empty; expected a JSON object")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise APIError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return data
+
+
+def _check_unsupported(data: dict[str, Any], model_cls: type[BaseModel]) -> dict[str, Any]:
+    known = set(model_cls.model_fields)
+    clean: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in known:
+            if value is not None or key in ("model", "messages", "prompt"):
+                clean[key] = value
+            continue
+        if key not in _NEUTRAL:
+            raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key,
+                           code="unrecognized_argument")
+        if value is None or value in _NEUTRAL[key]:
+            continue
+        raise APIError(400, f"parameter '{key}' is not supported by this server (value {json.dumps(value)[:80]})",
+                       param=key, code="unsupported_parameter")
+    return clean
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    err = exc.errors(include_url=False)[0]
+    loc = [str(p) for p in err.get("loc", ())]
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "body"
+    return APIError(400, f"invalid value for '{where}': {err.get('msg', 'invalid')}", param=param,
+                    code="invalid_value")
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > 4:
+        raise APIError(400, "'stop' takes at most 4 sequences", param="stop")
+    if any(not s for s in stops):
+        raise APIError(400, "'stop' sequences must be non-empty strings", param="stop")
+    return stops
+
+
+def _common(req: _Common, logprobs: int | None) -> dict[str, Any]:
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    return dict(
+        model=req.model,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        user=req.user,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(0, req.top_k or 0),
+        min_tokens=req.min_tokens or 0,
+        ignore_eos=req.ignore_eos,
+        seed=req.seed,
+        stop=_stops(req.stop),
+        logprobs=logprobs,
+    )
+
+
+def parse_chat(data: dict[str, Any]) -> Parsed:
+    clean = _check_unsupported(data, ChatRequest)
+    try:
+        req = ChatRequest.model_validate(clean)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+    messages = []
+    for m in req.messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
+        # The chat template knows system/user/assistant; OpenAI's "developer" is the new name for "system".
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return Parsed(max_tokens=max_tokens, messages=messages, raw=data, **_common(req, logprobs))
+
+
+def parse_completion(data: dict[str, Any], vocab_size: int) -> Parsed:
+    clean = _check_unsupported(data, CompletionRequest)
+    try:
+        req = CompletionRequest.model_validate(clean)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    prompt, ids = req.prompt, None
+    if isinstance(prompt, list):
+        if not prompt:
+            raise APIError(400, "'prompt' is empty", param="prompt")
+        if isinstance(prompt[0], list | str):
+            if len(prompt) != 1:
+                raise APIError(400, "batched prompts are not supported: send one request per prompt", param="prompt",
+                               code="unsupported_parameter")
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            ids = list(prompt)
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
+            prompt = None
+    return Parsed(max_tokens=req.max_tokens or 16, prompt=prompt, prompt_token_ids=ids, raw=data,
+                  **_common(req, req.logprobs))

@@ -1,0 +1,103 @@
+"""What the server holds while it runs: the backend, metrics, store, admission queue, and recent records."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailguard.observe.metrics import ServerMetrics
+from tailguard.observe.store import RequestStore
+from tailguard.observe.timeline import Outcome, Timeline
+from tailguard.serving.admission import Admission
+from tailguard.serving.backend import Backend
+from tailguard.serving.config import ServerConfig
+from tailguard.serving.responses import TokenText
+
+log = logging.getLogger("tailguard.server")
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine: Backend | None = None
+    metrics: ServerMetrics | None = None
+    store: RequestStore | None = None
+    admission: Admission = field(init=False)
+    ready: bool = False
+    load_error: str | None = None
+    model_names: list[str] = field(default_factory=list)
+    snapshot: dict[str, Any] = field(default_factory=dict)
+    token_text: TokenText | None = None
+    recent: OrderedDict[str, Timeline] = field(default_factory=OrderedDict)
+    recent_capacity: int = 4096
+    active_ids: set[str] = field(default_factory=set)
+    started_unix: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.config.max_queue)
+        self._api_key = self.config.api_key.get_secret_value().encode() if self.config.api_key else None
+
+    @property
+    def model_label(self) -> str:
+        return self.engine.model_name if self.engine is not None else self.config.model
+
+    def attach(self, engine: Backend) -> None:
+        self.engine = engine
+        self.model_names = self.config.model_names(engine.model_name)
+        self.token_text = TokenText(engine.tokenizer)
+
+    def authorized(self, header: str | None) -> bool:
+        if self._api_key is None:
+            return True
+        if not header or not header.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(header[7:].strip().encode(), self._api_key)
+
+    def sample(self) -> None:
+        """One snapshot of engine and server state into the gauges (and every other tick into the store)."""
+        eng = self.engine
+        if eng is None:
+            return
+        s = eng.stats()
+        adm = self.admission
+        self.snapshot = {
+            "running": s.running, "waiting": s.waiting, "kv_blocks_used": s.kv_blocks_used,
+            "kv_blocks_total": s.kv_blocks_total, "server_queue": adm.depth, "in_flight": adm.in_flight,
+            "sampled_at": time.time(),
+        }
+        if self.metrics is not None:
+            self.metrics.sample(s.running, s.waiting, s.kv_blocks_total, s.kv_blocks_used, s.num_preemptions,
+                                adm.depth, adm.in_flight, adm.capacity)
+
+    def store_sample(self) -> None:
+        snap = self.snapshot
+        if self.store is not None and snap:
+            self.store.put_sample(snap["sampled_at"], snap["running"], snap["waiting"], snap["server_queue"],
+                                  snap["kv_blocks_used"], snap["kv_blocks_total"])
+
+    def resources(self) -> dict[str, Any]:
+        """The resource snapshot a request carries: the latest sample plus exact server counters now."""
+        snap = dict(self.snapshot)
+        snap["server_queue"] = self.admission.depth
+        snap["in_flight"] = self.admission.in_flight
+        return snap
+
+    def close_record(self, tl: Timeline) -> None:
+        """The single exit of every request: metrics, store and the recent-records cache, once."""
+        if not tl.finalized:
+            tl.finalize(500, Outcome.ERROR)
+        try:
+            if self.metrics is not None:
+                self.metrics.observe(tl)
+        except Exception:  # noqa: BLE001 - metrics must never fail a request
+            log.exception("metrics: could not observe request %s", tl.request_id)
+        if self.store is not None:
+            self.store.put(tl)
+        self.recent[tl.request_id] = tl
+        self.recent.move_to_end(tl.request_id)
+        while len(self.recent) > self.recent_capacity:
+            self.recent.popitem(last=False)

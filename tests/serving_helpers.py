@@ -1,0 +1,53 @@
+"""Shared helpers for the server tests: servers on 127.0.0.1 with an ephemeral port, and a shared tiny engine."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tailguard.engine.fake import FakeEngine, FakeTiming
+from tailguard.serving.config import ServerConfig
+from tailguard.serving.server import ThreadedServer
+
+
+def make_config(tmp: Path, **kw: Any) -> ServerConfig:
+    kw.setdefault("model", "fake")
+    kw.setdefault("store_path", str(tmp / "requests.sqlite3"))
+    return ServerConfig(host="127.0.0.1", port=0, access_log=False, log_level="warning", **kw)
+
+
+@contextlib.contextmanager
+def fake_server(tmp: Path, timing: FakeTiming | None = None, engine: Any | None = None, redactor: Any | None = None,
+                **cfg: Any) -> Iterator[ThreadedServer]:
+    engine = engine or FakeEngine(timing or FakeTiming(ttft=0.005, itl=0.001))
+    with ThreadedServer(make_config(tmp, **cfg), engine, redactor=redactor) as server:
+        yield server
+
+
+def settle(server: ThreadedServer, timeout: float = 10.0) -> None:
+    """Wait until no request is in flight (each has closed its record), then until the store has committed them.
+
+    A response reaches the client before its record closes (the record holds the time its last byte was sent).
+    """
+    deadline = time.monotonic() + timeout
+    while server.state.admission.in_flight > 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{server.state.admission.in_flight} requests still in flight")
+        time.sleep(0.005)
+    assert server.state.store.flush(timeout)
+
+
+@functools.cache
+def tiny_engine():
+    """One random-weight tiny model (real tokenizer) for the whole test session; shut down at exit."""
+    from tailguard.engine.engine import AsyncLLMEngine, EngineArgs
+
+    engine = AsyncLLMEngine.from_args(EngineArgs(model="tiny", kv_cache_tokens=4096, max_num_seqs=16,
+                                                 max_num_batched_tokens=256, num_threads=1))
+    atexit.register(engine.shutdown)
+    return engine

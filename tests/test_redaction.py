@@ -1,0 +1,80 @@
+"""Redaction with Presidio's pattern recognizers (offline, no NLP model), and ``--store-text`` end to end."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tailguard.observe.redaction import Redactor, cn_id_checksum_ok
+from tests.serving_helpers import fake_server, settle
+
+
+@pytest.fixture(scope="module")
+def redactor():
+    pytest.importorskip("presidio_analyzer")
+    return Redactor()
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("write to zhang.san@example.com today", "write to <EMAIL_ADDRESS> today"),
+    ("邮箱是zhang.san@example.com，谢谢", "邮箱是<EMAIL_ADDRESS>，谢谢"),
+    ("我的手机号是13812345678。", "我的手机号是<PHONE_NUMBER>。"),
+    ("手机：+86 139-1234-5678", "手机：<PHONE_NUMBER>"),
+    ("call +1 (415) 555-0132 now", "call <PHONE_NUMBER> now"),
+    ("身份证11010519491231002X号", "身份证<CN_RESIDENT_ID>号"),
+    ("server 192.168.1.10 and 2001:db8::1", "server <IP_ADDRESS> and <IP_ADDRESS>"),
+    ("IP地址10.0.0.1", "IP地址<IP_ADDRESS>"),
+    ("card 4111 1111 1111 1111", "card <CREDIT_CARD>"),
+    ("卡号4111111111111111", "卡号<CREDIT_CARD>"),
+])
+def test_redacts(redactor, text, expected):
+    assert redactor.redact(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "bad checksum id 110105194912310021",  # valid shape, wrong MOD 11-2 check digit
+    "not a card 4111111111111112",  # fails Luhn
+    "version 1.2.3, port 8080, 42 apples, 2024-01-02",
+    "这是一段没有任何个人信息的中文文本。",
+])
+def test_leaves_harmless_text_alone(redactor, text):
+    assert redactor.redact(text) == text
+
+
+def test_cn_id_checksum():
+    assert cn_id_checksum_ok("11010519491231002X")
+    assert cn_id_checksum_ok("11010519491231002x")
+    assert not cn_id_checksum_ok("110105194912310021")
+    assert not cn_id_checksum_ok("11010519491331002X")  # month 13
+    assert not cn_id_checksum_ok("1101051949123100")
+
+
+def test_redact_none_and_empty(redactor):
+    assert redactor.redact(None) is None and redactor.redact("") == ""
+
+
+def test_store_text_keeps_only_redacted_text(tmp_path, redactor):
+    prompt = "我的邮箱是li.si@example.com，手机13812345678"
+    with fake_server(tmp_path, redactor=redactor, store_text=True) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", headers={"X-Request-ID": "txt-1"},
+                       json={"model": "fake", "messages": [{"role": "user", "content": prompt}], "max_tokens": 4,
+                             "logprobs": True, "top_logprobs": 2})
+        assert r.status_code == 200
+        settle(s)
+        rec = httpx.get(s.url + "/v1/requests/txt-1").json()
+        assert "li.si@example.com" not in rec["prompt_text"] and "13812345678" not in rec["prompt_text"]
+        assert "<EMAIL_ADDRESS>" in rec["prompt_text"] and "<PHONE_NUMBER>" in rec["prompt_text"]
+        assert rec["output_text"] == "The "
+        tok = s.state.engine.tokenizer
+        assert rec["prompt_token_ids"] == tok.encode(rec["prompt_text"])  # the tokens of what was kept
+        assert len(rec["prompt_token_sha256"]) == 64
+        assert len(rec["logprobs"]) == 4
+        raw = s.state.store.query("SELECT prompt_text, output_text, prompt_token_ids, record FROM requests")
+        assert not any("13812345678" in (v or "") for row in raw for v in row)
+    with fake_server(tmp_path / "off") as s:  # default: no text at all
+        httpx.post(s.url + "/v1/chat/completions", headers={"X-Request-ID": "txt-2"},
+                   json={"model": "fake", "messages": [{"role": "user", "content": prompt}], "max_tokens": 2})
+        settle(s)
+        row = s.state.store.query("SELECT prompt_text, output_text, prompt_token_ids FROM requests")[0]
+        assert tuple(row) == (None, None, None)
+        assert "prompt_text" not in httpx.get(s.url + "/v1/requests/txt-2").json()

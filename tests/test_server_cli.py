@@ -1,0 +1,86 @@
+"""``tailguard serve`` as a user runs it: a subprocess on loopback, configured by a YAML file and flags."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_fake_subprocess(tmp_path):
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("model: fake\nmax_queue: 7\nfake:\n  ttft: 0.01\n  itl: 0.001\nbusiness_types: [vip]\n")
+    port = _free_port()
+    key = "sk-cli-secret-0042"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tailguard.cli", "serve", "--config", str(cfg), "--port", str(port),
+         "--store", str(tmp_path / "store.sqlite3"), "--api-key", key],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
+        r = client.chat.completions.with_raw_response.create(
+            model="fake", messages=[{"role": "user", "content": "你好"}], max_tokens=4,
+            extra_headers={"X-Business-Type": "vip"})
+        assert r.parse().choices[0].message.content == "The "
+        metrics = httpx.get(url + "/metrics").text
+        assert 'tailguard_server_queue_capacity{model="fake"} 7.0' in metrics
+        assert 'business_type="vip"' in metrics
+        assert httpx.get(url + "/v1/models").status_code == 401
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status says how the process ended.
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert key not in out
+    # Shut down cleanly: the batch writer flushed the record before the process ended.
+    conn = sqlite3.connect(tmp_path / "store.sqlite3")
+    rows = conn.execute("SELECT business_type, outcome FROM requests").fetchall()
+    conn.close()
+    assert rows == [("vip", "success")]
+
+
+def test_serve_rejects_bad_config(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("model: fake\nmax_queue: -3\n")
+    out = subprocess.run([sys.executable, "-m", "tailguard.cli", "serve", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "max_queue" in out.stderr
+
+
+@pytest.mark.parametrize("interval", [0.6, 0])
+def test_sampling_interval_is_bounded(interval):
+    from pydantic import ValidationError
+
+    from tailguard.serving.config import ServerConfig
+
+    with pytest.raises(ValidationError):
+        ServerConfig(sample_interval=interval)
