@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-access-log", dest="access_log", action="store_false", default=None)
     serve.add_argument("--log-level", default=None)
 
+    from tailguard.slo.cli import add_slo_parser
+
+    add_slo_parser(sub)
+
     gen = sub.add_parser("generate", help="generate from one prompt on the embedded engine")
     _add_engine_args(gen)
     gen.add_argument("prompt")
@@ -94,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(args)
     if args.command == "serve":
         return _serve(args, argv if argv is not None else sys.argv[1:])
+    if args.command == "slo":
+        from tailguard.slo.cli import run_slo
+
+        return run_slo(args)
     if args.command == "generate":
         from tailguard.engine.engine import LLMEngine
         from tailguard.engine.request import SamplingParams

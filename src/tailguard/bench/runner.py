@@ -1,0 +1,384 @@
+"""One bench run from configuration to results: workload, load, join, metrics, verdicts, outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import secrets
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tailguard.bench import arrivals
+from tailguard.bench.client import Endpoint, make_transport
+from tailguard.bench.loadgen import LoadOutcome, LoadPlan, RequestOptions, probe, run_load
+from tailguard.bench.metrics import aggregate, local_output_counts, request_metrics
+from tailguard.bench.profiles import evaluate, golden_rules, load_profiles, slowest
+from tailguard.bench.results import SCHEMA, samples
+from tailguard.bench.stages import fetch_records, split_request, stage_report, timing_error
+from tailguard.bench.tokens import load_tokenizer, tokenization_cost
+from tailguard.bench.workloads import JsonlWorkload, RequestSpec, SyntheticWorkload, TraceWorkload
+
+
+@dataclass
+class BenchConfig:
+    url: str
+    model: str = "default"
+    endpoint: str = "chat"  # chat | completions
+    stream: bool = True
+    api_key: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    # load
+    concurrency: int | None = None
+    rate: float | None = None
+    arrival: str = "poisson"  # poisson | gamma | constant
+    burstiness: float = 1.0
+    num_requests: int | None = None
+    duration: float | None = None
+    warmup_requests: int = 0
+    warmup_seconds: float = 0.0
+    max_inflight: int = 10_000
+    timeout: float = 600.0
+    drain_timeout: float | None = None
+    # workload
+    workload: str = "synthetic"  # synthetic | long | jsonl | trace
+    input_tokens: int = 256
+    output_tokens: int = 128
+    input_spread: float = 0.0
+    output_spread: float = 0.0
+    langs: tuple[str, ...] = ("en",)
+    jsonl: str | None = None
+    trace: str | None = None
+    trace_speedup: float = 1.0
+    length_scale: float = 1.0
+    trace_start: float = 0.0
+    trace_duration: float | None = None
+    max_input_tokens: int | None = None
+    max_output_tokens: int | None = None
+    business_type: str | None = None
+    # request options
+    fixed_output: bool = True
+    continuous_usage: bool = False
+    temperature: float | None = 0.0
+    # analysis
+    profiles: tuple[str, ...] = ("baseline", "advanced", "strict")
+    seed: int = 0
+    bootstrap: int = 1000
+    http_client: str = "aiohttp"
+    join: str = "auto"  # auto | fetch | off
+    join_max: int = 2000
+    tokenizer: str = "auto"
+    probe: bool = True
+    output_dir: str | None = None
+    progress: bool = True
+    label: str | None = None
+
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+
+
+def build_workload(cfg: BenchConfig, tokenizer):
+    if cfg.workload == "jsonl" or cfg.jsonl:
+        if not cfg.jsonl:
+            raise ValueError("--workload jsonl needs --jsonl PATH")
+        return JsonlWorkload(Path(cfg.jsonl), default_max_tokens=cfg.output_tokens, seed=cfg.seed)
+    if cfg.workload == "trace" or cfg.trace:
+        return TraceWorkload(tokenizer, source=cfg.trace or "conv", speedup=cfg.trace_speedup,
+                             length_scale=cfg.length_scale, start=cfg.trace_start, duration=cfg.trace_duration,
+                             max_input_tokens=cfg.max_input_tokens, max_output_tokens=cfg.max_output_tokens,
+                             lang=cfg.langs[0], seed=cfg.seed)
+    return SyntheticWorkload(tokenizer, input_tokens=cfg.input_tokens, output_tokens=cfg.output_tokens,
+                             langs=tuple(cfg.langs), input_spread=cfg.input_spread, output_spread=cfg.output_spread,
+                             long_context=cfg.workload == "long", seed=cfg.seed, business_type=cfg.business_type)
+
+
+def build_plan(cfg: BenchConfig, workload) -> LoadPlan:
+    plan = LoadPlan(num_requests=cfg.num_requests, duration=cfg.duration, warmup_requests=cfg.warmup_requests,
+                    warmup_seconds=cfg.warmup_seconds, max_inflight=cfg.max_inflight,
+                    drain_timeout=cfg.drain_timeout)
+    if isinstance(workload, TraceWorkload):
+        plan.mode = "open"
+        offsets = np.asarray(workload.offsets())
+        if cfg.rate:  # a target mean rate overrides the speed-up
+            offsets = offsets * (workload.trace_rate() * workload.speedup / cfg.rate)
+        plan.offsets = offsets
+        if plan.num_requests is None and plan.duration is None:
+            plan.num_requests = len(offsets)
+        return plan
+    if plan.num_requests is None and plan.duration is None:
+        plan.num_requests = 100
+    if cfg.rate:
+        plan.mode = "open"
+        plan.offsets = arrivals.schedule(cfg.arrival, cfg.rate, n=cfg.num_requests, duration=cfg.duration,
+                                         seed=cfg.seed, burstiness=cfg.burstiness)
+    else:
+        plan.mode = "closed"
+        plan.concurrency = cfg.concurrency or 1
+    return plan
+
+
+class _Display:
+    """rich progress bar with live P50/P99 (off when not a terminal or --quiet)."""
+
+    def __init__(self, enabled: bool, total: int | None, duration: float | None, label: str) -> None:
+        self.enabled = enabled
+        self.progress = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.total = total
+        self.duration = duration
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[stats]}"), transient=False)
+        self.task = self.progress.add_task(label, total=total or (duration or 1) * 1.0, stats="")
+
+    def __enter__(self):
+        if self.progress is not None:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def tick(self, prog, elapsed: float) -> None:
+        if self.progress is None:
+            return
+        stats = f"sent {prog.sent}  done {prog.done}  errors {prog.errors}"
+        if prog.recent_e2e:
+            e = np.asarray(prog.recent_e2e[-1000:])
+            stats += f"  E2E p50 {np.percentile(e, 50) * 1e3:.0f} ms p99 {np.percentile(e, 99) * 1e3:.0f} ms"
+        if prog.recent_ttft:
+            t = np.asarray(prog.recent_ttft[-1000:])
+            stats += f"  TTFT p99 {np.percentile(t, 99) * 1e3:.0f} ms"
+        completed = prog.done if self.total else min(elapsed, self.duration or elapsed)
+        self.progress.update(self.task, completed=completed, stats=stats)
+
+
+async def execute(cfg: BenchConfig, workload=None, tokenizer=None, plan: LoadPlan | None = None,
+                  display: bool | None = None) -> tuple[dict, list]:
+    """Run the bench; returns (results dict, per-request metrics)."""
+    tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
+    workload = workload or build_workload(cfg, tokenizer)
+    plan = plan or build_plan(cfg, workload)
+    run_id = "tgb-" + secrets.token_hex(4)
+    headers = dict(cfg.headers)
+    if cfg.api_key:
+        headers["Authorization"] = f"Bearer {cfg.api_key}"
+    ep = Endpoint(cfg.url, cfg.path(), headers, cfg.timeout)
+    opts = RequestOptions(model=cfg.model, stream=cfg.stream, fixed_output=cfg.fixed_output,
+                          continuous_usage=cfg.continuous_usage, temperature=cfg.temperature, headers=headers)
+    transport = make_transport(cfg.http_client)
+    max_conn = plan.concurrency if plan.mode == "closed" else plan.max_inflight
+    await transport.start(max(1, max_conn) + 8, cfg.timeout)
+    try:
+        caps: dict[str, Any] = {}
+        if cfg.probe:
+            s0 = workload.spec(0)
+            probe_spec = RequestSpec(prompt=s0.prompt, messages=s0.messages, max_tokens=min(4, s0.max_tokens),
+                                     lang=s0.lang)
+            caps = await probe(transport, ep, opts, probe_spec)
+            if not caps.get("ok"):
+                raise ConnectionError(f"the server at {ep.full_url} did not answer the probe request: "
+                                      f"{caps.get('error')}")
+        total = plan.num_requests if plan.mode == "closed" else (
+            min(len(plan.offsets), plan.num_requests or len(plan.offsets)) if plan.duration is None else None)
+        show = display if display is not None else (cfg.progress and sys.stderr.isatty())
+        with _Display(show, total, plan.duration, f"bench {workload.name}") as disp:
+            outcome = await run_load(transport, ep, workload, plan, opts, run_id, on_tick=disp.tick,
+                                     capabilities=caps)
+        local = local_output_counts(outcome.results, tokenizer)
+        ms = [request_metrics(r, outcome.t0, tokenizer, c) for r, c in zip(outcome.results, local)]
+        join_info: dict[str, Any] = {"mode": cfg.join}
+        pairs = list(zip(ms, outcome.results))
+        if cfg.join != "off":
+            have_stream_stages = any(r.tailguard or r.server_timing for r in outcome.results)
+            if cfg.join == "fetch" or not have_stream_stages:
+                measured_pairs = [(m, r) for m, r in pairs if not m.warmup]
+                join_info["fetch"] = await fetch_records(transport, cfg.url, measured_pairs, cfg.join_max, cfg.seed)
+        if cfg.join != "off":
+            for m, r in pairs:
+                split_request(m, r)
+    finally:
+        await transport.close()
+    results = analyse(cfg, workload, plan, outcome, ms, tokenizer, caps, join_info, run_id)
+    return results, ms
+
+
+def _health(outcome: LoadOutcome, plan: LoadPlan) -> tuple[dict, list[str]]:
+    warnings: list[str] = []
+    lag = outcome.send_lag
+    loop_lag = outcome.loop_lag
+    cpu = outcome.cpu_seconds / outcome.wall_seconds if outcome.wall_seconds > 0 else 0.0
+    h = {
+        "send_lag_s": {"p50": float(np.percentile(lag, 50)) if lag.size else None,
+                       "p99": float(np.percentile(lag, 99)) if lag.size else None,
+                       "max": float(lag.max()) if lag.size else None},
+        "event_loop_lag_s": {"p50": float(np.percentile(loop_lag, 50)) if loop_lag.size else None,
+                             "p99": float(np.percentile(loop_lag, 99)) if loop_lag.size else None,
+                             "max": float(loop_lag.max()) if loop_lag.size else None},
+        "cpu_util": cpu,
+        "inflight_cap_hits": outcome.inflight_waits,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
+    bottleneck = False
+    if lag.size and plan.mode == "open" and np.percentile(lag, 99) > 0.005:
+        bottleneck = True
+        warnings.append(f"the bench fell behind its own schedule: send lag P99 {np.percentile(lag, 99) * 1e3:.1f} ms "
+                        "(latencies are measured from the intended send, so the lag is in them)")
+    if loop_lag.size and np.percentile(loop_lag, 99) > 0.010:
+        bottleneck = True
+        warnings.append(f"the bench's event loop lagged (P99 {np.percentile(loop_lag, 99) * 1e3:.1f} ms): its "
+                        "timestamps may be late by that much")
+    if cpu > 0.9:
+        bottleneck = True
+        warnings.append(f"the bench used {cpu * 100:.0f}% of a CPU core: it may be the bottleneck; run fewer "
+                        "streams per bench process")
+    if outcome.inflight_waits:
+        bottleneck = True
+        warnings.append(f"the in-flight cap ({plan.max_inflight}) held back {outcome.inflight_waits} sends")
+    h["bench_is_bottleneck"] = bottleneck
+    return h, warnings
+
+
+def _by_language(ms) -> dict:
+    out: dict[str, dict] = {}
+    for lang in sorted({m.lang for m in ms}):
+        rows = [m for m in ms if m.lang == lang and m.ok]
+        if not rows:
+            continue
+        d: dict[str, Any] = {"requests": len(rows)}
+        for name in ("ttft", "e2e"):
+            v = [getattr(m, name) for m in rows if getattr(m, name) is not None]
+            d[f"{name}_p50_s"] = float(np.percentile(v, 50)) if v else None
+            d[f"{name}_p99_s"] = float(np.percentile(v, 99)) if v else None
+        pt = [m.prompt_tokens or m.prompt_tokens_local for m in rows if (m.prompt_tokens or m.prompt_tokens_local)]
+        d["prompt_tokens_mean"] = float(np.mean(pt)) if pt else None
+        tk = [m.stages["tokenize"] for m in rows if m.stages and "tokenize" in m.stages]
+        if tk:
+            d["server_tokenize_p50_s"] = float(np.percentile(tk, 50))
+            d["server_tokenize_p99_s"] = float(np.percentile(tk, 99))
+            d["server_tokenize_us_per_token"] = float(np.mean(tk)) / max(1.0, float(np.mean(pt))) * 1e6 if pt else None
+        out[lang] = d
+    return out
+
+
+def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms, tokenizer, caps: dict,
+            join_info: dict, run_id: str) -> dict:
+    from tailguard import __version__
+
+    agg = aggregate(ms, reps=cfg.bootstrap, seed=cfg.seed)
+    stages = stage_report(agg.measured)
+    pairs = [(m, r) for m, r in zip(ms, outcome.results) if not m.warmup]
+    terr = timing_error(pairs)
+    profiles = load_profiles(list(cfg.profiles))
+    slo = {p.name: evaluate(p, agg.measured, agg.window, cfg.bootstrap, cfg.seed) for p in profiles}
+    health, warnings = _health(outcome, plan)
+    s = agg.summary
+    if s["requests"]["failed"]:
+        kinds = ", ".join(f"{k} x{v}" for k, v in s["errors_by_kind"].items())
+        warnings.append(f"{s['requests']['failed']} of {s['requests']['measured']} requests failed ({kinds})")
+    if plan.mode == "open" and plan.offsets is not None and len(plan.offsets) > 1 and s["throughput"]["requests_per_s"]:
+        offered = arrivals.achieved_rate(np.asarray(plan.offsets[: s["requests"]["sent"]]))
+        s["throughput"]["offered_requests_per_s"] = offered
+        if s["throughput"]["requests_per_s"] < 0.9 * offered:
+            warnings.append(f"the server completed {s['throughput']['requests_per_s']:.1f} req/s of the "
+                            f"{offered:.1f} req/s offered: it is saturated, queues grow with time")
+    if plan.mode == "closed":
+        warnings.append("closed loop: each stream waits for its previous answer, so a slow server slows the offered "
+                        "load too; for tail latency under a fixed offered load use --rate")
+    for note in caps.get("notes", []):
+        warnings.append(note)
+    tok = agg.tokens
+    fo = tok["fixed_output"]
+    if caps.get("fixed_output", cfg.fixed_output) and fo["share_shorter"]:
+        warnings.append(f"{fo['shorter_than_max_tokens']} of {fo['requests']} answers were shorter than max_tokens: "
+                        "the server does not honour ignore_eos/min_tokens, output lengths are not fixed")
+    if tok["usage_missing_requests"]:
+        d = tok["recount_vs_usage_drift"]
+        warnings.append(f"{tok['usage_missing_requests']} answers had no usage: their token counts are local recounts "
+                        f"({getattr(tokenizer, 'name', '?')} tokenizer)" +
+                        (f", which drift {d['p50_rel'] * 100:+.1f}% from usage where both exist" if d else ""))
+    if getattr(tokenizer, "name", "") == "approx":
+        warnings.append("no model tokenizer was available: local token counts are approximate "
+                        "(run `tailguard model pull` for the SmolLM2 tokenizer)")
+    if tok["chunks"]["multi_token"]:
+        c = tok["chunks"]
+        warnings.append(f"{c['multi_token']} chunks ({c['multi_token_share'] * 100:.1f}%) carried several tokens "
+                        f"(up to {c['max_tokens_per_chunk']}): each adds k-1 zero gaps to ITL")
+    if stages["mode"] in ("client", "llama.cpp"):
+        warnings.append("stage split: " + "; ".join(stages["cannot_split"]) + " cannot be split")
+    # L1: tokenization cost per language, on up to 40 prompts of each language of this run
+    texts: dict[str, list[str]] = {}
+    for m, r in zip(ms, outcome.results):
+        spec = r.spec
+        if spec is not None and len(texts.setdefault(m.lang, [])) < 40:
+            texts[m.lang].append(spec.text())
+    tcost = tokenization_cost(tokenizer, texts)
+    load = plan.describe()
+    if plan.mode == "open":
+        load.update(arrival=cfg.arrival if not isinstance(workload, TraceWorkload) else "trace",
+                    rate=cfg.rate, burstiness=cfg.burstiness if cfg.arrival == "gamma" else None)
+    results = {
+        "schema": SCHEMA,
+        "tool": {"name": "tailguard bench", "version": __version__, "http_client": cfg.http_client},
+        "run": {
+            "id": run_id, "label": cfg.label,
+            "started_at": datetime.fromtimestamp(outcome.started_unix, UTC).isoformat(),
+            "target": {"url": cfg.url, "model": cfg.model, "endpoint": cfg.path(), "stream": cfg.stream},
+            "load": load, "workload": workload.describe(), "seed": cfg.seed,
+            "options": {k: v for k, v in asdict(cfg).items() if k not in ("api_key", "headers")},
+            "capabilities": caps, "join": join_info, "command": " ".join(sys.argv),
+        },
+        "summary": s,
+        "metrics": agg.metrics,
+        "tokens": tok,
+        "stages": stages,
+        "timing_error": terr,
+        "slo": slo,
+        "advisories": golden_rules(agg.metrics),
+        "slowest": slowest(agg.measured),
+        "by_language": _by_language(agg.measured),
+        "tokenization_cost": tcost,
+        "bench_health": health,
+        "warnings": warnings,
+        "samples": samples(agg.measured, cfg.seed),
+    }
+    if isinstance(workload, TraceWorkload):
+        results["run"]["workload"]["attribution"] = ("Azure LLM inference trace 2023, CC-BY 4.0, Patel et al., "
+                                                     "Splitwise (ISCA 2024)")
+    return results
+
+
+def write_outputs(results: dict, ms, out_dir: str | Path) -> dict[str, Path]:
+    from tailguard.bench.report import write_report
+    from tailguard.bench.results import write_csv, write_json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "csv": out / "requests.csv", "html": out / "report.html"}
+    write_json(paths["json"], results)
+    write_csv(paths["csv"], ms)
+    write_report(results, paths["html"])
+    return paths
+
+
+def run_sync(cfg: BenchConfig, **kw) -> tuple[dict, list]:
+    try:
+        import uvloop
+
+        return uvloop.run(execute(cfg, **kw))
+    except ImportError:  # pragma: no cover
+        return asyncio.run(execute(cfg, **kw))
+
+
+def default_output_dir() -> Path:
+    return Path("runs") / ("bench-" + time.strftime("%Y%m%d-%H%M%S"))

@@ -1,0 +1,429 @@
+"""Actions (requirement S3): what each tier does, how it is undone, and the record of every step.
+
+- **yellow** (and above) -> scale out: a webhook POST and/or a command with the JSON request on stdin, asking for
+  ``replicas_pct`` (10%) more replicas; once per escalation (green -> yellow), and a matching scale-in request
+  (``replicas_delta_pct`` negative) when the monitor is back to green.
+- **orange** (and above) -> shed: :meth:`ActionEngine.should_shed` answers True for non-core business types and
+  lanes (protected lanes never), with a ``Retry-After``; the server answers 429 or 503.
+- **red** -> degrade: :meth:`ActionEngine.degradation_for` returns the configured template for traffic of the red
+  scope; the server answers with it and marks the response and the record degraded.
+
+Every action is undone when its tier clears. In dry-run mode nothing changes (no hook call, no shedding, no
+degradation); only the records say what would have happened. Every alert and action becomes a record (a dict, see
+:class:`RecordLog`) handed to the sinks (the server's request store persists them) and is counted in Prometheus
+metrics (:class:`SLOMetrics`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import subprocess
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from tailguard.slo.config import TIERS, ActionsConfig, ScaleOutConfig
+from tailguard.slo.profiles import Selector
+
+log = logging.getLogger("tailguard.slo")
+
+__all__ = ["ActionEngine", "Degradation", "HookRunner", "RecordLog", "RecordSink", "SLOMetrics", "new_id"]
+
+RecordSink = Callable[[dict[str, Any]], None]
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class RecordLog:
+    """Keeps the last ``max_records`` alert/action records and hands each new one to every sink.
+
+    A record is a flat JSON-ready dict: ``id``, ``kind`` (alert | action | hook | advisory | objective), ``name``,
+    ``event``, ``scope``, ``tier``, ``at`` (unix seconds), ``started_at``, ``ended_at``, ``figures`` (the numbers
+    that triggered it), ``details`` and ``dry_run``. Records are events: an alert that clears produces a second
+    record with the same ``id`` and ``ended_at`` set. A sink that raises is logged and skipped, never propagated.
+    """
+
+    def __init__(self, max_records: int = 1000, sinks: list[RecordSink] | None = None) -> None:
+        self._records: deque[dict[str, Any]] = deque(maxlen=max_records)
+        self._sinks: list[RecordSink] = list(sinks or [])
+        self._lock = threading.Lock()
+        self.sink_errors = 0
+
+    def add_sink(self, sink: RecordSink) -> None:
+        self._sinks.append(sink)
+
+    def emit(self, record: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            self._records.append(record)
+            sinks = list(self._sinks)
+        for sink in sinks:
+            try:
+                sink(record)
+            except Exception:  # noqa: BLE001 - a broken sink must not stop the monitor
+                self.sink_errors += 1
+                log.exception("SLO record sink failed")
+        return record
+
+    def list(self, limit: int | None = None, kind: str | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            recs = [r for r in self._records if kind is None or r["kind"] == kind]
+        return recs[-limit:] if limit else recs
+
+
+class SLOMetrics:
+    """Prometheus series of the monitor (``tailguard_slo_*``), in the server's registry or a private one."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.tier = Gauge("tailguard_slo_tier", "Current tier per scope: 0 green, 1 yellow, 2 orange, 3 red.",
+                          ["scope"], registry=r)
+        self.alert_active = Gauge("tailguard_slo_alert_active", "1 while the tier alert is active.",
+                                  ["scope", "tier"], registry=r)
+        self.alerts = Counter("tailguard_slo_alerts", "Tier alerts raised.", ["scope", "tier"], registry=r)
+        self.actions = Counter("tailguard_slo_actions", "Actions taken (event: started, undone; dry_run: 0/1).",
+                               ["action", "event", "dry_run"], registry=r)
+        self.action_active = Gauge("tailguard_slo_action_active", "1 while the action is in effect.",
+                                   ["action", "scope"], registry=r)
+        self.hook_calls = Counter("tailguard_slo_hook_calls", "Scale hook calls by target and result.",
+                                  ["target", "result"], registry=r)
+        self.advisory = Gauge("tailguard_slo_advisory_active", "1 while a golden-rule advisory holds.",
+                              ["scope", "rule"], registry=r)
+        self.objective = Gauge("tailguard_slo_objective_met",
+                               "1 objective met, 0 breached, NaN too few samples, over the live window.",
+                               ["profile", "objective"], registry=r)
+        self.latency = Gauge("tailguard_slo_window_latency_seconds", "Latency percentile over the live window.",
+                             ["scope", "metric", "quantile"], registry=r)
+        self.requests = Gauge("tailguard_slo_window_requests", "Requests finished in the live window.", ["scope"],
+                              registry=r)
+        self.error_ratio = Gauge("tailguard_slo_window_error_ratio", "Errors / served requests in the window.",
+                                 ["scope"], registry=r)
+        self.peak = Gauge("tailguard_slo_peak", "1 at peak (5-minute window), 0 otherwise (15-minute).", registry=r)
+        self.window = Gauge("tailguard_slo_window_seconds", "Length of the live window.", registry=r)
+        self.eval_seconds = Gauge("tailguard_slo_evaluation_duration_seconds", "Duration of the last evaluation.",
+                                  registry=r)
+        self.hotspots = Gauge("tailguard_slo_hotspot_requests", "Requests above mean + 2 sigma of log E2E now.",
+                              registry=r)
+
+
+@dataclass(frozen=True)
+class Degradation:
+    """What the server does for a request while red holds its scope."""
+
+    mode: str  # "template": answer with ``template``; "truncate": serve with at most ``max_tokens``
+    template: str
+    max_tokens: int
+    scope: str
+    tier: str
+    action_id: str
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class HookRunner:
+    """Calls the scale-out webhook and/or command. Inline (in the caller) or on one background thread, FIFO, so a
+    slow autoscaler never stalls evaluation. ``done(result)`` is called with each call's outcome."""
+
+    def __init__(self, cfg: ScaleOutConfig, inline: bool = False) -> None:
+        self.cfg = cfg
+        self.inline = inline
+        self._q: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._client = None
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.cfg.webhook_url or self.cfg.command)
+
+    def submit(self, payload: dict[str, Any], done: Callable[[dict[str, Any]], None]) -> None:
+        if self.inline:
+            for res in self._call(payload):
+                done(res)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tailguard-slo-hooks", daemon=True)
+            self._thread.start()
+        self._q.put((payload, done))
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every submitted call has finished (tests, shutdown)."""
+        if self._thread is None:
+            return True
+        deadline = time.monotonic() + timeout
+        while self._q.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.flush(self.cfg.timeout_s * 2)
+            self._q.put(None)
+            self._thread.join(1.0)
+            self._thread = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                payload, done = item
+                for res in self._call(payload):
+                    try:
+                        done(res)
+                    except Exception:  # noqa: BLE001
+                        log.exception("hook result callback failed")
+            finally:
+                self._q.task_done()
+
+    def _call(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        if self.cfg.webhook_url:
+            t0 = time.perf_counter()
+            res: dict[str, Any] = {"target": "webhook", "url": self.cfg.webhook_url}
+            try:
+                import httpx
+
+                if self._client is None:
+                    self._client = httpx.Client(timeout=self.cfg.timeout_s)
+                r = self._client.post(self.cfg.webhook_url, content=body,
+                                      headers={"content-type": "application/json", **self.cfg.headers})
+                res.update(ok=r.is_success, status=r.status_code)
+                if not r.is_success:
+                    res["error"] = r.text[:200]
+            except Exception as e:  # noqa: BLE001 - report, never raise into the monitor
+                res.update(ok=False, status=None, error=f"{type(e).__name__}: {e}"[:300])
+            res["duration_s"] = time.perf_counter() - t0
+            out.append(res)
+        if self.cfg.command:
+            t0 = time.perf_counter()
+            res = {"target": "command", "command": list(self.cfg.command)}
+            try:
+                p = subprocess.run(self.cfg.command, input=body, capture_output=True, timeout=self.cfg.timeout_s,
+                                   check=False)
+                res.update(ok=p.returncode == 0, status=p.returncode)
+                if p.returncode != 0:
+                    res["error"] = p.stderr.decode(errors="replace")[-300:]
+            except Exception as e:  # noqa: BLE001
+                res.update(ok=False, status=None, error=f"{type(e).__name__}: {e}"[:300])
+            res["duration_s"] = time.perf_counter() - t0
+            out.append(res)
+        return out
+
+
+class ActionEngine:
+    """Turns tiers into actions and back. ``reconcile`` is called after each evaluation with the tier of every
+    scope; ``should_shed`` and ``degradation_for`` are the cheap questions the server asks per request."""
+
+    def __init__(
+        self,
+        cfg: ActionsConfig,
+        scopes: Mapping[str, Selector],
+        records: RecordLog,
+        metrics: SLOMetrics | None = None,
+        hooks: HookRunner | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.scopes = dict(scopes)
+        self.records = records
+        self.metrics = metrics
+        self.hooks = hooks or HookRunner(cfg.scale_out, inline=cfg.inline_hooks)
+        self.dry_run = cfg.dry_run
+        self.scale_out: dict[str, Any] | None = None  # the "started" record while in effect
+        self.shed: dict[str, Any] | None = None
+        self.degrade: dict[str, dict[str, Any]] = {}  # scope -> "started" record
+        # Per-request fast path state (rebuilt on change; read without a lock: plain attribute swaps).
+        self._shed_on = False
+        self._shed_bt = frozenset(cfg.shed.non_core_business_types)
+        self._shed_lanes = frozenset(cfg.shed.non_core_lanes)
+        self._shed_protected = frozenset(cfg.shed.protected_lanes)
+        self._degrade_scopes: tuple[tuple[Selector, Degradation], ...] = ()
+        self._degrade_protected = frozenset(cfg.degrade.protected_lanes)
+
+    # --- per-request questions ---------------------------------------------------------------------------------------
+    def should_shed(self, business_type: str | None, lane: str | None = None) -> tuple[bool, float | None]:
+        """(True, retry_after_s) when orange holds and this traffic is non-core; (False, None) otherwise."""
+        if not self._shed_on:
+            return False, None
+        if lane in self._shed_protected:
+            return False, None
+        if business_type in self._shed_bt or lane in self._shed_lanes:
+            return True, self.cfg.shed.retry_after_s
+        return False, None
+
+    @property
+    def shed_status(self) -> int:
+        return self.cfg.shed.status
+
+    def degradation_for(self, business_type: str | None = None, lane: str | None = None, client: str | None = None,
+                        region: str | None = None, input_tokens: int | None = None) -> Degradation | None:
+        """The degradation to apply while red holds a scope this request belongs to, else None."""
+        scopes = self._degrade_scopes
+        if not scopes or lane in self._degrade_protected:
+            return None
+        for sel, deg in scopes:
+            if sel.matches(business_type=business_type, lane=lane, client=client, region=region,
+                           input_tokens=input_tokens):
+                return deg
+        return None
+
+    # --- records -----------------------------------------------------------------------------------------------------
+    def _record(self, name: str, event: str, now: float, scope: str, tier: int, figures: dict[str, Any],
+                details: dict[str, Any], rec_id: str | None = None, started_at: float | None = None,
+                alert_id: str | None = None) -> dict[str, Any]:
+        rec = {
+            "id": rec_id or new_id(), "kind": "action", "name": name, "event": event, "scope": scope,
+            "tier": TIERS[tier], "at": now, "started_at": started_at if started_at is not None else now,
+            "ended_at": now if event == "undone" else None, "figures": figures, "details": details,
+            "dry_run": self.dry_run, "alert_id": alert_id,
+        }
+        self.records.emit(rec)
+        if self.metrics is not None:
+            self.metrics.actions.labels(name, event, "1" if self.dry_run else "0").inc()
+            self.metrics.action_active.labels(name, scope).set(
+                1 if event == "started" and not self.dry_run else 0)
+        return rec
+
+    def _hook(self, action_rec: dict[str, Any], delta_pct: float, now: float) -> str:
+        if self.dry_run:
+            return "dry_run"
+        if not self.hooks.configured:
+            return "no_hook_configured"
+        payload = {
+            "source": "tailguard", "action": "scale_out" if delta_pct > 0 else "scale_in",
+            "replicas_delta_pct": delta_pct, "reason": f"tier {action_rec['tier']} in scope {action_rec['scope']}",
+            "action_id": action_rec["id"], "alert_id": action_rec.get("alert_id"), "at": now,
+            "figures": action_rec["figures"],
+        }
+
+        def done(res: dict[str, Any]) -> None:
+            self.records.emit({
+                "id": new_id(), "kind": "hook", "name": payload["action"], "event": "ok" if res.get("ok") else "failed",
+                "scope": action_rec["scope"], "tier": action_rec["tier"], "at": time.time(),
+                "started_at": now, "ended_at": time.time(), "figures": {}, "details": {**res, "ref": action_rec["id"]},
+                "dry_run": False, "alert_id": action_rec.get("alert_id"),
+            })
+            if self.metrics is not None:
+                self.metrics.hook_calls.labels(res.get("target", "?"), "ok" if res.get("ok") else "failed").inc()
+
+        self.hooks.submit(payload, done)
+        return "submitted"
+
+    # --- tiers -> actions --------------------------------------------------------------------------------------------
+    def reconcile(self, tiers: Mapping[str, int], figures: Mapping[str, dict[str, Any]],
+                  alert_ids: Mapping[tuple[str, int], str], now: float) -> list[dict[str, Any]]:
+        """Bring the actions in line with the tiers; returns the records emitted."""
+        out: list[dict[str, Any]] = []
+        top_scope = max(tiers, key=lambda s: tiers[s]) if tiers else "all"
+        top = tiers.get(top_scope, 0)
+        figs_top = dict(figures.get(top_scope, {}))
+        so = self.cfg.scale_out
+        # yellow and above: scale out, once per escalation from green
+        if top >= 1 and self.scale_out is None:
+            rec = self._record("scale_out", "started", now, top_scope, top, figs_top,
+                               {"replicas_delta_pct": so.replicas_pct},
+                               alert_id=alert_ids.get((top_scope, 1)))
+            rec["details"]["hook"] = self._hook(rec, so.replicas_pct, now)
+            self.scale_out = rec
+            out.append(rec)
+        elif top == 0 and self.scale_out is not None:
+            start = self.scale_out
+            rec = self._record("scale_out", "undone", now, start["scope"], 0, figs_top,
+                               {"replicas_delta_pct": -so.replicas_pct if so.undo else 0},
+                               rec_id=start["id"], started_at=start["started_at"], alert_id=start.get("alert_id"))
+            rec["details"]["hook"] = self._hook(rec, -so.replicas_pct, now) if so.undo else "undo_disabled"
+            self.scale_out = None
+            out.append(rec)
+        # orange and above: shed non-core traffic
+        if self.cfg.shed.enabled:
+            if top >= 2 and self.shed is None:
+                sc = self.cfg.shed
+                rec = self._record("shed", "started", now, top_scope, top, figs_top, {
+                    "non_core_business_types": sc.non_core_business_types, "non_core_lanes": sc.non_core_lanes,
+                    "protected_lanes": sc.protected_lanes, "status": sc.status, "retry_after_s": sc.retry_after_s,
+                }, alert_id=alert_ids.get((top_scope, 2)))
+                self.shed = rec
+                self._shed_on = not self.dry_run
+                out.append(rec)
+            elif top < 2 and self.shed is not None:
+                start = self.shed
+                self._shed_on = False
+                rec = self._record("shed", "undone", now, start["scope"], top, figs_top, {}, rec_id=start["id"],
+                                   started_at=start["started_at"], alert_id=start.get("alert_id"))
+                self.shed = None
+                out.append(rec)
+        # red: degrade the red scope's traffic
+        if self.cfg.degrade.enabled:
+            changed = False
+            for scope, lv in tiers.items():
+                figs = dict(figures.get(scope, {}))
+                if lv >= 3 and scope not in self.degrade:
+                    dc = self.cfg.degrade
+                    rec = self._record("degrade", "started", now, scope, lv, figs, {
+                        "mode": dc.mode, "max_tokens": dc.max_tokens, "template": dc.template,
+                        "protected_lanes": dc.protected_lanes,
+                    }, alert_id=alert_ids.get((scope, 3)))
+                    self.degrade[scope] = rec
+                    changed = True
+                    out.append(rec)
+                elif lv < 3 and scope in self.degrade:
+                    start = self.degrade.pop(scope)
+                    rec = self._record("degrade", "undone", now, scope, lv, figs, {}, rec_id=start["id"],
+                                       started_at=start["started_at"], alert_id=start.get("alert_id"))
+                    changed = True
+                    out.append(rec)
+            if changed:
+                self._rebuild_degrade()
+        return out
+
+    def _rebuild_degrade(self) -> None:
+        if self.dry_run:
+            self._degrade_scopes = ()
+            return
+        dc = self.cfg.degrade
+        self._degrade_scopes = tuple(
+            (self.scopes.get(scope, Selector()),
+             Degradation(mode=dc.mode, template=dc.template, max_tokens=dc.max_tokens, scope=scope, tier="red",
+                         action_id=rec["id"],
+                         reason=f"red: {rec['figures'].get('tier_metric', 'latency')} = "
+                                f"{_fmt(rec['figures'].get('tier_value'))} over {rec['scope']}"))
+            for scope, rec in self.degrade.items()
+        )
+
+    def active(self) -> dict[str, Any]:
+        return {
+            "dry_run": self.dry_run,
+            "scale_out": self.scale_out,
+            "shed": self.shed,
+            "degrade": dict(self.degrade),
+            "shedding": self._shed_on,
+            "degrading": [d.scope for _, d in self._degrade_scopes],
+        }
+
+    def close(self) -> None:
+        self.hooks.close()
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float) and math.isfinite(v):
+        return f"{v:.3f}s"
+    return str(v)

@@ -1,0 +1,354 @@
+"""Evaluation (run every few seconds): SLO status per profile, tiers with hysteresis, golden-rule advisories,
+hotspots (T4), and the long-context and per-region views (S4).
+
+Everything here is computation over :class:`~tailguard.slo.windows.SlidingWindows`; nothing acts. The monitor turns
+tier transitions into actions (:mod:`tailguard.slo.actions`).
+
+Golden rules are **advisories**. The seed says P99 > 3 x P50 means "start the optimization plan now" and
+P99 > 1.5 x P95 means "plan within 24 h". Both fire on healthy lognormal traffic: with log-sigma s, P99/P50 is
+exp(2.326 s) (> 3 once s > 0.47) and P99/P95 is exp(0.681 s) (> 1.5 once s > 0.60), and LLM end-to-end latency,
+which grows with the output length, often has s in 0.5-1. So they are reported, recorded and exported, never paged
+on, and their ratios are configurable (``golden_rules`` in the config).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailguard.slo.config import TIERS, GoldenRulesConfig, HotspotConfig, MonitorConfig, TierPolicy
+from tailguard.slo.profiles import RATE_METRICS, Metric, Objective, Selector, SLOProfile
+from tailguard.slo.windows import STAGES, SlidingWindows, WindowStats
+
+__all__ = [
+    "AdvisoryTracker",
+    "Evaluation",
+    "Evaluator",
+    "TierTracker",
+    "Transition",
+    "combine",
+    "golden_ratios",
+    "hotspots",
+]
+
+
+def combine(a: Selector, b: Selector) -> Selector:
+    """The traffic both selectors match (empty field = any)."""
+
+    def both(x: tuple[str, ...], y: tuple[str, ...]) -> tuple[str, ...]:
+        if not x:
+            return y
+        if not y:
+            return x
+        inter = tuple(v for v in x if v in y)
+        return inter or ("\x00none",)  # disjoint: match nothing
+
+    lo = [v for v in (a.min_input_tokens, b.min_input_tokens) if v is not None]
+    hi = [v for v in (a.max_input_tokens, b.max_input_tokens) if v is not None]
+    mn, mx = (max(lo) if lo else None), (min(hi) if hi else None)
+    if mn is not None and mx is not None and mn > mx:
+        return Selector(business_types=("\x00none",))  # an impossible token range: match nothing
+    return Selector(
+        business_types=both(a.business_types, b.business_types), lanes=both(a.lanes, b.lanes),
+        clients=both(a.clients, b.clients), regions=both(a.regions, b.regions),
+        min_input_tokens=mn, max_input_tokens=mx, peak_only=a.peak_only or b.peak_only,
+    )
+
+
+@dataclass
+class Transition:
+    scope: str
+    level: int  # 1 yellow, 2 orange, 3 red
+    event: str  # "raised" | "cleared"
+    value: float | None
+    threshold: float
+    samples: int
+
+    @property
+    def tier(self) -> str:
+        return TIERS[self.level]
+
+
+class TierTracker:
+    """Tiers of one scope with hysteresis. Levels 1-3 nest: red implies orange implies yellow."""
+
+    def __init__(self, scope: str, policy: TierPolicy) -> None:
+        self.scope = scope
+        self.policy = policy
+        self.active = [False, False, False, False]  # index 0 unused (green)
+        self._above = [0, 0, 0, 0]
+        self._below = [0, 0, 0, 0]
+        self.last_value: float | None = None
+        self.last_samples = 0
+
+    @property
+    def tier(self) -> int:
+        return max((lv for lv in (1, 2, 3) if self.active[lv]), default=0)
+
+    def step(self, value: float | None, samples: int) -> list[Transition]:
+        """Feed one evaluation; returns the transitions it caused (raises low to high, clears high to low)."""
+        p = self.policy
+        self.last_value, self.last_samples = value, samples
+        if value is None or samples < p.min_samples:
+            return []  # too little data to judge: hold the current tier
+        out: list[Transition] = []
+        for lv in (1, 2, 3):
+            thr = p.threshold(lv)
+            if value > thr:
+                self._above[lv] += 1
+                self._below[lv] = 0
+            elif value <= thr * p.clear_ratio:
+                self._below[lv] += 1
+                self._above[lv] = 0
+            else:  # inside the hysteresis band: neither raise nor clear
+                self._above[lv] = 0
+                self._below[lv] = 0
+        for lv in (1, 2, 3):
+            if not self.active[lv] and self._above[lv] >= p.raise_after:
+                for low in range(1, lv + 1):  # a jump straight to red raises yellow and orange too
+                    if not self.active[low]:
+                        self.active[low] = True
+                        out.append(Transition(self.scope, low, "raised", value, p.threshold(low), samples))
+        for lv in (3, 2, 1):
+            if self.active[lv] and self._below[lv] >= p.clear_after and not any(self.active[lv + 1 : 4]):
+                self.active[lv] = False
+                out.append(Transition(self.scope, lv, "cleared", value, p.threshold(lv), samples))
+        return out
+
+
+def golden_ratios(stats: WindowStats, metric: str) -> dict[str, float | None]:
+    p50, p95, p99 = (stats.quantile(metric, q) for q in (0.5, 0.95, 0.99))
+    return {
+        "p50": p50, "p95": p95, "p99": p99,
+        "p99_over_p50": (p99 / p50) if p99 is not None and p50 else None,
+        "p99_over_p95": (p99 / p95) if p99 is not None and p95 else None,
+    }
+
+
+class AdvisoryTracker:
+    """Golden-rule advisories of one scope: on above the ratio, off at ``clear_ratio`` x the ratio or below."""
+
+    RULES = (
+        ("p99_over_p50", "p99_over_p50", "P99 > {r:g} x P50: start the optimization plan now (seed's golden rule)"),
+        ("p99_over_p95", "p99_over_p95", "P99 > {r:g} x P95: plan an optimization within 24 h (seed's golden rule)"),
+    )
+
+    def __init__(self, scope: str, cfg: GoldenRulesConfig) -> None:
+        self.scope, self.cfg = scope, cfg
+        self.active: dict[str, bool] = {r[0]: False for r in self.RULES}
+
+    def step(self, stats: WindowStats) -> tuple[dict[str, Any], list[tuple[str, str, dict[str, Any]]]]:
+        cfg = self.cfg
+        ratios = golden_ratios(stats, cfg.metric.value)
+        n = stats.n(cfg.metric.value)
+        changes: list[tuple[str, str, dict[str, Any]]] = []
+        view: dict[str, Any] = {"samples": n, **ratios, "rules": {}}
+        for rule, key, text in self.RULES:
+            limit = getattr(cfg, rule)
+            value = ratios[key]
+            was = self.active[rule]
+            if cfg.enabled and n >= cfg.min_samples and value is not None:
+                if not was and value > limit:
+                    self.active[rule] = True
+                elif was and value <= limit * cfg.clear_ratio:
+                    self.active[rule] = False
+            if self.active[rule] != was:
+                changes.append((rule, "raised" if self.active[rule] else "cleared",
+                                {"ratio": value, "limit": limit, "samples": n, **ratios}))
+            view["rules"][rule] = {"active": self.active[rule], "ratio": value, "limit": limit,
+                                   "advice": text.format(r=limit)}
+        return view, changes
+
+
+def hotspots(windows: SlidingWindows, stats: WindowStats, cfg: HotspotConfig, window_s: float, now: float,
+             selector: Selector | None = None, peak: bool = False) -> dict[str, Any]:
+    """Requests slower than exp(mean + sigma x std) of log E2E over the window, each with the stage that dominated
+    it: the stage with the largest excess over its window mean. ``slow_stages`` lists the stages above their own
+    mean + stage_sigma x std. Candidates are the slowest ``top_per_slot`` requests of each slot."""
+    mu, sd = stats.log_mean, stats.log_std
+    out: dict[str, Any] = {"threshold_s": None, "log_mean": mu, "log_std": sd, "samples": stats.log_n,
+                           "requests": []}
+    if mu is None or sd is None or stats.log_n < cfg.min_samples:
+        return out
+    thr = math.exp(mu + cfg.sigma * sd)
+    out["threshold_s"] = thr
+    means = stats.stage_means()
+    sds = stats.stage_stds()
+    for r in windows.slowest(window_s, now, selector, peak):
+        if r["e2e"] <= thr:
+            break
+        if len(out["requests"]) >= cfg.max_reported:
+            break
+        st = r["stages"] or {}
+        dominant, excess, largest = None, -math.inf, None
+        slow = []
+        for s in STAGES:
+            v = st.get(s)
+            if v is None:
+                continue
+            ex = v - means.get(s, 0.0)
+            if ex > excess:
+                dominant, excess = s, ex
+            if largest is None or v > st[largest]:
+                largest = s
+            if s in sds and v > means[s] + cfg.stage_sigma * sds[s]:
+                slow.append(s)
+        out["requests"].append({
+            "request_id": r["request_id"], "e2e": r["e2e"], "at": r["at"], **r["key"],
+            "dominant_stage": dominant, "dominant_excess_s": None if dominant is None else excess,
+            "largest_stage": largest, "slow_stages": slow, "stages": st,
+            "sigmas": (math.log(r["e2e"]) - mu) / sd if sd > 0 else None,
+        })
+    return out
+
+
+@dataclass
+class Evaluation:
+    """The result of one evaluation (JSON via ``to_dict``)."""
+
+    at: float
+    peak: bool
+    window_s: float
+    scopes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    advisories: dict[str, dict[str, Any]] = field(default_factory=dict)
+    hotspots: dict[str, Any] = field(default_factory=dict)
+    long_context: dict[str, Any] = field(default_factory=dict)
+    regions: dict[str, Any] = field(default_factory=dict)
+    transitions: list[Transition] = field(default_factory=list)
+    advisory_changes: list[tuple[str, str, str, dict[str, Any]]] = field(default_factory=list)
+    objective_changes: list[tuple[str, str, str, dict[str, Any]]] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    @property
+    def tier(self) -> int:
+        return max((s["tier_level"] for s in self.scopes.values()), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "at": self.at, "peak": self.peak, "window_s": self.window_s, "tier": TIERS[self.tier],
+            "scopes": self.scopes, "profiles": self.profiles, "advisories": self.advisories,
+            "hotspots": self.hotspots, "long_context": self.long_context, "regions": self.regions,
+            "duration_s": self.duration_s,
+        }
+
+
+def _pct(q: float | None) -> str:
+    return f"p{q:g}"
+
+
+class Evaluator:
+    """Computes an :class:`Evaluation` from the windows; keeps tier, advisory and objective state between calls."""
+
+    def __init__(self, windows: SlidingWindows, config: MonitorConfig, profiles: list[SLOProfile]) -> None:
+        self.w = windows
+        self.cfg = config
+        self.profiles = profiles
+        self.trackers = {s.name: TierTracker(s.name, s.tiers or config.tiers) for s in config.scopes}
+        self.scope_where = {s.name: s.where for s in config.scopes}
+        self.advisors = {s.name: AdvisoryTracker(s.name, config.golden_rules) for s in config.scopes}
+        self.objective_state: dict[tuple[str, str], str] = {}
+
+    # --- objectives ------------------------------------------------------------------------------------------------
+    def _objective(self, prof: SLOProfile, o: Objective, window_s: float, now: float, peak: bool,
+                   cache: dict[Selector, WindowStats]) -> dict[str, Any]:
+        min_n = self.cfg.objective_min_samples
+        sel = combine(prof.applies_to, o.where)
+        res: dict[str, Any] = {"label": o.label, "metric": o.metric.value, "percentile": o.percentile,
+                               "threshold": o.threshold, "comparison": o.comparison, "description": o.describe(),
+                               "value": None, "samples": 0, "status": "no_data"}
+        if o.where.peak_only and not peak:
+            res["status"] = "off_peak"
+            return res
+
+        def q(s: Selector) -> WindowStats:
+            if s not in cache:
+                cache[s] = self.w.query(s, window_s, now, peak=peak)
+            return cache[s]
+
+        if o.metric is Metric.LONG_CONTEXT_DECAY:
+            long_s = combine(sel, Selector(min_input_tokens=o.long_min_tokens))
+            short_s = combine(sel, Selector(max_input_tokens=o.short_max_tokens))
+            ls, ss = q(long_s), q(short_s)
+            m, qq = o.of.value, o.quantile or 0.99
+            nl, ns = ls.n(m), ss.n(m)
+            res["samples"] = min(nl, ns)
+            res["long"] = {"n": nl, "value": ls.quantile(m, qq)}
+            res["short"] = {"n": ns, "value": ss.quantile(m, qq)}
+            if nl >= min_n and ns >= min_n and res["short"]["value"]:
+                res["value"] = res["long"]["value"] / res["short"]["value"] - 1.0
+        elif o.metric in RATE_METRICS:
+            st = q(sel)
+            res["samples"] = st.served
+            if st.served >= min_n:
+                res["value"] = st.rate(o.metric.value)
+        else:
+            st = q(sel)
+            n = st.n(o.metric.value)
+            res["samples"] = n
+            if n >= min_n:
+                res["value"] = st.quantile(o.metric.value, o.quantile or 0.99)
+        if res["value"] is not None:
+            res["status"] = "ok" if o.met_by(res["value"]) else "breach"
+        return res
+
+    # --- views -----------------------------------------------------------------------------------------------------
+    def _regions(self, window_s: float, now: float, peak: bool) -> dict[str, Any]:
+        regions = sorted({k.region for k in self.w.known_keys()})
+        out: dict[str, Any] = {}
+        for r in regions:
+            st = self.w.query(Selector(regions=(r,)), window_s, now, metrics=("ttft", "itl", "e2e"), peak=peak)
+            out[r] = st.summary(("ttft", "itl", "e2e"))
+        return out
+
+    def _long_context(self, window_s: float, now: float, peak: bool) -> dict[str, Any]:
+        t = self.cfg.long_context_tokens
+        long_st = self.w.query(Selector(min_input_tokens=t + 1), window_s, now, peak=peak)
+        short_st = self.w.query(Selector(max_input_tokens=t), window_s, now, peak=peak)
+        out = {"threshold_tokens": t, "long": long_st.summary(), "short": short_st.summary()}
+        lp, sp = long_st.quantile("e2e", 0.99), short_st.quantile("e2e", 0.99)
+        out["e2e_p99_ratio"] = lp / sp if lp is not None and sp else None
+        return out
+
+    # --- the whole thing -------------------------------------------------------------------------------------------
+    def evaluate(self, now: float, peak: bool, window_s: float) -> Evaluation:
+        ev = Evaluation(at=now, peak=peak, window_s=window_s)
+        cache: dict[Selector, WindowStats] = {}
+        for name, tracker in self.trackers.items():
+            sel = self.scope_where[name]
+            st = self.w.query(sel, window_s, now, peak=peak)
+            cache[sel] = st
+            pol = tracker.policy
+            value = st.quantile(pol.metric.value, pol.percentile / 100)
+            ev.transitions += tracker.step(value, st.n(pol.metric.value))
+            view = st.summary()
+            view.update({
+                "tier": TIERS[tracker.tier], "tier_level": tracker.tier,
+                "tier_metric": f"{pol.metric.value} {_pct(pol.percentile)}", "tier_value": value,
+                "thresholds": {"yellow": pol.yellow, "orange": pol.orange, "red": pol.red},
+                "clear_ratio": pol.clear_ratio, "min_samples": pol.min_samples,
+                "enough_samples": st.n(pol.metric.value) >= pol.min_samples,
+            })
+            ev.scopes[name] = view
+            adv_view, changes = self.advisors[name].step(st)
+            ev.advisories[name] = adv_view
+            ev.advisory_changes += [(name, rule, event, figs) for rule, event, figs in changes]
+        for prof in self.profiles:
+            objs = [self._objective(prof, o, window_s, now, peak, cache) for o in prof.objectives]
+            statuses = {o["status"] for o in objs}
+            status = "breach" if "breach" in statuses else "ok" if "ok" in statuses else "no_data"
+            ev.profiles[prof.name] = {"status": status, "description": prof.description, "objectives": objs}
+            for o in objs:
+                k = (prof.name, o["label"])
+                before = self.objective_state.get(k, "ok")
+                if o["status"] in ("ok", "breach") and o["status"] != before:
+                    self.objective_state[k] = o["status"]
+                    ev.objective_changes.append((prof.name, o["label"], "raised" if o["status"] == "breach"
+                                                 else "cleared", {"value": o["value"], "threshold": o["threshold"],
+                                                                  "samples": o["samples"]}))
+        first = self.cfg.scopes[0]
+        ev.hotspots = hotspots(self.w, cache[first.where], self.cfg.hotspots, window_s, now, first.where, peak)
+        ev.long_context = self._long_context(window_s, now, peak)
+        ev.regions = self._regions(window_s, now, peak)
+        return ev

@@ -1,0 +1,281 @@
+"""The SLO monitor: one object the server holds.
+
+    monitor = SLOMonitor(MonitorConfig(...), sinks=[store.put_alert], registry=metrics.registry)
+    monitor.record(timeline)                 # per finished request: cheap, on the request path
+    monitor.evaluate()                       # every eval_interval_s (a background task)
+    monitor.should_shed(business_type, lane) # -> (bool, retry_after_s): per request, before admission
+    monitor.degradation_for(business_type, lane, client=..., region=..., input_tokens=...)  # -> Degradation | None
+    monitor.snapshot()                       # JSON for the dashboard and GET /v1/alerts
+    monitor.alerts()                         # the alert/action records kept in memory
+
+All times are unix seconds from ``clock`` (``time.time`` by default; tests pass a fake clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from tailguard.slo.actions import (
+    ActionEngine,
+    Degradation,
+    HookRunner,
+    RecordLog,
+    RecordSink,
+    SLOMetrics,
+    new_id,
+)
+from tailguard.slo.config import TIERS, MonitorConfig
+from tailguard.slo.evaluate import Evaluation, Evaluator
+from tailguard.slo.profiles import LATENCY_METRICS, Metric, SLOProfile, get_profile, load_profiles
+from tailguard.slo.windows import CORE_METRICS, PeakDetector, RequestSample, SlidingWindows, sample_from
+
+__all__ = ["SLOMonitor"]
+
+
+class SLOMonitor:
+    def __init__(
+        self,
+        config: MonitorConfig | None = None,
+        profiles: Iterable[SLOProfile] | None = None,
+        sinks: Iterable[RecordSink] = (),
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.time,
+        hooks: HookRunner | None = None,
+        history: int = 720,
+    ) -> None:
+        self.config = cfg = config or MonitorConfig()
+        self.clock = clock
+        if profiles is None:
+            extra = load_profiles(cfg.profiles_file) if cfg.profiles_file else {}
+            profiles = [get_profile(n, extra) for n in cfg.profiles]
+        self.profiles: list[SLOProfile] = list(profiles)
+        # Which latency metrics need windows: the core four plus any an objective or a tier policy uses.
+        needed = set(CORE_METRICS)
+        edges = {cfg.long_context_tokens}
+        for p in self.profiles:
+            for o in p.objectives:
+                m = o.of if o.metric is Metric.LONG_CONTEXT_DECAY else o.metric
+                if m in LATENCY_METRICS:
+                    needed.add(m.value)
+                if o.metric is Metric.LONG_CONTEXT_DECAY:
+                    edges |= {o.short_max_tokens, o.long_min_tokens - 1}
+                for sel in (o.where, p.applies_to):
+                    if sel.min_input_tokens is not None:
+                        edges.add(sel.min_input_tokens - 1)
+                    if sel.max_input_tokens is not None:
+                        edges.add(sel.max_input_tokens)
+        for sc in cfg.scopes:
+            needed.add((sc.tiers or cfg.tiers).metric.value)
+        metrics = [m for m in (*CORE_METRICS, "tpot", "tokenize", "prefill") if m in needed]
+        self.peak = PeakDetector(
+            mode=cfg.peak.mode, hours=cfg.peak.hours, timezone=cfg.peak.timezone,
+            enter_ratio=cfg.peak.enter_ratio, exit_ratio=cfg.peak.exit_ratio, min_rps=cfg.peak.min_rps,
+            recent_s=cfg.peak_window_s, baseline_half_life_s=cfg.peak.baseline_half_life_s,
+            warmup_s=cfg.peak.warmup_s,
+        )
+        self.windows = SlidingWindows(
+            slot_s=cfg.slot_s, max_window_s=cfg.max_window_s, metrics=metrics,
+            ctx_edges=sorted(e for e in edges if e > 0), max_keys=cfg.max_keys, clock=clock,
+            on_slot_closed=self.peak.observe_slot,
+        )
+        self.evaluator = Evaluator(self.windows, cfg, self.profiles)
+        self.records = RecordLog(cfg.max_records, list(sinks))
+        self.metrics = SLOMetrics(registry)
+        scopes = {s.name: s.where for s in cfg.scopes}
+        self.actions = ActionEngine(cfg.actions, scopes, self.records, self.metrics, hooks)
+        self._alerts: dict[tuple[str, int], dict[str, Any]] = {}  # active alert records by (scope, level)
+        self._advisories: dict[tuple[str, str], dict[str, Any]] = {}
+        self._objectives: dict[tuple[str, str], dict[str, Any]] = {}
+        self.last: Evaluation | None = None
+        self.history: deque[dict[str, Any]] = deque(maxlen=history)  # compact time series for the dashboard
+        self._eval_lock = threading.Lock()
+        self.recorded = 0
+        self._t_start: float | None = None
+
+    # --- request path ----------------------------------------------------------------------------------------------
+    def record(self, request: Any, now: float | None = None) -> None:
+        """Feed one finished request: a Timeline, a record dict or a :class:`RequestSample`. Never raises."""
+        try:
+            s = request if type(request) is RequestSample else sample_from(request)
+            self.windows.record(s, now)
+            self.recorded += 1
+        except Exception:  # noqa: BLE001 - monitoring must never fail a request
+            import logging
+
+            logging.getLogger("tailguard.slo").exception("SLO monitor could not record a request")
+
+    def should_shed(self, business_type: str | None, lane: str | None = None) -> tuple[bool, float | None]:
+        return self.actions.should_shed(business_type, lane)
+
+    def degradation_for(self, business_type: str | None = None, lane: str | None = None, client: str | None = None,
+                        region: str | None = None, input_tokens: int | None = None) -> Degradation | None:
+        return self.actions.degradation_for(business_type, lane, client, region, input_tokens)
+
+    # --- periodic ---------------------------------------------------------------------------------------------------
+    @property
+    def window_s(self) -> float:
+        return self.config.peak_window_s if self.peak.peak else self.config.offpeak_window_s
+
+    def evaluate(self, now: float | None = None) -> Evaluation:
+        """One evaluation: windows -> tiers, objectives, advisories, views -> records and actions."""
+        with self._eval_lock:
+            t0 = time.perf_counter()
+            if now is None:
+                now = self.clock()
+            self.windows.advance(now)
+            cfg = self.config
+            recent = self.windows.requests_in(cfg.peak_window_s, now)
+            covered = min(cfg.peak_window_s, max(self.windows.slot_s, now - self._started_at(now)))
+            peak = self.peak.update(now, recent / covered if covered > 0 else 0.0)
+            window_s = cfg.peak_window_s if peak else cfg.offpeak_window_s
+            ev = self.evaluator.evaluate(now, peak, window_s)
+            self._emit_alerts(ev, now)
+            tiers = {name: v["tier_level"] for name, v in ev.scopes.items()}
+            figures = {name: self._figures(v, ev) for name, v in ev.scopes.items()}
+            alert_ids = {k: r["id"] for k, r in self._alerts.items()}
+            self.actions.reconcile(tiers, figures, alert_ids, now)
+            ev.duration_s = time.perf_counter() - t0
+            self._export(ev)
+            self.last = ev
+            first = next(iter(ev.scopes.values()))
+            self.history.append({
+                "at": now, "tier": TIERS[ev.tier], "peak": peak, "requests": first["total"],
+                "e2e": first["e2e"], "ttft": first["ttft"], "error_rate": first["error_rate"],
+            })
+            return ev
+
+    def _started_at(self, now: float) -> float:
+        if self._t_start is None:
+            self._t_start = now
+        return self._t_start
+
+    @staticmethod
+    def _figures(scope_view: dict[str, Any], ev: Evaluation) -> dict[str, Any]:
+        return {
+            "tier_metric": scope_view["tier_metric"], "tier_value": scope_view["tier_value"],
+            "thresholds": scope_view["thresholds"], "samples": scope_view["e2e"]["n"],
+            "requests": scope_view["total"], "error_rate": scope_view["error_rate"],
+            "e2e": {k: scope_view["e2e"][k] for k in ("p50", "p95", "p99")},
+            "ttft": {k: scope_view["ttft"][k] for k in ("p50", "p95", "p99")},
+            "window_s": ev.window_s, "peak": ev.peak,
+        }
+
+    def _emit_alerts(self, ev: Evaluation, now: float) -> None:
+        dry = self.actions.dry_run
+        for tr in ev.transitions:
+            k = (tr.scope, tr.level)
+            figs = self._figures(ev.scopes[tr.scope], ev)
+            figs["threshold"] = tr.threshold
+            if tr.event == "raised":
+                rec = {"id": new_id(), "kind": "alert", "name": f"tier_{tr.tier}", "event": "raised",
+                       "scope": tr.scope, "tier": tr.tier, "at": now, "started_at": now, "ended_at": None,
+                       "figures": figs, "details": {}, "dry_run": dry, "alert_id": None}
+                self._alerts[k] = rec
+                self.metrics.alerts.labels(tr.scope, tr.tier).inc()
+                self.metrics.alert_active.labels(tr.scope, tr.tier).set(1)
+            else:
+                start = self._alerts.pop(k, None)
+                rec = {"id": start["id"] if start else new_id(), "kind": "alert", "name": f"tier_{tr.tier}",
+                       "event": "cleared", "scope": tr.scope, "tier": tr.tier, "at": now,
+                       "started_at": start["started_at"] if start else None, "ended_at": now, "figures": figs,
+                       "details": {"raised_figures": start["figures"] if start else None}, "dry_run": dry,
+                       "alert_id": None}
+                self.metrics.alert_active.labels(tr.scope, tr.tier).set(0)
+            self.records.emit(rec)
+        for scope, rule, event, figs in ev.advisory_changes:
+            k = (scope, rule)
+            start = self._advisories.pop(k, None) if event == "cleared" else None
+            rec = {"id": start["id"] if start else new_id(), "kind": "advisory", "name": rule, "event": event,
+                   "scope": scope, "tier": None, "at": now,
+                   "started_at": start["started_at"] if start else now,
+                   "ended_at": now if event == "cleared" else None, "figures": figs,
+                   "details": {"advice": ev.advisories[scope]["rules"][rule]["advice"]}, "dry_run": dry,
+                   "alert_id": None}
+            if event == "raised":
+                self._advisories[k] = rec
+            self.records.emit(rec)
+        for prof, label, event, figs in ev.objective_changes:
+            k = (prof, label)
+            start = self._objectives.pop(k, None) if event == "cleared" else None
+            rec = {"id": start["id"] if start else new_id(), "kind": "objective", "name": label, "event": event,
+                   "scope": prof, "tier": None, "at": now,
+                   "started_at": start["started_at"] if start else now,
+                   "ended_at": now if event == "cleared" else None, "figures": figs, "details": {}, "dry_run": dry,
+                   "alert_id": None}
+            if event == "raised":
+                self._objectives[k] = rec
+            self.records.emit(rec)
+
+    def _export(self, ev: Evaluation) -> None:
+        m = self.metrics
+        m.peak.set(1 if ev.peak else 0)
+        m.window.set(ev.window_s)
+        m.eval_seconds.set(ev.duration_s)
+        for name, v in ev.scopes.items():
+            m.tier.labels(name).set(v["tier_level"])
+            m.requests.labels(name).set(v["total"])
+            m.error_ratio.labels(name).set(v["error_rate"] if v["error_rate"] is not None else math.nan)
+            for metric in CORE_METRICS:
+                for q in ("p50", "p95", "p99"):
+                    val = v[metric][q]
+                    m.latency.labels(name, metric, q[1:] and str(int(q[1:]) / 100)).set(
+                        val if val is not None else math.nan)
+        for scope, adv in ev.advisories.items():
+            for rule, r in adv["rules"].items():
+                m.advisory.labels(scope, rule).set(1 if r["active"] else 0)
+        for prof, p in ev.profiles.items():
+            for o in p["objectives"]:
+                val = {"ok": 1.0, "breach": 0.0}.get(o["status"], math.nan)
+                m.objective.labels(prof, o["label"]).set(val)
+        m.hotspots.set(len(ev.hotspots.get("requests", [])))
+
+    # --- reading -----------------------------------------------------------------------------------------------------
+    def alerts(self, limit: int | None = 100, kind: str | None = None, active_only: bool = False) -> list[dict]:
+        """Recent records, oldest first. ``active_only``: the alerts, actions and advisories in effect now."""
+        if active_only:
+            act = self.actions.active()
+            recs = [*self._alerts.values(), *self._advisories.values(), *self._objectives.values()]
+            recs += [r for r in (act["scale_out"], act["shed"], *act["degrade"].values()) if r]
+            return sorted(recs, key=lambda r: r["at"])
+        return self.records.list(limit, kind)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a dashboard or ``GET /v1/alerts`` needs, JSON-ready."""
+        ev = self.last
+        return {
+            "at": ev.at if ev else None,
+            "tier": TIERS[ev.tier] if ev else "green",
+            "evaluation": ev.to_dict() if ev else None,
+            "peak": self.peak.state(),
+            "window_s": self.window_s,
+            "profiles": [p.name for p in self.profiles],
+            "targets": {p.name: [o.describe() for o in p.objectives] for p in self.profiles},
+            "actions": self.actions.active(),
+            "active": self.alerts(active_only=True),
+            "recent": self.alerts(limit=50),
+            "history": list(self.history),
+            "recorded": self.recorded,
+            "dropped_keys": self.windows.dropped_keys,
+        }
+
+    # --- lifecycle ---------------------------------------------------------------------------------------------------
+    async def run(self, interval_s: float | None = None, stop: asyncio.Event | None = None) -> None:
+        """Evaluate every ``interval_s`` seconds in a worker thread until ``stop`` is set or the task is cancelled."""
+        interval = interval_s or self.config.eval_interval_s
+        stop = stop or asyncio.Event()
+        while not stop.is_set():
+            await asyncio.to_thread(self.evaluate)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+
+    def close(self) -> None:
+        self.actions.close()

@@ -1,0 +1,716 @@
+"""Live sliding windows (requirement S2): a ring of per-interval t-digest sketches, merged on query.
+
+Time is cut into slots of ``slot_s`` seconds (30 s by default). Each slot holds one :class:`_Cell` per *key*: the
+combination (business type, lane, client class, region, context-length bucket) of a finished request. A cell keeps,
+per latency metric, a small buffer of raw values that is folded into a ``fastdigest.TDigest`` every few thousand
+values and when the slot closes, plus request counts by outcome, log-latency moments (for hotspots) and stage sums.
+
+Recording a request is therefore a dict lookup and a few list appends (microseconds, measured in
+``benchmarks/monitor_cost.py``). A query picks the slots of the window (5 minutes at peak, 15 otherwise: see
+:class:`PeakDetector`) and the keys its :class:`~tailguard.slo.profiles.Selector` matches, and merges their digests.
+Closed slots never change, so the merge of a key's closed slots is cached until the ring turns.
+
+Window edges are slot-aligned: a window of ``n`` slots covers the current, partial slot and the ``n - 1`` before
+it, i.e. between ``(n - 1) * slot_s`` and ``n * slot_s`` seconds of history.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from fastdigest import TDigest
+
+from tailguard.slo.profiles import Selector
+
+__all__ = [
+    "CORE_METRICS",
+    "STAGES",
+    "Key",
+    "MetricStats",
+    "PeakDetector",
+    "RequestSample",
+    "SlidingWindows",
+    "WindowStats",
+    "sample_from",
+]
+
+CORE_METRICS = ("e2e", "ttft", "itl", "queue_wait")
+OPTIONAL_METRICS = ("tpot", "tokenize", "prefill")
+STAGES = ("tokenize", "queue", "prefill", "decode", "stream")
+_STAGE_INDEX = {s: i for i, s in enumerate(STAGES)}
+
+# Outcomes, as in tailguard.observe.timeline.Outcome.
+SUCCESS, ERROR, ABORTED, REJECTED, INVALID = "success", "error", "aborted", "rejected", "invalid"
+
+
+class Key(NamedTuple):
+    """What a request is, for slicing: every view and every profile selects on these."""
+
+    business_type: str
+    lane: str
+    client: str
+    region: str
+    ctx: int  # index of the context-length bucket (see SlidingWindows.ctx_edges)
+
+
+@dataclass(slots=True)
+class RequestSample:
+    """The few figures of one finished request the monitor needs (seconds). Build one per request, or pass a
+    Timeline or a store record to :func:`sample_from`."""
+
+    e2e: float | None
+    ttft: float | None = None
+    queue_wait: float | None = None
+    itl: Sequence[float] = ()
+    tpot: float | None = None
+    outcome: str = SUCCESS
+    business_type: str = "default"
+    lane: str = "default"
+    client: str = "default"
+    region: str = "default"
+    input_tokens: int = 0
+    degraded: bool = False
+    request_id: str = ""
+    stages: Mapping[str, float] | None = None
+
+
+def _s(v: Any, default: str = "default") -> str:
+    return str(v) if v else default
+
+
+def sample_from(obj: Any) -> RequestSample:
+    """A :class:`RequestSample` from a Timeline (``tailguard.observe.timeline``), a record dict (``to_record()`` or a
+    store row as a dict), or a RequestSample (returned as is). Unknown fields default; nothing here raises on a
+    missing optional field."""
+    if isinstance(obj, RequestSample):
+        return obj
+    if isinstance(obj, Mapping):
+        stages = obj.get("stages") or None
+        outcome = obj.get("outcome") or SUCCESS
+        itl = obj.get("itl")
+        if itl is None:
+            times = obj.get("token_sent") or obj.get("token_times") or ()
+            itl = [b - a for a, b in zip(times, times[1:])]
+        qw = obj.get("queue_wait")
+        if qw is None and stages:
+            qw = stages.get("queue")
+        return RequestSample(
+            e2e=obj.get("e2e"), ttft=obj.get("ttft"), queue_wait=qw, itl=itl, tpot=obj.get("tpot"),
+            outcome=getattr(outcome, "value", outcome), business_type=_s(obj.get("business_type")),
+            lane=_s(obj.get("lane")), client=_s(obj.get("client")), region=_s(obj.get("region")),
+            input_tokens=int(obj.get("prompt_tokens") or obj.get("input_tokens") or 0),
+            degraded=bool(obj.get("degraded")), request_id=str(obj.get("request_id") or ""), stages=stages,
+        )
+    # A Timeline (duck-typed: anything with summary()).
+    s = obj.summary()
+    outcome = getattr(obj, "outcome", None)
+    return RequestSample(
+        e2e=s.e2e, ttft=s.ttft, queue_wait=s.stages.get("queue"), itl=s.itl, tpot=s.tpot,
+        outcome=getattr(outcome, "value", outcome) or SUCCESS,
+        business_type=_s(getattr(obj, "business_type", None)), lane=_s(getattr(obj, "lane", None)),
+        client=_s(getattr(obj, "client", None)), region=_s(getattr(obj, "region", None)),
+        input_tokens=int(getattr(obj, "num_prompt_tokens", 0) or 0), degraded=bool(getattr(obj, "degraded", False)),
+        request_id=str(getattr(obj, "request_id", "")), stages=s.stages,
+    )
+
+
+class _Cell:
+    """One key in one slot."""
+
+    __slots__ = ("bufs", "digests", "total", "served", "errors", "rejected", "aborted", "degraded",
+                 "log_n", "log_sum", "log_sq", "stage_n", "stage_sum", "stage_sq")
+
+    def __init__(self, n_metrics: int) -> None:
+        self.bufs: list[list[float]] = [[] for _ in range(n_metrics)]
+        self.digests: list[TDigest | None] = [None] * n_metrics
+        self.total = self.served = self.errors = self.rejected = self.aborted = self.degraded = 0
+        self.log_n = 0
+        self.log_sum = self.log_sq = 0.0
+        self.stage_n = 0
+        self.stage_sum = [0.0] * len(STAGES)
+        self.stage_sq = [0.0] * len(STAGES)
+
+
+class _Slot:
+    __slots__ = ("index", "cells", "top", "closed")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.cells: dict[Key, _Cell] = {}
+        self.top: list[tuple] = []  # min-heap of the slowest requests: (e2e, seq, request_id, key, stages)
+        self.closed = False
+
+
+@dataclass
+class MetricStats:
+    n: int
+    digest: TDigest | None
+
+    def quantile(self, q: float) -> float | None:
+        return None if self.digest is None or self.n == 0 else float(self.digest.quantile(q))
+
+    def percentiles(self, qs: Iterable[float] = (0.5, 0.95, 0.99)) -> dict[str, float | None]:
+        return {f"p{q * 100:g}": self.quantile(q) for q in qs}
+
+
+@dataclass
+class WindowStats:
+    """What one query over a window saw. Rates are over the window; latencies come from the merged sketches.
+
+    Counts: ``total`` every finished request; ``served`` those that reached the engine (success, error, aborted);
+    ``rejected`` refused at admission (429/503, shed); ``invalid`` requests are counted in ``total`` only.
+    ``error_rate`` = errors / served; ``shed_rate`` = rejected / (served + rejected);
+    ``degradation_rate`` = degraded answers / served.
+    """
+
+    window_s: float
+    start: float
+    end: float
+    total: int = 0
+    served: int = 0
+    errors: int = 0
+    rejected: int = 0
+    aborted: int = 0
+    degraded: int = 0
+    metrics: dict[str, MetricStats] = field(default_factory=dict)
+    log_n: int = 0
+    log_sum: float = 0.0
+    log_sq: float = 0.0
+    stage_n: int = 0
+    stage_sum: list[float] = field(default_factory=lambda: [0.0] * len(STAGES))
+    stage_sq: list[float] = field(default_factory=lambda: [0.0] * len(STAGES))
+
+    @property
+    def error_rate(self) -> float | None:
+        return self.errors / self.served if self.served else None
+
+    @property
+    def shed_rate(self) -> float | None:
+        d = self.served + self.rejected
+        return self.rejected / d if d else None
+
+    @property
+    def degradation_rate(self) -> float | None:
+        return self.degraded / self.served if self.served else None
+
+    def rate(self, name: str) -> float | None:
+        return {"error_rate": self.error_rate, "shed_rate": self.shed_rate,
+                "degradation_rate": self.degradation_rate}[name]
+
+    def n(self, metric: str) -> int:
+        m = self.metrics.get(metric)
+        return m.n if m else 0
+
+    def quantile(self, metric: str, q: float) -> float | None:
+        m = self.metrics.get(metric)
+        return m.quantile(q) if m else None
+
+    @property
+    def log_mean(self) -> float | None:
+        return self.log_sum / self.log_n if self.log_n else None
+
+    @property
+    def log_std(self) -> float | None:
+        if self.log_n < 2:
+            return None
+        mean = self.log_sum / self.log_n
+        return math.sqrt(max(0.0, self.log_sq / self.log_n - mean * mean))
+
+    def stage_means(self) -> dict[str, float]:
+        if not self.stage_n:
+            return {}
+        return {s: self.stage_sum[i] / self.stage_n for i, s in enumerate(STAGES)}
+
+    def stage_stds(self) -> dict[str, float]:
+        n = self.stage_n
+        if n < 2:
+            return {}
+        out = {}
+        for i, s in enumerate(STAGES):
+            m = self.stage_sum[i] / n
+            out[s] = math.sqrt(max(0.0, self.stage_sq[i] / n - m * m))
+        return out
+
+    def summary(self, metrics: Iterable[str] = CORE_METRICS) -> dict[str, Any]:
+        """JSON-ready: counts, rates, P50/P95/P99 per metric."""
+        out: dict[str, Any] = {
+            "window_s": self.window_s, "start": self.start, "end": self.end, "total": self.total,
+            "served": self.served, "errors": self.errors, "rejected": self.rejected, "aborted": self.aborted,
+            "degraded": self.degraded, "error_rate": self.error_rate, "shed_rate": self.shed_rate,
+            "degradation_rate": self.degradation_rate,
+        }
+        for m in metrics:
+            st = self.metrics.get(m)
+            out[m] = {"n": st.n if st else 0, **(st.percentiles() if st else {"p50": None, "p95": None, "p99": None})}
+        return out
+
+
+def _parse_hours(spec: str) -> tuple[int, int]:
+    """``"09:00-12:30"`` -> (540, 750) minutes of the day; an end before the start wraps past midnight."""
+    try:
+        a, b = spec.split("-")
+
+        def minutes(x: str) -> int:
+            h, _, m = x.strip().partition(":")
+            v = int(h) * 60 + (int(m) if m else 0)
+            if not 0 <= v <= 24 * 60:
+                raise ValueError
+            return v
+
+        return minutes(a), minutes(b)
+    except ValueError:
+        raise ValueError(f"peak hours {spec!r}: write HH:MM-HH:MM, e.g. 09:00-12:00") from None
+
+
+class PeakDetector:
+    """Is it peak time? (S2: the window is 5 minutes at peak and 15 minutes otherwise.)
+
+    Modes: ``configured`` (hour ranges in a time zone), ``detected`` (from traffic), ``always``, ``never``.
+    Detection compares the request rate of the last ``recent_s`` seconds with a slow moving average of the rate
+    (exponential, half-life ``baseline_half_life_s``, updated each time the ring turns): peak starts when the
+    recent rate reaches ``enter_ratio`` x the baseline (and at least ``min_rps``) and ends when it falls below
+    ``exit_ratio`` x the baseline. Until ``warmup_s`` of history exist there is no baseline, so it is off-peak
+    (the longer, 15-minute window: the conservative choice for a P99).
+    """
+
+    def __init__(
+        self,
+        mode: str = "detected",
+        hours: Sequence[str] = (),
+        timezone: str = "UTC",
+        enter_ratio: float = 1.5,
+        exit_ratio: float = 1.2,
+        min_rps: float = 0.5,
+        recent_s: float = 300.0,
+        baseline_half_life_s: float = 6 * 3600.0,
+        warmup_s: float = 1800.0,
+    ) -> None:
+        if mode not in ("configured", "detected", "always", "never"):
+            raise ValueError(f"peak mode {mode!r}: one of configured, detected, always, never")
+        if mode == "configured" and not hours:
+            raise ValueError("peak mode 'configured' needs hours, e.g. ['09:00-12:00', '19:00-22:00']")
+        self.mode = mode
+        self.ranges = [_parse_hours(h) for h in hours]
+        from zoneinfo import ZoneInfo
+
+        self.tz = ZoneInfo(timezone)
+        self.enter_ratio, self.exit_ratio, self.min_rps = enter_ratio, exit_ratio, min_rps
+        self.recent_s, self.half_life, self.warmup_s = recent_s, baseline_half_life_s, warmup_s
+        self.baseline_rps: float | None = None
+        self.recent_rps: float = 0.0
+        self._history_s = 0.0
+        self._peak = False
+
+    def in_configured_hours(self, now: float) -> bool:
+        dt = datetime.fromtimestamp(now, self.tz)
+        m = dt.hour * 60 + dt.minute
+        return any((a <= m < b) if a <= b else (m >= a or m < b) for a, b in self.ranges)
+
+    def observe_slot(self, requests: int, slot_s: float) -> None:
+        """Fold one closed slot's request count into the baseline."""
+        rps = requests / slot_s
+        self._history_s += slot_s
+        if self.baseline_rps is None:
+            self.baseline_rps = rps
+        else:
+            alpha = 1.0 - 0.5 ** (slot_s / self.half_life)
+            self.baseline_rps += alpha * (rps - self.baseline_rps)
+
+    def update(self, now: float, recent_rps: float) -> bool:
+        self.recent_rps = recent_rps
+        if self.mode == "always":
+            self._peak = True
+        elif self.mode == "never":
+            self._peak = False
+        elif self.mode == "configured":
+            self._peak = self.in_configured_hours(now)
+        elif self.baseline_rps is None or self._history_s < self.warmup_s:
+            self._peak = False
+        else:
+            base = max(self.baseline_rps, 1e-9)
+            if self._peak:
+                self._peak = recent_rps >= self.exit_ratio * base and recent_rps >= self.min_rps
+            else:
+                self._peak = recent_rps >= self.enter_ratio * base and recent_rps >= self.min_rps
+        return self._peak
+
+    @property
+    def peak(self) -> bool:
+        return self._peak
+
+    def state(self) -> dict[str, Any]:
+        return {"mode": self.mode, "peak": self._peak, "recent_rps": self.recent_rps,
+                "baseline_rps": self.baseline_rps, "hours": [f"{a // 60:02d}:{a % 60:02d}-{b // 60:02d}:{b % 60:02d}"
+                                                            for a, b in self.ranges]}
+
+
+class SlidingWindows:
+    """The ring of slots. ``record`` is the hot path; ``query`` merges.
+
+    ``metrics``: latency metrics kept (the core four plus any of ``tpot``, ``tokenize``, ``prefill``).
+    ``ctx_edges``: prompt-length bucket edges in tokens (a request with ``t`` tokens falls in the first bucket whose
+    upper edge is >= t); the defaults put 8K (the long-context watch, S4) and 64K (the decay objective) on edges.
+    ``max_keys``: cardinality guard; further keys are folded into ``("other", "other", ...)``.
+    """
+
+    def __init__(
+        self,
+        slot_s: float = 30.0,
+        max_window_s: float = 900.0,
+        metrics: Sequence[str] = CORE_METRICS,
+        ctx_edges: Sequence[int] = (8192, 65536),
+        max_centroids: int = 1000,
+        buffer_limit: int = 4096,
+        top_per_slot: int = 32,
+        max_keys: int = 512,
+        clock: Callable[[], float] = time.time,
+        on_slot_closed: Callable[[int, float], None] | None = None,
+    ) -> None:
+        if slot_s <= 0 or max_window_s < slot_s:
+            raise ValueError("need 0 < slot_s <= max_window_s")
+        self.slot_s = float(slot_s)
+        self.max_slots = math.ceil(max_window_s / slot_s)
+        self.metrics = tuple(metrics)
+        unknown = set(self.metrics) - set(CORE_METRICS) - set(OPTIONAL_METRICS)
+        if unknown:
+            raise ValueError(f"cannot keep windows for {sorted(unknown)}")
+        self._mi = {m: i for i, m in enumerate(self.metrics)}
+        self.ctx_edges = tuple(sorted(set(int(e) for e in ctx_edges)))
+        self.max_centroids = max_centroids
+        self.buffer_limit = buffer_limit
+        self.top_per_slot = top_per_slot
+        self.max_keys = max_keys
+        self.clock = clock
+        self.on_slot_closed = on_slot_closed
+        self._ring: deque[_Slot] = deque()
+        self._cur: _Slot | None = None
+        self._keys: set[Key] = set()
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._cache_idx: tuple[int, int] | None = None
+        self._cache: dict[tuple[Key, int], tuple[int, TDigest | None]] = {}
+        # Which optional metrics to compute on the record path.
+        self._i_e2e = self._mi.get("e2e")
+        self._i_ttft = self._mi.get("ttft")
+        self._i_itl = self._mi.get("itl")
+        self._i_queue = self._mi.get("queue_wait")
+        self._i_tpot = self._mi.get("tpot")
+        self._i_tok = self._mi.get("tokenize")
+        self._i_pre = self._mi.get("prefill")
+        self.dropped_keys = 0
+
+    # --- keys ------------------------------------------------------------------------------------------------------
+    def ctx_bucket(self, tokens: int) -> int:
+        return bisect.bisect_left(self.ctx_edges, tokens)
+
+    def ctx_range(self, bucket: int) -> tuple[int, int | None]:
+        """(lowest, highest) prompt tokens of a bucket; None: unbounded."""
+        lo = 0 if bucket == 0 else self.ctx_edges[bucket - 1] + 1
+        hi = self.ctx_edges[bucket] if bucket < len(self.ctx_edges) else None
+        return lo, hi
+
+    def key_matches(self, key: Key, sel: Selector, peak: bool = False) -> bool:
+        if sel.business_types and key.business_type not in sel.business_types:
+            return False
+        if sel.lanes and key.lane not in sel.lanes:
+            return False
+        if sel.clients and key.client not in sel.clients:
+            return False
+        if sel.regions and key.region not in sel.regions:
+            return False
+        if sel.min_input_tokens is not None or sel.max_input_tokens is not None:
+            lo, hi = self.ctx_range(key.ctx)
+            if sel.min_input_tokens is not None and lo < sel.min_input_tokens:
+                return False
+            if sel.max_input_tokens is not None and (hi is None or hi > sel.max_input_tokens):
+                return False
+        return not (sel.peak_only and not peak)
+
+    def known_keys(self) -> set[Key]:
+        return set(self._keys)
+
+    # --- hot path ----------------------------------------------------------------------------------------------------
+    def _rotate(self, idx: int) -> _Slot:
+        """Close the current slot and open slot ``idx`` (called with the lock held)."""
+        cur = self._cur
+        if cur is not None:
+            self._close(cur)
+        slot = _Slot(idx)
+        self._ring.append(slot)
+        self._cur = slot
+        dropped = False
+        while self._ring and self._ring[0].index <= idx - self.max_slots:
+            self._ring.popleft()
+            dropped = True
+        if dropped:  # forget keys no slot holds any more
+            self._keys = set().union(*(s.cells.keys() for s in self._ring))
+        return slot
+
+    def _close(self, slot: _Slot) -> None:
+        mc = self.max_centroids
+        total = 0
+        for cell in slot.cells.values():
+            total += cell.total
+            for i, buf in enumerate(cell.bufs):
+                if buf:
+                    d = cell.digests[i]
+                    if d is None:
+                        cell.digests[i] = TDigest.from_values(buf, max_centroids=mc)
+                    else:
+                        d.batch_update(buf)
+                    cell.bufs[i] = []
+        slot.closed = True
+        if self.on_slot_closed is not None:
+            self.on_slot_closed(total, self.slot_s)
+
+    def _flush(self, cell: _Cell, i: int) -> None:
+        buf = cell.bufs[i]
+        d = cell.digests[i]
+        if d is None:
+            cell.digests[i] = TDigest.from_values(buf, max_centroids=self.max_centroids)
+        else:
+            d.batch_update(buf)
+        cell.bufs[i] = []
+
+    def record(self, s: RequestSample, now: float | None = None) -> None:
+        """Add one finished request. O(1) apart from the ITL gaps it carries (appended, not sorted)."""
+        if now is None:
+            now = self.clock()
+        idx = int(now // self.slot_s)
+        tokens = s.input_tokens
+        edges = self.ctx_edges
+        ctx = 0 if tokens <= edges[0] else bisect.bisect_left(edges, tokens)
+        key = Key(s.business_type, s.lane, s.client, s.region, ctx)
+        with self._lock:
+            slot = self._cur
+            if slot is None or idx > slot.index:
+                slot = self._rotate(idx)
+            cell = slot.cells.get(key)
+            if cell is None:
+                if key not in self._keys:
+                    if len(self._keys) >= self.max_keys:
+                        self.dropped_keys += 1
+                        key = Key("other", "other", "other", "other", ctx)
+                    self._keys.add(key)
+                cell = slot.cells.get(key)
+                if cell is None:
+                    cell = slot.cells[key] = _Cell(len(self.metrics))
+            cell.total += 1
+            outcome = s.outcome
+            if outcome == SUCCESS:
+                cell.served += 1
+            elif outcome == ERROR:
+                cell.served += 1
+                cell.errors += 1
+            elif outcome == ABORTED:
+                cell.served += 1
+                cell.aborted += 1
+            elif outcome == REJECTED:
+                cell.rejected += 1
+                return
+            else:  # invalid or unknown: counted, not timed (as tailguard.observe.metrics does)
+                return
+            if s.degraded:
+                cell.degraded += 1
+            bufs = cell.bufs
+            limit = self.buffer_limit
+            i = self._i_ttft
+            if i is not None and s.ttft is not None:
+                bufs[i].append(s.ttft)
+                if len(bufs[i]) >= limit:
+                    self._flush(cell, i)
+            i = self._i_queue
+            if i is not None and s.queue_wait is not None:
+                bufs[i].append(s.queue_wait)
+                if len(bufs[i]) >= limit:
+                    self._flush(cell, i)
+            i = self._i_itl
+            if i is not None and s.itl:
+                bufs[i].extend(s.itl)
+                if len(bufs[i]) >= limit:
+                    self._flush(cell, i)
+            stages = s.stages
+            if stages:
+                cell.stage_n += 1
+                ss, sq = cell.stage_sum, cell.stage_sq
+                for j, name in enumerate(STAGES):
+                    v = stages.get(name)
+                    if v:
+                        ss[j] += v
+                        sq[j] += v * v
+                i = self._i_tok
+                if i is not None and "tokenize" in stages:
+                    bufs[i].append(stages["tokenize"])
+                i = self._i_pre
+                if i is not None and "prefill" in stages:
+                    bufs[i].append(stages["prefill"])
+            if outcome != SUCCESS:
+                return  # E2E and TPOT describe complete answers only
+            e2e = s.e2e
+            if e2e is None:
+                return
+            i = self._i_e2e
+            if i is not None:
+                bufs[i].append(e2e)
+                if len(bufs[i]) >= limit:
+                    self._flush(cell, i)
+            i = self._i_tpot
+            if i is not None and s.tpot is not None:
+                bufs[i].append(s.tpot)
+            if e2e > 0:
+                lg = math.log(e2e)
+                cell.log_n += 1
+                cell.log_sum += lg
+                cell.log_sq += lg * lg
+            top = slot.top
+            if len(top) < self.top_per_slot:
+                self._seq += 1
+                heapq.heappush(top, (e2e, self._seq, s.request_id, key, dict(stages) if stages else None, now))
+            elif e2e > top[0][0]:
+                self._seq += 1
+                heapq.heapreplace(top, (e2e, self._seq, s.request_id, key, dict(stages) if stages else None, now))
+
+    # --- queries -------------------------------------------------------------------------------------------------
+    def advance(self, now: float | None = None) -> None:
+        """Turn the ring up to ``now`` even without traffic (evaluate calls it)."""
+        if now is None:
+            now = self.clock()
+        idx = int(now // self.slot_s)
+        with self._lock:
+            if self._cur is None or idx > self._cur.index:
+                self._rotate(idx)
+
+    def _window_slots(self, n_slots: int, now: float) -> tuple[list[_Slot], _Slot | None, int]:
+        idx = int(now // self.slot_s)
+        lo = idx - n_slots
+        closed = [s for s in self._ring if lo < s.index <= idx and s.closed]
+        cur = self._cur if self._cur is not None and lo < self._cur.index <= idx and not self._cur.closed else None
+        return closed, cur, idx
+
+    def _closed_digest(self, key: Key, mi: int, slots: list[_Slot], cache_id: tuple[int, int]) -> tuple[int, Any]:
+        if self._cache_idx != cache_id:
+            self._cache = {}
+            self._cache_idx = cache_id
+        ck = (key, mi)
+        hit = self._cache.get(ck)
+        if hit is not None:
+            return hit
+        merged: TDigest | None = None
+        n = 0
+        for s in slots:
+            c = s.cells.get(key)
+            if c is None:
+                continue
+            d = c.digests[mi]
+            if d is None:
+                continue
+            n += d.n_values
+            if merged is None:
+                merged = d.copy()
+            else:
+                merged.merge_inplace(d)
+        hit = (n, merged)
+        self._cache[ck] = hit
+        return hit
+
+    def query(
+        self,
+        selector: Selector | None = None,
+        window_s: float = 300.0,
+        now: float | None = None,
+        metrics: Iterable[str] | None = None,
+        peak: bool = False,
+        keys: Iterable[Key] | None = None,
+    ) -> WindowStats:
+        """Merge the window's slots for the keys ``selector`` matches (or the given ``keys``)."""
+        if now is None:
+            now = self.clock()
+        n_slots = max(1, min(self.max_slots, math.ceil(window_s / self.slot_s - 1e-9)))
+        sel = selector or Selector()
+        wanted = [m for m in (metrics or self.metrics) if m in self._mi]
+        with self._lock:
+            closed, cur, idx = self._window_slots(n_slots, now)
+            if keys is None:
+                keys = [k for k in self._keys if self.key_matches(k, sel, peak)]
+            keys = list(keys)
+            stats = WindowStats(window_s=n_slots * self.slot_s, start=(idx - n_slots + 1) * self.slot_s, end=now)
+            for slot in ([*closed, cur] if cur is not None else closed):
+                for k in keys:
+                    c = slot.cells.get(k)
+                    if c is None:
+                        continue
+                    stats.total += c.total
+                    stats.served += c.served
+                    stats.errors += c.errors
+                    stats.rejected += c.rejected
+                    stats.aborted += c.aborted
+                    stats.degraded += c.degraded
+                    stats.log_n += c.log_n
+                    stats.log_sum += c.log_sum
+                    stats.log_sq += c.log_sq
+                    stats.stage_n += c.stage_n
+                    for i in range(len(STAGES)):
+                        stats.stage_sum[i] += c.stage_sum[i]
+                        stats.stage_sq[i] += c.stage_sq[i]
+            cache_id = (n_slots, idx)
+            for m in wanted:
+                mi = self._mi[m]
+                merged: TDigest | None = None
+                n = 0
+                for k in keys:
+                    kn, kd = self._closed_digest(k, mi, closed, cache_id)
+                    parts = [kd] if kd is not None else []
+                    if cur is not None:
+                        c = cur.cells.get(k)
+                        if c is not None:
+                            if c.digests[mi] is not None:
+                                parts.append(c.digests[mi])
+                                kn += c.digests[mi].n_values
+                            if c.bufs[mi]:
+                                parts.append(TDigest.from_values(c.bufs[mi], max_centroids=self.max_centroids))
+                                kn += len(c.bufs[mi])
+                    for d in parts:
+                        if merged is None:
+                            merged = d.copy()
+                        else:
+                            merged.merge_inplace(d)
+                    n += kn
+                stats.metrics[m] = MetricStats(n=n, digest=merged)
+        return stats
+
+    def slowest(
+        self, window_s: float, now: float | None = None, selector: Selector | None = None, peak: bool = False
+    ) -> list[dict[str, Any]]:
+        """The slowest requests kept in the window (the top ``top_per_slot`` of each slot), slowest first."""
+        if now is None:
+            now = self.clock()
+        n_slots = max(1, min(self.max_slots, math.ceil(window_s / self.slot_s - 1e-9)))
+        sel = selector or Selector()
+        with self._lock:
+            closed, cur, _ = self._window_slots(n_slots, now)
+            items = [e for s in ([*closed, cur] if cur is not None else closed) for e in s.top]
+        out = [
+            {"request_id": rid, "e2e": e2e, "key": key._asdict(), "stages": stages, "at": at}
+            for e2e, _seq, rid, key, stages, at in items
+            if self.key_matches(key, sel, peak)
+        ]
+        out.sort(key=lambda r: -r["e2e"])
+        return out
+
+    def requests_in(self, seconds: float, now: float | None = None) -> int:
+        """Finished requests in the last ``seconds`` (slot-aligned), for rate estimates."""
+        if now is None:
+            now = self.clock()
+        n_slots = max(1, min(self.max_slots, math.ceil(seconds / self.slot_s - 1e-9)))
+        with self._lock:
+            closed, cur, _ = self._window_slots(n_slots, now)
+            return sum(c.total for s in ([*closed, cur] if cur is not None else closed) for c in s.cells.values())
