@@ -47,10 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--force", action="store_true")
     model_sub.add_parser("path", help="print where the model file is")
 
-    demo = sub.add_parser("demo", help="a burst of concurrent chat requests through the embedded engine, with a report")
+    demo = sub.add_parser("demo", help="serve the embedded model, send a burst of chat requests, bench it, report")
     _add_engine_args(demo)
-    demo.add_argument("--requests", type=int, default=16)
+    demo.add_argument("--requests", type=int, default=16, help="concurrent requests in the burst")
     demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--bench-requests", type=int, default=40, help="requests of the bench run (0: no bench run)")
+    demo.add_argument("--bench-rate", type=float, default=1.0, help="Poisson arrival rate of the bench run (req/s)")
     demo.add_argument("--output-dir", default="runs/demo")
 
     serve = sub.add_parser("serve", help="OpenAI-compatible server with per-request timelines, metrics and a store")
@@ -73,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tailguard.slo.cli import add_slo_parser
 
     add_slo_parser(sub)
+
+    from tailguard.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
 
     gen = sub.add_parser("generate", help="generate from one prompt on the embedded engine")
     _add_engine_args(gen)
@@ -102,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         from tailguard.slo.cli import run_slo
 
         return run_slo(args)
+    if args.command == "bench":
+        from tailguard.bench.cli import run_bench
+
+        return run_bench(args)
     if args.command == "generate":
         from tailguard.engine.engine import LLMEngine
         from tailguard.engine.request import SamplingParams
