@@ -390,7 +390,8 @@ async def serve(script: FakeScript, port: int = 0, ready=None, host: str = "127.
     server.close()
 
 
-def _run(script: FakeScript, port: int, ready) -> None:
+def run_server(script: FakeScript, port: int, ready=None) -> None:
+    """Serve in this process (uvloop when present) until shut down or ``script.max_lifetime`` passes."""
     try:
         import uvloop
 
@@ -471,12 +472,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.script_json:
         script = FakeScript(**json.loads(a.script_json))
-        _run(script, a.port, lambda port: print(f"LISTENING {port}", flush=True))
+        run_server(script, a.port, lambda port: print(f"LISTENING {port}", flush=True))
         return 0
     script = FakeScript(ttft=a.ttft, itl=a.itl, jitter=a.jitter, max_lifetime=a.max_lifetime, spin=a.spin,
                         multi_token_every=a.multi_token_every, multi_token_size=a.multi_token_size,
                         timeline=not a.no_timeline, seed=a.seed)
-    _run(script, a.port, lambda port: print(f"fake OpenAI server on http://127.0.0.1:{port} "
+    run_server(script, a.port, lambda port: print(f"fake OpenAI server on http://127.0.0.1:{port} "
                                             f"(exits after {script.max_lifetime:.0f} s)", flush=True))
     return 0
 

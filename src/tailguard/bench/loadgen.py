@@ -249,20 +249,29 @@ async def run_load(transport, ep: Endpoint, workload, plan: LoadPlan, opts: Requ
 
         async def worker() -> None:
             nonlocal counter
+            nxt: tuple[int, tuple] | None = None
             while True:
-                if limit is not None and counter >= limit:
-                    return
+                if nxt is None:
+                    if limit is not None and counter >= limit:
+                        return
+                    nxt = (counter, build(counter))
+                    counter += 1
                 intended = perf()
                 if deadline is not None and intended >= deadline:
                     return
-                i = counter
-                counter += 1
-                body, headers, spec, rid = build(i)
+                (i, (body, headers, spec, rid)), nxt = nxt, None
                 res = RequestResult(i, rid, spec, intended, is_warmup(i, intended - t0))
                 results.append(res)
                 prog.sent += 1
                 await sem.acquire()
-                await one(res, body, headers)
+                task = loop.create_task(one(res, body, headers))
+                # Build the next body while this request is in flight (after its send has started), so that bench
+                # work never sits between one answer's end and the next send, where it would count as latency.
+                await asyncio.sleep(0)
+                if limit is None or counter < limit:
+                    nxt = (counter, build(counter))
+                    counter += 1
+                await task
 
         while perf() < t0:
             await asyncio.sleep(0)

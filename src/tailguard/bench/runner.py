@@ -135,8 +135,12 @@ class _Display:
 
         self.total = total
         self.duration = duration
+        from rich.console import Console
+
+        # on stderr, so that stdout keeps only the summary (scripts may parse it)
         self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.fields[stats]}"), transient=False)
+                                 TimeElapsedColumn(), TextColumn("{task.fields[stats]}"), transient=False,
+                                 console=Console(stderr=True))
         self.task = self.progress.add_task(label, total=total or (duration or 1) * 1.0, stats="")
 
     def __enter__(self):

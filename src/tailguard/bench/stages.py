@@ -210,7 +210,8 @@ def timing_error(pairs: list[tuple[RequestMetrics, RequestResult]]) -> dict | No
         return None
 
     def q(v, p):
-        return float(np.percentile(np.asarray(v), p)) if v else None
+        a = np.asarray(v, dtype=float)
+        return float(np.percentile(a, p)) if a.size else None
 
     return {
         "requests": len(ttft_d),

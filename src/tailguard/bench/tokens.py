@@ -7,10 +7,13 @@ measure the per-language cost of tokenization (requirement L1).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import threading
 import time
 from functools import lru_cache
+from pathlib import Path
 
 _APPROX_RE = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uf900-\ufaff\uac00-\ud7af]|\s*[A-Za-z]+|\s*\d|\s*[^\sA-Za-z\d]|\s+")
 _CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uf900-\ufaff\uac00-\ud7af]")
@@ -53,24 +56,46 @@ class ApproxTokenizer:
 
 
 class GGUFTokenCounter:
-    """The model's own tokenizer (byte-level BPE from a GGUF), bypassing its encode cache for honest timings."""
+    """The model's own tokenizer (byte-level BPE from a GGUF), without an encode cache, for honest timings.
+
+    Parsing the GGUF's metadata takes seconds (tens on a busy machine), so the built tokenizer is saved once as a
+    ``tokenizer.json`` under ``~/.cache/tailguard/bench`` (keyed by the file's size and mtime) and loaded from there.
+    """
 
     def __init__(self, path, name: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.name = name
+        path = Path(path)
+        st = path.stat()
+        cache = _cache_dir() / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}.tokenizer.json"
+        if cache.is_file():
+            self._tok = Tokenizer.from_file(str(cache))
+            return
         from tailguard.engine.tokenizer import GGUFTokenizer
 
-        self._t = GGUFTokenizer(path, cache_size=0)
-        self.name = name
+        self._tok = GGUFTokenizer(path, cache_size=0)._tok
+        with contextlib.suppress(OSError):  # a read-only home only costs the next start its seconds
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+            self._tok.save(str(tmp))
+            os.replace(tmp, cache)
 
     def encode(self, text: str) -> list[int]:
-        return self._t._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     encode_uncached = encode
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._t._tok.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
-        return self._t.decode(list(ids))
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tailguard" / "bench"
 
 
 @lru_cache(maxsize=4)

@@ -1,0 +1,484 @@
+"""``tailguard bench ...``: run a load test, compare two runs (a CI gate), sweep for capacity, or start a fake server.
+
+Wired into the main CLI with ``add_bench_parser(sub)`` and ``run_bench(args)``. Every bad input ends in one line on
+stderr and exit code 2 (never a traceback); a failed ``--gate`` or ``--fail-on-slo`` exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+__all__ = ["add_bench_parser", "run_bench"]
+
+EXIT_USAGE = 2
+EXIT_GATE = 1
+
+
+class UsageError(ValueError):
+    """A bad flag value or input file: reported in one line, exit code 2."""
+
+
+# --- parser ---------------------------------------------------------------------------------------------------
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("target")
+    t.add_argument("--url", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    t.add_argument("--model", help="model name to request (default: the first one /v1/models lists)")
+    t.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
+                   help="/v1/chat/completions (default) or /v1/completions")
+    t.add_argument("--no-stream", dest="stream", action="store_false", help="ask for whole answers, not SSE")
+    t.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY or $TAILGUARD_API_KEY)")
+    t.add_argument("--header", action="append", default=[], metavar="NAME:VALUE", help="extra header (repeatable)")
+    t.add_argument("--http-client", choices=["aiohttp", "httpx"], default="aiohttp")
+    t.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+
+    ld = p.add_argument_group("load")
+    mode = ld.add_mutually_exclusive_group()
+    mode.add_argument("--concurrency", type=int, help="closed loop: N streams, each sends when its last answer ends")
+    mode.add_argument("--rate", type=float, help="open loop: R requests/s on average (latency from intended send)")
+    ld.add_argument("--arrival", choices=["poisson", "gamma", "constant"], default="poisson")
+    ld.add_argument("--burstiness", type=float, default=1.0,
+                    help="gamma shape: 1 = Poisson, < 1 burstier, > 1 more regular")
+    size = ld.add_mutually_exclusive_group()
+    size.add_argument("--num-requests", type=int, help="measured requests (default 100; a trace: all of it)")
+    size.add_argument("--duration", type=float, help="seconds of load instead of a request count")
+    ld.add_argument("--warmup-requests", type=int, default=0, help="first N requests sent but not measured")
+    ld.add_argument("--warmup-seconds", type=float, default=0.0, help="requests sent in the first S s not measured")
+    ld.add_argument("--max-inflight", type=int, default=10_000, help="open loop: cap on requests in flight")
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=["synthetic", "long", "jsonl", "trace"], default=None,
+                   help="synthetic (default), long (long-context document + question), jsonl, trace")
+    w.add_argument("--input-tokens", type=int, default=256, help="prompt length in tokens (synthetic, long)")
+    w.add_argument("--output-tokens", type=int, default=128, help="max_tokens (fixed where the server allows)")
+    w.add_argument("--input-spread", type=float, default=0.0, help="prompt length uniform +- this fraction")
+    w.add_argument("--output-spread", type=float, default=0.0, help="output length uniform +- this fraction")
+    w.add_argument("--langs", default="en", help="comma list of en, zh, mixed (requests cycle through them)")
+    w.add_argument("--jsonl", help="JSONL file: prompt or messages, optional max_tokens, business_type, user")
+    w.add_argument("--trace", help="trace to replay: conv, code (Azure 2023, shipped) or a CSV path")
+    w.add_argument("--trace-speedup", type=float, default=1.0, help="replay the trace this many times faster")
+    w.add_argument("--length-scale", type=float, default=1.0, help="multiply the trace's token lengths")
+    w.add_argument("--trace-start", type=float, default=0.0, help="start this many trace seconds in")
+    w.add_argument("--trace-duration", type=float, help="replay only this many trace seconds")
+    w.add_argument("--max-input-tokens", type=int, help="clip trace prompt lengths")
+    w.add_argument("--max-output-tokens", type=int, help="clip trace output lengths")
+    w.add_argument("--business-type", help="X-Business-Type of every synthetic request (e.g. vip, mobile)")
+    w.add_argument("--no-fixed-output", dest="fixed_output", action="store_false",
+                   help="do not send ignore_eos/min_tokens (answers end where the model stops)")
+    w.add_argument("--continuous-usage", action="store_true",
+                   help="ask for usage on every chunk (vLLM's continuous_usage_stats): exact tokens per chunk")
+    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--tokenizer", default="auto",
+                   help="local token counter: auto (SmolLM2 when pulled, else approx), approx, or a .gguf path")
+
+    a = p.add_argument_group("analysis and output")
+    a.add_argument("--profiles", default="baseline,advanced,strict",
+                   help="comma list of SLO profiles to judge: built-in names or YAML files")
+    a.add_argument("--profiles-file", action="append", default=[], metavar="YAML",
+                   help="YAML file of custom SLO profiles (repeatable; added to --profiles)")
+    a.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates for confidence intervals")
+    a.add_argument("--join", choices=["auto", "fetch", "off"], default="auto",
+                   help="stage join with the server's timeline: auto, fetch (GET /v1/requests/{id}), off")
+    a.add_argument("--join-max", type=int, default=2000, help="most records to fetch for the join")
+    a.add_argument("--no-probe", dest="probe", action="store_false",
+                   help="skip the unmeasured probe request that finds which options the server accepts")
+    a.add_argument("--output-dir", help="where results.json, requests.csv and report.html go "
+                                        "(default runs/bench-YYYYmmdd-HHMMSS)")
+    a.add_argument("--label", help="a name for this run (shown by compare)")
+    a.add_argument("--seed", type=int, default=0, help="seeds arrivals, prompts and the bootstrap")
+    a.add_argument("--fail-on-slo", action="store_true", help="exit 1 when any judged SLO profile fails")
+    a.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary table")
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    bench = subparsers.add_parser(
+        "bench", help="load-test an OpenAI-compatible server: latency percentiles, stage split, SLO verdicts",
+        description="Run a load test (tailguard bench --url URL ...), or: compare, sweep, fake-server.")
+    _add_run_args(bench)
+    sub = bench.add_subparsers(dest="bench_command", required=False, metavar="{compare,sweep,fake-server}")
+
+    cmp = sub.add_parser("compare", help="B vs A: deltas with confidence intervals; --gate for CI")
+    cmp.add_argument("a", help="baseline results.json (or a run directory)")
+    cmp.add_argument("b", help="candidate results.json (or a run directory)")
+    cmp.add_argument("--html", help="also write an HTML comparison here")
+    cmp.add_argument("--json", dest="json_out", help="also write the comparison as JSON here")
+    cmp.add_argument("--gate", action="store_true",
+                     help="exit 1 when a gated percentile regressed significantly or B fails an SLO profile")
+    cmp.add_argument("--gate-percentiles", default="50", help="comma list of gated percentiles (default 50)")
+    cmp.add_argument("--gate-metrics", default="ttft,itl,tpot,e2e", help="comma list of gated metrics")
+    cmp.add_argument("--min-rel", type=float, default=0.05, help="smallest relative regression that fails the gate")
+    cmp.add_argument("--min-abs-ms", type=float, default=1.0, help="smallest absolute regression (ms) that fails")
+    cmp.add_argument("--no-slo-gate", dest="slo_gate", action="store_false",
+                     help="do not fail the gate on B's SLO verdicts")
+    cmp.add_argument("--bootstrap", type=int, default=1000)
+    cmp.add_argument("--seed", type=int, default=0)
+
+    sw = sub.add_parser("sweep", help="the highest offered rate at which an SLO profile still passes")
+    _add_run_args(sw)
+    sw.add_argument("--profile", default="baseline", help="the profile to meet (built-in name or YAML file)")
+    sw.add_argument("--start-rate", type=float, default=1.0)
+    sw.add_argument("--max-rate", type=float, default=1000.0)
+    sw.add_argument("--factor", type=float, default=2.0, help="growth factor between steps before bisecting")
+    sw.add_argument("--refine", type=int, default=3, help="bisection steps between the last pass and first fail")
+    sw.add_argument("--max-steps", type=int, default=20)
+
+    fk = sub.add_parser("fake-server", help="a scripted OpenAI-compatible server on 127.0.0.1 (for trying the bench)")
+    fk.add_argument("--port", type=int, default=8011, help="port (0: any free one)")
+    fk.add_argument("--ttft", type=float, default=0.02, help="seconds from request to first token")
+    fk.add_argument("--itl", type=float, default=0.005, help="seconds between chunks")
+    fk.add_argument("--jitter", type=float, default=0.0, help="each wait times 1 + U(-jitter, +jitter)")
+    fk.add_argument("--ttft-per-prompt-token", type=float, default=0.0)
+    fk.add_argument("--multi-token-every", type=int, default=0, help="every k-th chunk carries several tokens")
+    fk.add_argument("--multi-token-size", type=int, default=2)
+    fk.add_argument("--eos-after", type=int, help="stop after N tokens unless ignore_eos")
+    fk.add_argument("--error-every", type=int, default=0, help="every k-th request fails (HTTP 500)")
+    fk.add_argument("--no-timeline", action="store_true", help="no tailguard stage object or /v1/requests/{id}")
+    fk.add_argument("--reject-fixed-length", action="store_true", help="answer 400 to ignore_eos/min_tokens")
+    fk.add_argument("--spin", type=float, default=0.001,
+                    help="last seconds of each wait spent polling (sharper timing, more CPU)")
+    fk.add_argument("--seed", type=int, default=0)
+    fk.add_argument("--max-lifetime", type=float, default=3600.0, help="exit by itself after this many seconds")
+    return bench
+
+
+# --- validation -----------------------------------------------------------------------------------------------
+
+def _positive(name: str, v: float | None, allow_zero: bool = False) -> None:
+    if v is not None and (v < 0 or (v == 0 and not allow_zero)):
+        raise UsageError(f"{name} must be {'non-negative' if allow_zero else 'positive'}, got {v:g}")
+
+
+def _headers(items: list[str]) -> dict[str, str]:
+    out = {}
+    for h in items:
+        k, sep, v = h.partition(":")
+        if not sep or not k.strip():
+            raise UsageError(f"--header wants NAME:VALUE, got {h!r}")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def _check_url(url: str | None) -> str:
+    if not url:
+        raise UsageError("--url is required (the base URL of an OpenAI-compatible server, e.g. "
+                         "http://127.0.0.1:8000)")
+    u = urlparse(url)
+    if u.scheme not in ("http", "https") or not u.netloc:
+        raise UsageError(f"--url must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
+    # a URL given with the API path (as people paste it) is cut back to the base
+    base = url.rstrip("/")
+    for suffix in ("/v1/chat/completions", "/v1/completions", "/v1"):
+        if base.endswith(suffix):
+            base = base[: -len(suffix)]
+            break
+    return base
+
+
+def _discover_model(url: str, headers: dict[str, str], timeout: float = 10.0) -> str:
+    """The first model that ``GET /v1/models`` lists."""
+    import httpx
+
+    try:
+        r = httpx.get(url + "/v1/models", headers=headers, timeout=timeout, trust_env=False)
+        data = r.json().get("data") or []
+        if r.status_code == 200 and data and data[0].get("id"):
+            return str(data[0]["id"])
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        raise UsageError(f"--model not given and {url}/v1/models could not be read ({exc}); pass --model") from None
+    raise UsageError(f"--model not given and {url}/v1/models lists no model; pass --model")
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """A validated BenchConfig from the parsed flags (raises UsageError on any bad value)."""
+    from tailguard.bench.profiles import load_profiles
+    from tailguard.bench.runner import BenchConfig
+    from tailguard.bench.workloads import BUILTIN_TRACES, LANGS
+
+    url = _check_url(args.url)
+    headers = _headers(args.header)
+    for name in ("concurrency", "num_requests", "input_tokens", "output_tokens", "max_inflight", "join_max",
+                 "max_input_tokens", "max_output_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+    for name in ("rate", "duration", "burstiness", "trace_speedup", "length_scale", "timeout", "trace_duration"):
+        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    for name in ("warmup_requests", "warmup_seconds", "trace_start", "input_spread", "output_spread", "bootstrap"):
+        _positive("--" + name.replace("_", "-"), getattr(args, name), allow_zero=True)
+    if args.input_spread >= 1 or args.output_spread >= 1:
+        raise UsageError("--input-spread and --output-spread are fractions below 1")
+    langs = tuple(x.strip() for x in args.langs.split(",") if x.strip())
+    bad = [x for x in langs if x not in LANGS]
+    if not langs or bad:
+        raise UsageError(f"--langs takes a comma list of {', '.join(LANGS)}; got {args.langs!r}")
+    workload = args.workload or ("jsonl" if args.jsonl else "trace" if args.trace else "synthetic")
+    if workload == "jsonl":
+        if not args.jsonl:
+            raise UsageError("--workload jsonl needs --jsonl PATH")
+        if not Path(args.jsonl).is_file():
+            raise UsageError(f"--jsonl: no such file: {args.jsonl}")
+    elif args.jsonl:
+        raise UsageError(f"--jsonl goes with --workload jsonl, not --workload {workload}")
+    if workload == "trace":
+        trace = args.trace or "conv"
+        if trace not in BUILTIN_TRACES and not Path(trace).is_file():
+            raise UsageError(f"--trace: {trace!r} is neither a built-in trace ({', '.join(BUILTIN_TRACES)}) "
+                             "nor a CSV file")
+        if args.concurrency:
+            raise UsageError("a trace replays its own arrival times: use --trace-speedup or --rate, not "
+                             "--concurrency")
+    elif args.trace:
+        raise UsageError(f"--trace goes with --workload trace, not --workload {workload}")
+    else:
+        trace = None
+    profiles = [x.strip() for x in args.profiles.split(",") if x.strip()] + list(args.profiles_file)
+    for f in args.profiles_file:
+        if not Path(f).is_file():
+            raise UsageError(f"--profiles-file: no such file: {f}")
+    try:
+        load_profiles(profiles)  # validate now, not after the load
+    except Exception as exc:  # YAML syntax errors and schema errors alike
+        raise UsageError(f"SLO profiles: {exc}") from None
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("TAILGUARD_API_KEY")
+    model = args.model
+    if not model:
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        model = _discover_model(url, {**headers, **auth})
+    return BenchConfig(
+        url=url, model=model, endpoint=args.endpoint, stream=args.stream, api_key=api_key, headers=headers,
+        concurrency=args.concurrency, rate=args.rate, arrival=args.arrival, burstiness=args.burstiness,
+        num_requests=args.num_requests, duration=args.duration, warmup_requests=args.warmup_requests,
+        warmup_seconds=args.warmup_seconds, max_inflight=args.max_inflight, timeout=args.timeout,
+        workload=workload, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
+        input_spread=args.input_spread, output_spread=args.output_spread, langs=langs, jsonl=args.jsonl,
+        trace=trace, trace_speedup=args.trace_speedup, length_scale=args.length_scale, trace_start=args.trace_start,
+        trace_duration=args.trace_duration, max_input_tokens=args.max_input_tokens,
+        max_output_tokens=args.max_output_tokens, business_type=args.business_type, fixed_output=args.fixed_output,
+        continuous_usage=args.continuous_usage, temperature=args.temperature, profiles=tuple(profiles),
+        seed=args.seed, bootstrap=args.bootstrap, http_client=args.http_client, join=args.join,
+        join_max=args.join_max, tokenizer=args.tokenizer, probe=args.probe, output_dir=args.output_dir,
+        progress=not args.quiet, label=args.label,
+    )
+
+
+# --- commands -------------------------------------------------------------------------------------------------
+
+def run_bench(args: argparse.Namespace) -> int:
+    try:
+        cmd = getattr(args, "bench_command", None)
+        if cmd == "compare":
+            return _cmd_compare(args)
+        if cmd == "fake-server":
+            return _cmd_fake_server(args)
+        if cmd == "sweep":
+            return _cmd_run(args, sweep=True)
+        return _cmd_run(args, sweep=False)
+    except UsageError as exc:
+        print(f"tailguard bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("tailguard bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _cmd_run(args: argparse.Namespace, sweep: bool) -> int:
+    from tailguard.bench.runner import default_output_dir, execute, write_outputs
+
+    cfg = config_from_args(args)
+    console = _console()
+    try:
+        if sweep:
+            _positive("--start-rate", args.start_rate)
+            _positive("--max-rate", args.max_rate)
+            if args.factor <= 1:
+                raise UsageError("--factor must be above 1")
+            if args.rate or args.concurrency:
+                raise UsageError("the sweep chooses the rate itself: drop --rate/--concurrency")
+            if cfg.num_requests is None and cfg.duration is None:
+                cfg.num_requests = 200  # per step
+            from tailguard.bench.profiles import load_profiles
+            from tailguard.bench.sweep import sweep as run_sweep
+
+            try:
+                prof = load_profiles([args.profile])[0].name
+            except Exception as exc:
+                raise UsageError(f"--profile: {exc}") from None
+            if args.profile not in cfg.profiles:
+                cfg.profiles = (*cfg.profiles, args.profile)
+
+            def on_step(s: dict) -> None:
+                if not args.quiet:
+                    verdict = "[green]pass[/]" if s["pass"] else "[red]fail[/]"
+                    console.print(f"  rate {s['rate']:8.2f} req/s: {verdict}  E2E P99 {_ms(s['e2e_p99_s'])} ms  "
+                                  f"TTFT P99 {_ms(s['ttft_p99_s'])} ms  achieved {s['achieved_rps'] or 0:.2f} req/s")
+
+            if not args.quiet:
+                console.print(f"sweep against the {prof} profile, {cfg.num_requests or cfg.duration} "
+                              f"{'requests' if cfg.num_requests else 's'} per step")
+            results, ms = _run_async(run_sweep(cfg, profile=prof, start=args.start_rate, max_rate=args.max_rate,
+                                               factor=args.factor, refine=args.refine, max_steps=args.max_steps,
+                                               on_step=on_step))
+        else:
+            results, ms = _run_async(execute(cfg))
+    except (ValueError, FileNotFoundError) as exc:  # bad workload files, empty trace windows, ...
+        raise UsageError(str(exc)) from None
+    except ConnectionError as exc:
+        raise UsageError(str(exc)) from None
+    out = Path(args.output_dir) if args.output_dir else default_output_dir()
+    try:
+        paths = write_outputs(results, ms, out)
+    except OSError as exc:
+        raise UsageError(f"cannot write to {out}: {exc}") from None
+    if not args.quiet:
+        print_summary(results, console)
+        for kind in ("json", "csv", "html"):
+            console.print(f"{kind:>4}: {paths[kind]}")
+    else:
+        print(paths["html"])
+    if args.fail_on_slo and any(v.get("evaluated") and not v.get("pass") for v in results["slo"].values()):
+        return EXIT_GATE
+    return 0
+
+
+def _run_async(coro):
+    import asyncio
+
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover
+        return asyncio.run(coro)
+
+
+def _resolve_results(p: str) -> str:
+    path = Path(p)
+    if path.is_dir():
+        path = path / "results.json"
+    if not path.is_file():
+        raise UsageError(f"no such results file: {p}")
+    return str(path)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from tailguard.bench.compare import METRICS, GateRules, run_compare
+
+    try:
+        pcts = tuple(float(x) for x in args.gate_percentiles.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"--gate-percentiles takes numbers such as 50,99; got {args.gate_percentiles!r}") from None
+    metrics = tuple(x.strip().lower() for x in args.gate_metrics.split(",") if x.strip())
+    if not pcts or any(not 0 < q < 100 for q in pcts):
+        raise UsageError("--gate-percentiles must lie in (0, 100)")
+    if not metrics or any(m not in METRICS for m in metrics):
+        raise UsageError(f"--gate-metrics takes a comma list of {', '.join(METRICS)}")
+    rules = GateRules(percentiles=pcts, metrics=metrics, min_rel=args.min_rel, min_abs=args.min_abs_ms / 1e3,
+                      slo=args.slo_gate)
+    a, b = _resolve_results(args.a), _resolve_results(args.b)
+    try:
+        cmp = run_compare(a, b, rules, html_path=args.html, json_path=args.json_out, reps=args.bootstrap,
+                          console=_console())
+    except (ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise UsageError(f"cannot compare {a} and {b}: {exc}") from None
+    except OSError as exc:
+        raise UsageError(str(exc)) from None
+    if args.html:
+        _console().print(f"html: {args.html}")
+    return EXIT_GATE if args.gate and not cmp["gate"]["pass"] else 0
+
+
+def _cmd_fake_server(args: argparse.Namespace) -> int:
+    from tailguard.bench.fakeserver import FakeScript, run_server
+
+    for name in ("ttft", "itl", "jitter", "spin", "ttft_per_prompt_token"):
+        _positive("--" + name.replace("_", "-"), getattr(args, name), allow_zero=True)
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be 0..65535, got {args.port}")
+    script = FakeScript(ttft=args.ttft, itl=args.itl, jitter=args.jitter,
+                        ttft_per_prompt_token=args.ttft_per_prompt_token, multi_token_every=args.multi_token_every,
+                        multi_token_size=args.multi_token_size, eos_after=args.eos_after,
+                        error_every=args.error_every, timeline=not args.no_timeline,
+                        accept_fixed_length=not args.reject_fixed_length, spin=args.spin, seed=args.seed,
+                        max_lifetime=args.max_lifetime)
+
+    def ready(port: int) -> None:
+        print(f"fake OpenAI-compatible server on http://127.0.0.1:{port} (model 'fake'; exits after "
+              f"{script.max_lifetime:.0f} s; Ctrl-C stops it)", flush=True)
+
+    try:
+        run_server(script, args.port, ready)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on 127.0.0.1:{args.port}: {exc}") from None
+    return 0
+
+
+# --- the summary table ----------------------------------------------------------------------------------------
+
+def _console():
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _ms(x: float | None, nd: int = 1) -> str:
+    return "–" if x is None else f"{x * 1e3:.{nd}f}"
+
+
+def print_summary(results: dict, console=None) -> None:
+    """The end-of-run table: percentiles with CIs, throughput, verdicts, stages and warnings."""
+    from rich.table import Table
+
+    console = console or _console()
+    s = results["summary"]
+    tp = s["throughput"]
+    run = results["run"]
+    t = Table(title=f"tailguard bench: {run['target']['model']} at {run['target']['url']} ({run['id']})")
+    t.add_column("metric", justify="left")
+    t.add_column("n", justify="right")
+    t.add_column("mean ms", justify="right")
+    for q in ("P50", "P90", "P95", "P99", "P99.9"):
+        t.add_column(f"{q} ms", justify="right")
+    t.add_column("P99 95% CI", justify="right")
+    names = {"ttft": "TTFT", "itl": "ITL", "tpot": "TPOT", "e2e": "E2E"}
+    for k, label in names.items():
+        d = results["metrics"].get(k) or {}
+        if not d.get("count"):
+            continue
+        pc = d.get("percentiles") or {}
+        cells = [_ms((pc.get(q) or {}).get("value"), 2) for q in ("p50", "p90", "p95", "p99", "p99.9")]
+        ci = (pc.get("p99") or {}).get("ci")
+        cells.append(f"{_ms(ci[0], 1)}–{_ms(ci[1], 1)}" if ci else "–")
+        t.add_row(label, str(d["count"]), _ms(d.get("mean"), 2), *cells)
+    console.print(t)
+    r = s["requests"]
+    console.print(f"{r['completed']}/{r['measured']} requests completed ({r['warmup']} warm-up excluded, "
+                  f"{r['failed']} failed) in {s['duration_s']:.2f} s: [bold]{(tp['requests_per_s'] or 0):.2f} "
+                  f"req/s[/], {(tp['output_tokens_per_s'] or 0):.1f} output tokens/s, error rate "
+                  f"{(s['error_rate'] or 0) * 100:.2f}%")
+    st = results.get("stages") or {}
+    if st.get("mode") not in (None, "none"):
+        labels = st.get("labels") or {}
+        share = st.get("share_of_e2e") or {}
+        parts = ", ".join(f"{labels.get(k, k)} {share.get(k, 0) * 100:.0f}%" for k in st["stages"])
+        console.print(f"where the time goes ({st['mode']} split): {parts}")
+    v = Table(title="SLO verdicts")
+    for c in ("profile", "verdict", "goodput req/s", "failed checks"):
+        v.add_column(c, justify="left")
+    for name, res in (results.get("slo") or {}).items():
+        verdict = ("[green]PASS[/]" if res["pass"] else "[red]FAIL[/]") if res["evaluated"] else "[dim]n/a[/]"
+        failed = "; ".join(c["objective"] for c in res["checks"] if c["status"] == "fail")
+        gp = res.get("goodput_rps")
+        v.add_row(name, verdict, "–" if gp is None else f"{gp:.2f}", failed or "–")
+    console.print(v)
+    for a in results.get("advisories") or []:
+        if a.get("fired"):
+            console.print(f"[yellow]advisory[/] {a['metric'].upper()} {a['rule']} (ratio {a['ratio']:.2f}, "
+                          f"{a['severity']}): {a['action']}")
+    for w in results.get("warnings") or []:
+        console.print(f"[yellow]warning[/] {w}")
