@@ -119,8 +119,10 @@ class ServerMetrics:
         self.requests.labels(*labels, outcome, str(tl.status)).inc()
         if tl.outcome is Outcome.SUCCESS:
             self.success.labels(*labels, tl.finish_reason or "unknown").inc()
-        if tl.outcome in (Outcome.INVALID, Outcome.REJECTED):
-            return  # never reached the engine: their latencies would dilute the served distribution
+        if tl.outcome in (Outcome.INVALID, Outcome.REJECTED) or tl.synthetic:
+            # Never reached the engine (refused, or a degradation template): their latencies would dilute the
+            # served distribution.
+            return
         # Stage times, TTFT and token gaps are real for every request that reached the engine, aborted ones included
         # (a client that gave up in the queue did wait there); E2E and TPOT describe complete answers only.
         for name, hist in (("tokenize", self.tokenize), ("queue", self.queue), ("prefill", self.prefill),

@@ -25,7 +25,7 @@ from tailguard.observe.timeline import Timeline
 
 log = logging.getLogger("tailguard.store")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: lane/client/region/degraded/slo_action columns and the slo_alerts table
 DEFAULT_RETENTION_DAYS = 15.0
 
 _SCHEMA = """
@@ -57,7 +57,12 @@ CREATE TABLE IF NOT EXISTS requests (
     output_text TEXT,                   -- redacted; only with --store-text
     prompt_token_ids TEXT,              -- JSON; tokens of the redacted prompt; only with --store-text
     prompt_token_sha256 TEXT,           -- hash of the real prompt tokens (matches a replay without keeping PII)
-    logprobs TEXT                       -- JSON candidate set (T3), when requested and text storage is on
+    logprobs TEXT,                      -- JSON candidate set (T3), when requested and text storage is on
+    lane TEXT,
+    client TEXT,
+    region TEXT,
+    degraded INTEGER NOT NULL DEFAULT 0, -- 1: answered by the SLO monitor's degradation (template or truncated)
+    slo_action TEXT                     -- JSON: what the SLO monitor did to the request (shed, degrade), else NULL
 );
 CREATE INDEX IF NOT EXISTS idx_requests_request_id ON requests(request_id);
 CREATE INDEX IF NOT EXISTS idx_requests_received_at ON requests(received_at);
@@ -70,13 +75,39 @@ CREATE TABLE IF NOT EXISTS queue_samples (
     kv_blocks_total INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS idx_queue_samples_t ON queue_samples(t);
+CREATE TABLE IF NOT EXISTS slo_alerts (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL,                   -- one id per alert/action: its "raised"/"started" and "cleared"/"undone" rows
+    kind TEXT NOT NULL,                 -- alert | action | hook | advisory | objective
+    name TEXT NOT NULL,                 -- tier_red, scale_out, shed, degrade, p99_over_p50, e2e_p99 ...
+    event TEXT NOT NULL,                -- raised | cleared | started | undone | ok | failed
+    scope TEXT,
+    tier TEXT,
+    at REAL NOT NULL,                   -- unix seconds of this event
+    started_at REAL,
+    ended_at REAL,
+    dry_run INTEGER NOT NULL,
+    alert_id TEXT,                      -- for actions: the alert that caused them
+    figures TEXT NOT NULL,              -- JSON: the numbers that triggered it (percentiles, thresholds, samples)
+    details TEXT NOT NULL               -- JSON
+);
+CREATE INDEX IF NOT EXISTS idx_slo_alerts_at ON slo_alerts(at);
 """
+
+# Columns added after schema version 1, for files written by an older tailguard.
+_ADDED_COLUMNS = (
+    ("lane", "TEXT"), ("client", "TEXT"), ("region", "TEXT"), ("degraded", "INTEGER NOT NULL DEFAULT 0"),
+    ("slo_action", "TEXT"),
+)
+_ALERT_COLUMNS = ("id", "kind", "name", "event", "scope", "tier", "at", "started_at", "ended_at", "dry_run",
+                  "alert_id", "figures", "details")
+_INSERT_ALERT = f"INSERT INTO slo_alerts ({', '.join(_ALERT_COLUMNS)}) VALUES ({', '.join('?' * len(_ALERT_COLUMNS))})"
 
 _COLUMNS = (
     "request_id", "received_at", "endpoint", "model", "user", "business_type", "stream", "status", "outcome",
     "finish_reason", "error", "prompt_tokens", "output_tokens", "e2e", "ttft", "tpot", "tokenize", "queue", "prefill",
     "decode", "stream_time", "record", "prompt_text", "output_text", "prompt_token_ids", "prompt_token_sha256",
-    "logprobs",
+    "logprobs", "lane", "client", "region", "degraded", "slo_action",
 )
 _INSERT = f"INSERT INTO requests ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
 
@@ -112,7 +143,10 @@ def open_schema(path: str) -> int:
         if version > SCHEMA_VERSION:
             raise SchemaError(f"{path} has schema version {version}; this tailguard understands up to {SCHEMA_VERSION}")
         conn.executescript(_SCHEMA)
-        # Future migrations go here: ``if version < 2: ALTER TABLE ...``.
+        have = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
+        for name, decl in _ADDED_COLUMNS:  # version 1 -> 2
+            if name not in have:
+                conn.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
         conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         return SCHEMA_VERSION
     finally:
@@ -177,6 +211,18 @@ class RequestStore:
         self._q.put(("request", timeline))
         return True
 
+    def put_alert(self, record: dict[str, Any]) -> bool:
+        """Queue one SLO alert/action record (a dict of :class:`tailguard.slo.actions.RecordLog`). Thread-safe."""
+        with self._lock:
+            if self._pending >= self._max_backlog:
+                self.dropped += 1
+                if self._on_drop:
+                    self._on_drop(1)
+                return False
+            self._pending += 1
+        self._q.put(("alert", dict(record)))
+        return True
+
     def put_sample(self, t: float, running: int, waiting: int, server_queue: int, kv_used: int, kv_total: int) -> None:
         self._q.put(("sample", (t, running, waiting, server_queue, kv_used, kv_total)))
 
@@ -223,6 +269,19 @@ class RequestStore:
     def count(self) -> int:
         return self._reader().execute("SELECT COUNT(*) FROM requests").fetchone()[0]
 
+    def alerts(self, limit: int = 100, since: float | None = None, kind: str | None = None) -> list[dict[str, Any]]:
+        """The most recent ``limit`` SLO alert/action records (oldest first), optionally since a unix time."""
+        where, params = [], []
+        if since is not None:
+            where.append("at >= ?")
+            params.append(since)
+        if kind is not None:
+            where.append("kind = ?")
+            params.append(kind)
+        sql = "SELECT * FROM slo_alerts" + (f" WHERE {' AND '.join(where)}" if where else "")
+        rows = self._reader().execute(sql + " ORDER BY seq DESC LIMIT ?", (*params, limit)).fetchall()
+        return [alert_row_to_record(r) for r in reversed(rows)]
+
     # --- writer thread ------------------------------------------------------------------------------------------------
     def _row(self, tl: Timeline) -> tuple:
         rec = tl.to_record()
@@ -242,13 +301,24 @@ class RequestStore:
                 logprobs = json.dumps(tl.logprobs, ensure_ascii=False, separators=(",", ":"))
         body = {k: rec[k] for k in ("timestamps", "token_times", "token_sent", "sampling", "resources",
                                     "preemptions")}
+        action = json.dumps(tl.slo_action, separators=(",", ":")) if tl.slo_action else None
         return tuple(_safe(v) for v in (
             rec["request_id"], rec["received_at"], rec["endpoint"], rec["model"], rec["user"], rec["business_type"],
             int(rec["stream"]), rec["status"], rec["outcome"] or "unknown", rec["finish_reason"], rec["error"],
             rec["prompt_tokens"], rec["output_tokens"], rec["e2e"], rec["ttft"], rec["tpot"], s["tokenize"],
             s["queue"], s["prefill"], s["decode"], s["stream"],
             json.dumps(body, ensure_ascii=False, separators=(",", ":")),
-            prompt_text, output_text, token_ids, token_hash, logprobs,
+            prompt_text, output_text, token_ids, token_hash, logprobs, rec["lane"], rec["client"], rec["region"],
+            int(rec["degraded"]), action,
+        ))
+
+    @staticmethod
+    def _alert_row(r: dict[str, Any]) -> tuple:
+        return tuple(_safe(v) for v in (
+            str(r["id"]), r["kind"], r["name"], r["event"], r.get("scope"), r.get("tier"), float(r["at"]),
+            r.get("started_at"), r.get("ended_at"), int(bool(r.get("dry_run"))), r.get("alert_id"),
+            json.dumps(r.get("figures") or {}, default=str, separators=(",", ":")),
+            json.dumps(r.get("details") or {}, default=str, separators=(",", ":")),
         ))
 
     def enforce_retention(self, conn: sqlite3.Connection | None = None, now: float | None = None) -> int:
@@ -259,13 +329,22 @@ class RequestStore:
             cutoff = (now if now is not None else time.time()) - self.retention_days * 86400.0
             deleted = conn.execute("DELETE FROM requests WHERE received_at < ?", (cutoff,)).rowcount
             conn.execute("DELETE FROM queue_samples WHERE t < ?", (cutoff,))
+            conn.execute("DELETE FROM slo_alerts WHERE at < ?", (cutoff,))
             return deleted
         finally:
             if own:
                 conn.close()
 
-    def _write(self, conn: sqlite3.Connection, timelines: list[Timeline], samples: list[tuple]) -> None:
+    def _write(self, conn: sqlite3.Connection, timelines: list[Timeline], samples: list[tuple],
+               alerts: list[dict[str, Any]] | None = None) -> None:
         rows, bad = [], 0
+        alert_rows = []
+        for a in alerts or ():
+            try:
+                alert_rows.append(self._alert_row(a))
+            except Exception:  # noqa: BLE001 - a malformed record loses only itself
+                log.exception("could not build an SLO alert row")
+                bad += 1
         for tl in timelines:
             try:
                 rows.append(self._row(tl))
@@ -277,15 +356,18 @@ class RequestStore:
             conn.executemany(_INSERT, rows)
             if samples:
                 conn.executemany("INSERT INTO queue_samples VALUES (?, ?, ?, ?, ?, ?)", samples)
+            if alert_rows:
+                conn.executemany(_INSERT_ALERT, alert_rows)
             conn.execute("COMMIT")
             self.written += len(rows)
         except Exception:  # noqa: BLE001 - retry one by one so a single bad row loses only itself
             log.exception("request store: a batch of %d records failed; retrying one by one", len(rows))
             self._rollback(conn)
-            for row in rows:
+            for sql, row in [*((_INSERT, r) for r in rows), *((_INSERT_ALERT, r) for r in alert_rows)]:
                 try:
-                    conn.execute(_INSERT, row)
-                    self.written += 1
+                    conn.execute(sql, row)
+                    if sql is _INSERT:
+                        self.written += 1
                 except Exception:  # noqa: BLE001
                     log.exception("request store: record %s could not be written", row[0])
                     bad += 1
@@ -294,7 +376,7 @@ class RequestStore:
             if self._on_error:
                 self._on_error(bad)
         with self._idle:
-            self._pending -= len(timelines)
+            self._pending -= len(timelines) + len(alerts or ())
             if self._pending <= 0:
                 self._pending = 0
                 self._idle.notify_all()
@@ -321,12 +403,15 @@ class RequestStore:
                 kind, item = None, None
             timelines: list[Timeline] = []
             samples: list[tuple] = []
+            alerts: list[dict[str, Any]] = []
             deadline = time.monotonic() + self._flush_interval
             while kind is not None:
                 if kind == "request":
                     timelines.append(item)
                 elif kind == "sample":
                     samples.append(item)
+                elif kind == "alert":
+                    alerts.append(item)
                 else:
                     stopping = True
                 if len(timelines) >= self._batch_size:
@@ -337,13 +422,13 @@ class RequestStore:
                     kind, item = self._q.get(timeout=left) if left > 0 and not stopping else self._q.get_nowait()
                 except queue.Empty:
                     break
-            if timelines or samples:
+            if timelines or samples or alerts:
                 try:
-                    self._write(conn, timelines, samples)
+                    self._write(conn, timelines, samples, alerts)
                 except Exception:  # noqa: BLE001 - the writer thread must outlive any bad batch
                     log.exception("request store: batch lost")
                     with self._idle:
-                        self._pending = max(0, self._pending - len(timelines))
+                        self._pending = max(0, self._pending - len(timelines) - len(alerts))
                         self._idle.notify_all()
             if time.monotonic() >= next_sweep:
                 try:
@@ -382,6 +467,11 @@ def row_to_record(row: sqlite3.Row) -> dict[str, Any]:
         "token_sent": body.get("token_sent", []),
         "sampling": body.get("sampling"),
         "resources": body.get("resources"),
+        "lane": row["lane"] or "default",
+        "client": row["client"] or "default",
+        "region": row["region"] or "default",
+        "degraded": bool(row["degraded"]),
+        "slo_action": json.loads(row["slo_action"]) if row["slo_action"] else None,
     }
     if row["prompt_text"] is not None or row["output_text"] is not None:
         rec["prompt_text"] = row["prompt_text"]
@@ -389,4 +479,13 @@ def row_to_record(row: sqlite3.Row) -> dict[str, Any]:
         rec["prompt_token_ids"] = json.loads(row["prompt_token_ids"]) if row["prompt_token_ids"] else None
         rec["prompt_token_sha256"] = row["prompt_token_sha256"]
         rec["logprobs"] = json.loads(row["logprobs"]) if row["logprobs"] else None
+    return rec
+
+
+def alert_row_to_record(row: sqlite3.Row) -> dict[str, Any]:
+    """A stored SLO alert/action row as the dict the monitor emitted."""
+    rec = {k: row[k] for k in _ALERT_COLUMNS}
+    rec["dry_run"] = bool(rec["dry_run"])
+    rec["figures"] = json.loads(rec["figures"])
+    rec["details"] = json.loads(rec["details"])
     return rec

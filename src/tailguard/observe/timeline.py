@@ -47,6 +47,10 @@ class Timeline:
     model: str = ""
     user: str | None = None
     business_type: str = "default"
+    # Traffic slices for the SLO monitor (S3/S4): from the X-Lane, X-Client and X-Region headers.
+    lane: str = "default"
+    client: str = "default"
+    region: str = "default"
     stream: bool = False
     # Boundaries (perf_counter seconds); None until they happen.
     tokenized: float | None = None
@@ -66,6 +70,11 @@ class Timeline:
     num_preemptions: int = 0
     sampling: dict[str, Any] | None = None
     resources: dict[str, Any] | None = None
+    # What the SLO monitor did to this request (T3: every refusal and degraded answer is on record): None, or
+    # {"action": "shed" | "degrade", "mode": ..., "tier": ..., "action_id": ...}.
+    slo_action: dict[str, Any] | None = None
+    # True for an answer the engine never produced (a degradation template): not a latency sample.
+    synthetic: bool = False
     # Text audit (T1/T3); filled only when text storage is on, redacted by the store before it is written.
     prompt_text: str | None = None
     output_text: str | None = None
@@ -94,6 +103,10 @@ class Timeline:
     @property
     def finalized(self) -> bool:
         return self._finalized
+
+    @property
+    def degraded(self) -> bool:
+        return self.slo_action is not None and self.slo_action.get("action") == "degrade"
 
     # --- derived --------------------------------------------------------------------------------------------------
     def boundaries(self) -> list[float]:
@@ -148,6 +161,7 @@ class Timeline:
             "queue_wait": round(s.stages["queue"], 6),
             "prompt_tokens": self.num_prompt_tokens,
             "output_tokens": self.num_output_tokens,
+            **({"degraded": self.slo_action} if self.degraded else {}),
         }
 
     def to_record(self) -> dict[str, Any]:
@@ -165,6 +179,9 @@ class Timeline:
             "model": self.model,
             "user": self.user,
             "business_type": self.business_type,
+            "lane": self.lane,
+            "client": self.client,
+            "region": self.region,
             "stream": self.stream,
             "status": self.status,
             "outcome": self.outcome.value if self.outcome else None,
@@ -194,4 +211,6 @@ class Timeline:
             "token_sent": [round(t - r0, 6) for t in self.token_sent],
             "sampling": self.sampling,
             "resources": self.resources,
+            "degraded": self.degraded,
+            "slo_action": self.slo_action,
         }

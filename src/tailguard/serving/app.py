@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from tailguard.observe.metrics import CONTENT_TYPE, ServerMetrics
@@ -25,6 +27,7 @@ from tailguard.serving.completions import CompletionEndpoint
 from tailguard.serving.config import ServerConfig
 from tailguard.serving.errors import APIError
 from tailguard.serving.state import ServerState
+from tailguard.slo.dashboard import DASHBOARD_HTML, json_safe
 
 log = logging.getLogger("tailguard.server")
 
@@ -42,13 +45,27 @@ def create_app(
     engine_factory: Callable[[], Backend] | None = None,
     redactor: Any | None = None,
     own_engine: bool | None = None,
+    slo_clock: Callable[[], float] | None = None,
 ) -> Starlette:
-    """Build the app. Give a ready ``engine`` (tests, embedding) or an ``engine_factory`` to load in the background."""
+    """Build the app. Give a ready ``engine`` (tests, embedding) or an ``engine_factory`` to load in the background.
+
+    ``slo_clock``: the SLO monitor's clock (unix seconds; tests pass a fake one and call ``state.slo.evaluate()``).
+    """
     if engine is None and engine_factory is None:
         raise ValueError("create_app needs an engine or an engine_factory")
     own = own_engine if own_engine is not None else engine is None
     state = ServerState(config)
     state.metrics = ServerMetrics(config.model, config.business_types)
+    if config.slo.enabled:
+        from tailguard.slo.monitor import SLOMonitor
+
+        def to_store(record: dict[str, Any]) -> None:
+            if state.store is not None:
+                state.store.put_alert(record)
+
+        # Same registry as the request metrics: one /metrics scrape carries the alerts and actions too.
+        state.slo = SLOMonitor(config.slo, sinks=[to_store], registry=state.metrics.registry,
+                               clock=slo_clock or time.time)
 
     def encode(text: str) -> list[int]:
         return state.engine.tokenizer.encode(text) if state.engine is not None else []
@@ -99,16 +116,21 @@ def create_app(
         else:
             loader = asyncio.create_task(load())
         sampling = asyncio.create_task(sampler())
+        evaluating = asyncio.create_task(state.slo.run()) if state.slo is not None else None
         app.state.tailguard = state
         try:
             yield
         finally:
             sampling.cancel()
+            if evaluating is not None:
+                evaluating.cancel()
             if loader is not None:
                 loader.cancel()
             state.ready = False
             if own and state.engine is not None:
                 await asyncio.to_thread(state.engine.shutdown)
+            if state.slo is not None:
+                await asyncio.to_thread(state.slo.close)  # waits (bounded) for scale-hook calls in flight
             await asyncio.to_thread(state.store.close)
 
     def guard(request: Request) -> None:
@@ -157,6 +179,59 @@ def create_app(
                                 f"{config.retention_days:g} days)", code="request_not_found")
         return JSONResponse(rec)
 
+    def _query_number(request: Request, name: str, default: float | None, lo: float, hi: float) -> float | None:
+        raw = request.query_params.get(name)
+        if raw is None:
+            return default
+        try:
+            v = float(raw)
+        except ValueError:
+            v = math.nan
+        if not (lo <= v <= hi):
+            raise APIError(400, f"query parameter {name!r} must be a number from {lo:g} to {hi:g}, got {raw[:50]!r}",
+                           param=name, code="invalid_value")
+        return v
+
+    async def alerts(request: Request) -> Response:
+        """Alert, action, hook, advisory and objective records: the store's, plus any not yet written."""
+        guard(request)
+        limit = int(_query_number(request, "limit", 100, 1, 10_000))
+        since = _query_number(request, "since", None, 0, 1e12)
+        kind = request.query_params.get("kind")
+        kinds = ("alert", "action", "hook", "advisory", "objective")
+        if kind is not None and kind not in kinds:
+            raise APIError(400, f"query parameter 'kind' must be one of {', '.join(kinds)}", param="kind",
+                           code="invalid_value")
+        mon = state.slo
+
+        def read() -> dict[str, Any]:
+            stored = state.store.alerts(limit, since, kind) if state.store is not None else []
+            data = {(r["id"], r["event"], r["at"]): r for r in stored}
+            if mon is not None:
+                for r in mon.alerts(limit=None, kind=kind):
+                    if since is None or r["at"] >= since:
+                        data.setdefault((r["id"], r["event"], r["at"]), r)
+            recs = sorted(data.values(), key=lambda r: r["at"])[-limit:]
+            out: dict[str, Any] = {"object": "list", "enabled": mon is not None, "data": recs}
+            if mon is not None:
+                snap_tier = mon.last.tier if mon.last is not None else 0
+                out.update(tier=("green", "yellow", "orange", "red")[snap_tier], dry_run=mon.actions.dry_run,
+                           active=mon.alerts(active_only=True))
+            return json_safe(out)
+
+        return JSONResponse(await asyncio.to_thread(read))
+
+    async def slo_page(request: Request) -> Response:
+        if state.slo is None:
+            raise APIError(404, "the SLO monitor is off (slo.enabled: false)", code="slo_disabled")
+        return HTMLResponse(DASHBOARD_HTML, headers={"cache-control": "no-cache"})
+
+    async def slo_data(request: Request) -> Response:
+        if state.slo is None:
+            raise APIError(404, "the SLO monitor is off (slo.enabled: false)", code="slo_disabled")
+        snap = await asyncio.to_thread(state.slo.snapshot)
+        return JSONResponse(json_safe(snap), headers={"cache-control": "no-store"})
+
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
         return _error(exc)
@@ -181,6 +256,9 @@ def create_app(
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/alerts", alerts, methods=["GET"]),
+        Route("/slo", slo_page, methods=["GET"]),
+        Route("/slo/data", slo_data, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,

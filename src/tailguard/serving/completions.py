@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 import secrets
 import time
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tailguard.engine.request import RequestError, SamplingParams
+from tailguard.observe.metrics import clean_label
 from tailguard.observe.timeline import Outcome, Timeline
 from tailguard.serving.errors import APIError
 from tailguard.serving.protocol import Parsed, decode_json, parse_chat, parse_completion
@@ -45,6 +47,14 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+
+
+def _degraded_headers(tl: Timeline) -> list[tuple[bytes, bytes]]:
+    """``X-Tailguard-Degraded: template; tier=red; action=<id>`` on an answer the SLO monitor degraded."""
+    a = tl.slo_action
+    if a is None or a.get("action") != "degrade":
+        return []
+    return [(b"x-tailguard-degraded", f"{a['mode']}; tier={a['tier']}; action={a['action_id']}".encode())]
 
 
 class ClientGone(Exception):
@@ -141,6 +151,9 @@ class CompletionEndpoint:
         tl = Timeline(request_id=rid, endpoint=self.endpoint, received=received, model=st.model_label)
         tl.business_type = st.metrics.business_type(hdrs.get("x-business-type")) if st.metrics else "default"
         tl.user = _clean_str(hdrs.get("x-user-id"))
+        tl.lane = clean_label(hdrs.get("x-lane"))
+        tl.client = clean_label(hdrs.get("x-client"))
+        tl.region = clean_label(hdrs.get("x-region"))
         ex = _Exchange(scope, receive, send, tl)
         st.admission.in_flight += 1
         task = asyncio.current_task()
@@ -235,7 +248,18 @@ class CompletionEndpoint:
         if engine is None or not st.ready:
             msg = f"the model failed to load: {st.load_error}" if st.load_error else "the model is still loading"
             raise APIError(503, msg, code="model_not_ready", headers={"Retry-After": "5"})
-        data = decode_json(await self._read_body(ex, hdrs))
+        body = await self._read_body(ex, hdrs)
+        mon = st.slo
+        if mon is not None:
+            shed = mon.shed_for(tl.business_type, tl.lane)
+            if shed is not None:
+                # Orange: non-core traffic is refused before it costs a parse, a tokenize or a queue slot.
+                tl.slo_action = {k: shed[k] for k in ("action", "tier", "scope", "action_id")}
+                wait = max(1, math.ceil(shed["retry_after_s"]))
+                raise APIError(shed["status"], f"the service is shedding non-core traffic (SLO tier {shed['tier']}, "
+                                               f"business type {tl.business_type!r}, lane {tl.lane!r}); retry in "
+                                               f"{wait} s", code="slo_shed", headers={"Retry-After": str(wait)})
+        data = decode_json(body)
         p = parse_chat(data) if self.chat else parse_completion(data, engine.tokenizer.vocab_size)
         tl.stream = p.stream
         if p.model not in st.model_names:
@@ -248,6 +272,12 @@ class CompletionEndpoint:
         max_tokens = p.max_tokens
         if max_tokens is None:
             max_tokens = st.config.default_max_tokens or max(1, engine.max_model_len - len(ids))
+        deg = mon.degradation_for(tl.business_type, tl.lane, tl.client, tl.region, len(ids)) if mon else None
+        if deg is not None:
+            tl.slo_action = {"action": "degrade", "mode": deg.mode, "tier": deg.tier, "scope": deg.scope,
+                             "action_id": deg.action_id, "reason": deg.reason}
+            if deg.mode == "truncate":
+                max_tokens = min(max_tokens, deg.max_tokens)
         p.max_tokens = max_tokens
         tl.sampling = p.sampling_record()
         sampling = SamplingParams(
@@ -261,6 +291,9 @@ class CompletionEndpoint:
             long = "context" in msg or "KV" in msg or "empty" in msg
             raise APIError(400, msg, param=("messages" if self.chat else "prompt") if long else None,
                            code="context_length_exceeded" if "context" in msg else "invalid_value") from None
+        if deg is not None and deg.mode == "template":
+            await self._template(ex, p, deg.template)
+            return
         if not st.admission.try_enter():
             wait = st.admission.retry_after()
             raise APIError(429, f"the server's waiting queue is full ({st.admission.capacity} requests); retry in "
@@ -362,7 +395,7 @@ class CompletionEndpoint:
             else:
                 chunk = fmt.content(text)
             if not ex.started:
-                await ex.start(200, _SSE_HEADERS)
+                await ex.start(200, _SSE_HEADERS + _degraded_headers(tl))
                 chunk = fmt.role() + chunk
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             tl.add_tokens_sent(pending, perf_counter())
@@ -380,7 +413,7 @@ class CompletionEndpoint:
         else:
             body = fmt.finish(final.text, reason, lp, tailguard=tl.stage_object())
         if not ex.started:
-            await ex.start(200, _SSE_HEADERS)
+            await ex.start(200, _SSE_HEADERS + _degraded_headers(tl))
             body = fmt.role() + body
         ex.done = True
         await send({"type": "http.response.body", "body": body + DONE, "more_body": False})
@@ -424,8 +457,35 @@ class CompletionEndpoint:
         obj = fmt.full(text, reason, self._usage(tl), lp, tailguard=tl.stage_object())
         body = json.dumps(obj, ensure_ascii=False).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"server-timing", tl.server_timing().encode())]
+                   (b"server-timing", tl.server_timing().encode()), *_degraded_headers(tl)]
         ex.done = True
         await ex.start(200, headers)
         await ex.send({"type": "http.response.body", "body": body, "more_body": False})
+        tl.finalize(200, Outcome.SUCCESS)
+
+    async def _template(self, ex: _Exchange, p: Parsed, text: str) -> None:
+        """Red: answer with the degradation template, without the engine (and without a queue slot)."""
+        tl = ex.tl
+        now = perf_counter()
+        tl.synthetic = True  # counted as a degraded answer, never as a latency sample
+        tl.scheduled = tl.first_token = tl.last_token = now
+        tl.num_output_tokens = len(self.state.engine.tokenizer.encode(text))
+        tl.finish_reason = "stop"
+        if self.state.config.store_text:
+            tl.output_text = text
+        fmt = (ChatFormat if self.chat else CompletionFormat)(tl.request_id, p.model, int(time.time()))
+        if p.stream:
+            await ex.start(200, _SSE_HEADERS + _degraded_headers(tl))
+            tail = fmt.finish("", "stop", None, tailguard=tl.stage_object()) if not p.include_usage else (
+                fmt.finish("", "stop", None) + fmt.usage(self._usage(tl), tailguard=tl.stage_object()))
+            ex.done = True
+            await ex.send({"type": "http.response.body", "body": fmt.role() + fmt.content(text) + tail + DONE,
+                           "more_body": False})
+        else:
+            obj = fmt.full(text, "stop", self._usage(tl), None, tailguard=tl.stage_object())
+            body = json.dumps(obj, ensure_ascii=False).encode()
+            ex.done = True
+            await ex.start(200, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                 *_degraded_headers(tl)])
+            await ex.send({"type": "http.response.body", "body": body, "more_body": False})
         tl.finalize(200, Outcome.SUCCESS)

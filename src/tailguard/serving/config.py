@@ -9,11 +9,20 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from tailguard.slo.config import MonitorConfig
+
 
 def default_store_path() -> str:
     root = os.environ.get("TAILGUARD_HOME")
     base = Path(root) if root else Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "tailguard"
     return str(base / "requests.sqlite3")
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 class FakeEngineConfig(BaseModel):
@@ -50,6 +59,7 @@ class ServerConfig(BaseModel):
     graceful_shutdown_s: float = Field(30.0, ge=0)
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineArgs overrides (kv_cache_tokens, ...)")
     fake: FakeEngineConfig = Field(default_factory=FakeEngineConfig)
+    slo: MonitorConfig = Field(default_factory=MonitorConfig, description="the SLO monitor (docs/slo.md)")
 
     @field_validator("log_level")
     @classmethod
@@ -69,8 +79,8 @@ class ServerConfig(BaseModel):
                 raise ValueError(f"{path}: the config file must be a mapping of settings")
             data.update(loaded)
         for key, value in overrides.items():
-            if key == "engine" and isinstance(value, dict):
-                data["engine"] = {**data.get("engine", {}), **value}
+            if key in ("engine", "slo") and isinstance(value, dict):
+                data[key] = _deep_merge(data.get(key) or {}, value)
             else:
                 data[key] = value
         if "api_key" not in data and os.environ.get("TAILGUARD_API_KEY"):

@@ -56,9 +56,10 @@ class ThreadedServer:
     """uvicorn in a background thread on an ephemeral loopback port: ``with ThreadedServer(cfg, engine) as s:``."""
 
     def __init__(self, config: ServerConfig, engine: Backend | None = None, redactor: Any | None = None,
-                 engine_factory: Any | None = None) -> None:
+                 engine_factory: Any | None = None, slo_clock: Any | None = None) -> None:
         self.config = config
-        self.app = create_app(config, engine=engine, engine_factory=engine_factory, redactor=redactor)
+        self.app = create_app(config, engine=engine, engine_factory=engine_factory, redactor=redactor,
+                              slo_clock=slo_clock)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((config.host, config.port))

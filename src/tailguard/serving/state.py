@@ -36,6 +36,7 @@ class ServerState:
     recent_capacity: int = 4096
     active_ids: set[str] = field(default_factory=set)
     started_unix: float = field(default_factory=time.time)
+    slo: Any = None  # tailguard.slo.monitor.SLOMonitor, when the monitor is enabled
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config.max_queue)
@@ -87,7 +88,7 @@ class ServerState:
         return snap
 
     def close_record(self, tl: Timeline) -> None:
-        """The single exit of every request: metrics, store and the recent-records cache, once."""
+        """The single exit of every request: metrics, SLO windows, store and the recent-records cache, once."""
         if not tl.finalized:
             tl.finalize(500, Outcome.ERROR)
         try:
@@ -95,6 +96,8 @@ class ServerState:
                 self.metrics.observe(tl)
         except Exception:  # noqa: BLE001 - metrics must never fail a request
             log.exception("metrics: could not observe request %s", tl.request_id)
+        if self.slo is not None:
+            self.slo.record(tl)  # never raises
         if self.store is not None:
             self.store.put(tl)
         self.recent[tl.request_id] = tl

@@ -113,6 +113,9 @@ class SLOMetrics:
         self.window = Gauge("tailguard_slo_window_seconds", "Length of the live window.", registry=r)
         self.eval_seconds = Gauge("tailguard_slo_evaluation_duration_seconds", "Duration of the last evaluation.",
                                   registry=r)
+        self.affected = Counter("tailguard_slo_requests_affected",
+                                "Requests the monitor acted on: shed (refused) or degraded (template/truncate).",
+                                ["action", "mode"], registry=r)
         self.hotspots = Gauge("tailguard_slo_hotspot_requests", "Requests above mean + 2 sigma of log E2E now.",
                               registry=r)
 
@@ -241,8 +244,10 @@ class ActionEngine:
         records: RecordLog,
         metrics: SLOMetrics | None = None,
         hooks: HookRunner | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.cfg = cfg
+        self.clock = clock
         self.scopes = dict(scopes)
         self.records = records
         self.metrics = metrics
@@ -253,22 +258,30 @@ class ActionEngine:
         self.degrade: dict[str, dict[str, Any]] = {}  # scope -> "started" record
         # Per-request fast path state (rebuilt on change; read without a lock: plain attribute swaps).
         self._shed_on = False
+        self._shed_info: dict[str, Any] | None = None
         self._shed_bt = frozenset(cfg.shed.non_core_business_types)
         self._shed_lanes = frozenset(cfg.shed.non_core_lanes)
         self._shed_protected = frozenset(cfg.shed.protected_lanes)
         self._degrade_scopes: tuple[tuple[Selector, Degradation], ...] = ()
         self._degrade_protected = frozenset(cfg.degrade.protected_lanes)
+        self._probe_every = cfg.degrade.probe_every
+        self._affected = 0  # requests matched by a degradation, for the every-n-th probe
 
     # --- per-request questions ---------------------------------------------------------------------------------------
     def should_shed(self, business_type: str | None, lane: str | None = None) -> tuple[bool, float | None]:
         """(True, retry_after_s) when orange holds and this traffic is non-core; (False, None) otherwise."""
-        if not self._shed_on:
-            return False, None
-        if lane in self._shed_protected:
-            return False, None
+        info = self.shed_for(business_type, lane)
+        return (True, info["retry_after_s"]) if info else (False, None)
+
+    def shed_for(self, business_type: str | None, lane: str | None = None) -> dict[str, Any] | None:
+        """What the server needs to refuse this request while shedding (status, Retry-After, the action's id and
+        tier, for the response and the record), or None to let it through."""
+        info = self._shed_info  # one read: the evaluation thread may swap it meanwhile
+        if info is None or lane in self._shed_protected:
+            return None
         if business_type in self._shed_bt or lane in self._shed_lanes:
-            return True, self.cfg.shed.retry_after_s
-        return False, None
+            return info
+        return None
 
     @property
     def shed_status(self) -> int:
@@ -283,6 +296,9 @@ class ActionEngine:
         for sel, deg in scopes:
             if sel.matches(business_type=business_type, lane=lane, client=client, region=region,
                            input_tokens=input_tokens):
+                self._affected += 1  # the event loop is the only caller: no lock needed
+                if self._probe_every and self._affected % self._probe_every == 0:
+                    return None  # a probe: served normally so that the window keeps measuring the engine
                 return deg
         return None
 
@@ -318,8 +334,8 @@ class ActionEngine:
         def done(res: dict[str, Any]) -> None:
             self.records.emit({
                 "id": new_id(), "kind": "hook", "name": payload["action"], "event": "ok" if res.get("ok") else "failed",
-                "scope": action_rec["scope"], "tier": action_rec["tier"], "at": time.time(),
-                "started_at": now, "ended_at": time.time(), "figures": {}, "details": {**res, "ref": action_rec["id"]},
+                "scope": action_rec["scope"], "tier": action_rec["tier"], "at": self.clock(),
+                "started_at": now, "ended_at": self.clock(), "figures": {}, "details": {**res, "ref": action_rec["id"]},
                 "dry_run": False, "alert_id": action_rec.get("alert_id"),
             })
             if self.metrics is not None:
@@ -363,10 +379,15 @@ class ActionEngine:
                 }, alert_id=alert_ids.get((top_scope, 2)))
                 self.shed = rec
                 self._shed_on = not self.dry_run
+                self._shed_info = None if self.dry_run else {
+                    "action": "shed", "status": sc.status, "retry_after_s": sc.retry_after_s, "tier": rec["tier"],
+                    "scope": top_scope, "action_id": rec["id"],
+                }
                 out.append(rec)
             elif top < 2 and self.shed is not None:
                 start = self.shed
                 self._shed_on = False
+                self._shed_info = None
                 rec = self._record("shed", "undone", now, start["scope"], top, figs_top, {}, rec_id=start["id"],
                                    started_at=start["started_at"], alert_id=start.get("alert_id"))
                 self.shed = None

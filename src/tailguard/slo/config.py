@@ -185,6 +185,9 @@ class DegradeConfig(_M):
     )
     max_tokens: int = Field(default=64, ge=1)
     protected_lanes: list[str] = Field(default_factory=list)
+    # Serve every n-th affected request normally (0: none). Without these probes a fully degraded scope sends no
+    # traffic to the engine, its window empties, and red could only ever clear by ageing out of the window.
+    probe_every: int = Field(default=10, ge=0)
 
 
 class ActionsConfig(_M):
@@ -196,6 +199,7 @@ class ActionsConfig(_M):
 
 
 class MonitorConfig(_M):
+    enabled: bool = True
     profiles: list[str] = Field(default_factory=lambda: ["baseline"])
     profiles_file: str | None = None
     eval_interval_s: float = Field(default=5.0, gt=0)
@@ -222,6 +226,15 @@ class MonitorConfig(_M):
             raise ValueError(f"scope names repeat: {names}")
         if not self.scopes:
             raise ValueError("give at least one scope (the default is 'all')")
+        # Unknown profile names fail here, when the config is read, not when the server starts the monitor.
+        from tailguard.slo.profiles import get_profile, load_profiles
+
+        extra = load_profiles(self.profiles_file) if self.profiles_file else {}
+        for name in self.profiles:
+            try:
+                get_profile(name, extra)
+            except KeyError as e:
+                raise ValueError(e.args[0]) from None
         return self
 
     @property

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -39,6 +40,8 @@ from tailguard.slo.profiles import LATENCY_METRICS, Metric, SLOProfile, get_prof
 from tailguard.slo.windows import CORE_METRICS, PeakDetector, RequestSample, SlidingWindows, sample_from
 
 __all__ = ["SLOMonitor"]
+
+log = logging.getLogger("tailguard.slo")
 
 
 class SLOMonitor:
@@ -91,13 +94,13 @@ class SLOMonitor:
         self.records = RecordLog(cfg.max_records, list(sinks))
         self.metrics = SLOMetrics(registry)
         scopes = {s.name: s.where for s in cfg.scopes}
-        self.actions = ActionEngine(cfg.actions, scopes, self.records, self.metrics, hooks)
+        self.actions = ActionEngine(cfg.actions, scopes, self.records, self.metrics, hooks, clock=clock)
         self._alerts: dict[tuple[str, int], dict[str, Any]] = {}  # active alert records by (scope, level)
         self._advisories: dict[tuple[str, str], dict[str, Any]] = {}
         self._objectives: dict[tuple[str, str], dict[str, Any]] = {}
         self.last: Evaluation | None = None
         self.history: deque[dict[str, Any]] = deque(maxlen=history)  # compact time series for the dashboard
-        self._eval_lock = threading.Lock()
+        self._eval_lock = threading.RLock()  # snapshot() calls alerts() under it
         self.recorded = 0
         self._t_start: float | None = None
 
@@ -108,13 +111,17 @@ class SLOMonitor:
             s = request if type(request) is RequestSample else sample_from(request)
             self.windows.record(s, now)
             self.recorded += 1
+            act = getattr(request, "slo_action", None)
+            if act:
+                self.metrics.affected.labels(act.get("action", "?"), act.get("mode") or act.get("action", "?")).inc()
         except Exception:  # noqa: BLE001 - monitoring must never fail a request
-            import logging
-
-            logging.getLogger("tailguard.slo").exception("SLO monitor could not record a request")
+            log.exception("SLO monitor could not record a request")
 
     def should_shed(self, business_type: str | None, lane: str | None = None) -> tuple[bool, float | None]:
         return self.actions.should_shed(business_type, lane)
+
+    def shed_for(self, business_type: str | None, lane: str | None = None) -> dict[str, Any] | None:
+        return self.actions.shed_for(business_type, lane)
 
     def degradation_for(self, business_type: str | None = None, lane: str | None = None, client: str | None = None,
                         region: str | None = None, input_tokens: int | None = None) -> Degradation | None:
@@ -242,14 +249,23 @@ class SLOMonitor:
     def alerts(self, limit: int | None = 100, kind: str | None = None, active_only: bool = False) -> list[dict]:
         """Recent records, oldest first. ``active_only``: the alerts, actions and advisories in effect now."""
         if active_only:
-            act = self.actions.active()
-            recs = [*self._alerts.values(), *self._advisories.values(), *self._objectives.values()]
-            recs += [r for r in (act["scale_out"], act["shed"], *act["degrade"].values()) if r]
-            return sorted(recs, key=lambda r: r["at"])
+            with self._eval_lock:
+                return self._active()
         return self.records.list(limit, kind)
 
+    def _active(self) -> list[dict]:
+        act = self.actions.active()
+        recs = [*self._alerts.values(), *self._advisories.values(), *self._objectives.values()]
+        recs += [r for r in (act["scale_out"], act["shed"], *act["degrade"].values()) if r]
+        return sorted(recs, key=lambda r: r["at"])
+
     def snapshot(self) -> dict[str, Any]:
-        """Everything a dashboard or ``GET /v1/alerts`` needs, JSON-ready."""
+        """Everything a dashboard or ``GET /v1/alerts`` needs, JSON-ready (call it off the event loop: it waits
+        for a running evaluation)."""
+        with self._eval_lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
         ev = self.last
         return {
             "at": ev.at if ev else None,
@@ -273,7 +289,11 @@ class SLOMonitor:
         interval = interval_s or self.config.eval_interval_s
         stop = stop or asyncio.Event()
         while not stop.is_set():
-            await asyncio.to_thread(self.evaluate)
+            try:
+                # In a worker thread: a query merges digests for a few ms, which the event loop should not wait on.
+                await asyncio.to_thread(self.evaluate)
+            except Exception:  # noqa: BLE001 - one failed evaluation must not end evaluating
+                log.exception("SLO evaluation failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
 

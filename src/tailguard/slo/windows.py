@@ -81,6 +81,7 @@ class RequestSample:
     degraded: bool = False
     request_id: str = ""
     stages: Mapping[str, float] | None = None
+    synthetic: bool = False  # answered without the engine (a degradation template): counted, never timed
 
 
 def _s(v: Any, default: str = "default") -> str:
@@ -109,6 +110,7 @@ def sample_from(obj: Any) -> RequestSample:
             lane=_s(obj.get("lane")), client=_s(obj.get("client")), region=_s(obj.get("region")),
             input_tokens=int(obj.get("prompt_tokens") or obj.get("input_tokens") or 0),
             degraded=bool(obj.get("degraded")), request_id=str(obj.get("request_id") or ""), stages=stages,
+            synthetic=bool(obj.get("synthetic")),
         )
     # A Timeline (duck-typed: anything with summary()).
     s = obj.summary()
@@ -120,6 +122,7 @@ def sample_from(obj: Any) -> RequestSample:
         client=_s(getattr(obj, "client", None)), region=_s(getattr(obj, "region", None)),
         input_tokens=int(getattr(obj, "num_prompt_tokens", 0) or 0), degraded=bool(getattr(obj, "degraded", False)),
         request_id=str(getattr(obj, "request_id", "")), stages=s.stages,
+        synthetic=bool(getattr(obj, "synthetic", False)),
     )
 
 
@@ -444,6 +447,9 @@ class SlidingWindows:
         cur = self._cur
         if cur is not None:
             self._close(cur)
+            gap = idx - cur.index - 1
+            if gap > 0 and self.on_slot_closed is not None:
+                self.on_slot_closed(0, gap * self.slot_s)  # idle slots count as zero traffic for the peak baseline
         slot = _Slot(idx)
         self._ring.append(slot)
         self._cur = slot
@@ -488,7 +494,7 @@ class SlidingWindows:
         idx = int(now // self.slot_s)
         tokens = s.input_tokens
         edges = self.ctx_edges
-        ctx = 0 if tokens <= edges[0] else bisect.bisect_left(edges, tokens)
+        ctx = 0 if not edges or tokens <= edges[0] else bisect.bisect_left(edges, tokens)
         key = Key(s.business_type, s.lane, s.client, s.region, ctx)
         with self._lock:
             slot = self._cur
@@ -521,6 +527,8 @@ class SlidingWindows:
                 return
             if s.degraded:
                 cell.degraded += 1
+            if s.synthetic:
+                return  # a template answer's latency says nothing about the engine
             bufs = cell.bufs
             limit = self.buffer_limit
             i = self._i_ttft
