@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or TAILGUARD_API_KEY)")
     serve.add_argument("--no-access-log", dest="access_log", action="store_false", default=None)
     serve.add_argument("--log-level", default=None)
+    serve.add_argument("--slo-dry-run", action="store_true", default=None,
+                       help="SLO monitor: record alerts and the actions it would take, but take none")
+    serve.add_argument("--no-slo", dest="slo_enabled", action="store_false", default=None,
+                       help="turn the SLO monitor off (no windows, alerts, shedding or degradation)")
 
     from tailguard.slo.cli import add_slo_parser
 
@@ -143,6 +147,13 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
               for flag, field in engine_flags.items() if given(flag)}
     if engine:
         overrides["engine"] = engine
+    slo: dict = {}
+    if args.slo_dry_run:
+        slo["actions"] = {"dry_run": True}
+    if args.slo_enabled is False:
+        slo["enabled"] = False
+    if slo:
+        overrides["slo"] = slo  # merged into the config file's ``slo:`` section
     try:
         config = ServerConfig.load(args.config, **overrides)
     except (OSError, ValueError) as exc:
