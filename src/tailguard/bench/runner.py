@@ -167,8 +167,12 @@ class _Display:
 
 
 async def execute(cfg: BenchConfig, workload=None, tokenizer=None, plan: LoadPlan | None = None,
-                  display: bool | None = None) -> tuple[dict, list]:
-    """Run the bench; returns (results dict, per-request metrics)."""
+                  display: bool | None = None, transport=None) -> tuple[dict, list]:
+    """Run the bench; returns (results dict, per-request metrics).
+
+    ``transport`` replaces the HTTP client (an object with the ``client._Transport`` methods): tests replay scripted
+    streams through it without a socket.
+    """
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
     workload = workload or build_workload(cfg, tokenizer)
     plan = plan or build_plan(cfg, workload)
@@ -179,7 +183,7 @@ async def execute(cfg: BenchConfig, workload=None, tokenizer=None, plan: LoadPla
     ep = Endpoint(cfg.url, cfg.path(), headers, cfg.timeout)
     opts = RequestOptions(model=cfg.model, stream=cfg.stream, fixed_output=cfg.fixed_output,
                           continuous_usage=cfg.continuous_usage, temperature=cfg.temperature, headers=headers)
-    transport = make_transport(cfg.http_client)
+    transport = transport or make_transport(cfg.http_client)
     max_conn = plan.concurrency if plan.mode == "closed" else plan.max_inflight
     await transport.start(max(1, max_conn) + 8, cfg.timeout)
     try:
@@ -376,12 +380,17 @@ def write_outputs(results: dict, ms, out_dir: str | Path) -> dict[str, Path]:
 
 
 def run_sync(cfg: BenchConfig, **kw) -> tuple[dict, list]:
+    """``execute`` on a fresh event loop (uvloop when present); writes the outputs when ``cfg.output_dir`` is set."""
     try:
         import uvloop
 
-        return uvloop.run(execute(cfg, **kw))
+        run = uvloop.run
     except ImportError:  # pragma: no cover
-        return asyncio.run(execute(cfg, **kw))
+        run = asyncio.run
+    results, ms = run(execute(cfg, **kw))
+    if cfg.output_dir:
+        write_outputs(results, ms, cfg.output_dir)
+    return results, ms
 
 
 def default_output_dir() -> Path:

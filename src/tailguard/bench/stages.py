@@ -76,8 +76,10 @@ def split_request(m: RequestMetrics, res: RequestResult) -> None:
         return
     got = server_stages(res.record) or server_stages(res.tailguard) or _from_server_timing(res.server_timing)
     if got is not None:
-        stages, server_e2e = got
-        total = server_e2e if server_e2e is not None else sum(stages.values())
+        stages, _server_e2e = got
+        # the server's stages add up to its E2E by construction; summing them (rather than taking its rounded
+        # e2e field) keeps the six parts adding up to the client's E2E to the last digit
+        total = sum(stages.values())
         stages = dict(stages)
         stages["network_client"] = max(0.0, m.e2e - total)
         if total > m.e2e + 0.001:  # the server claims more time than the client saw: durations disagree

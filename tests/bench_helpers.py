@@ -1,0 +1,101 @@
+"""Helpers for the bench tests: a socket-free transport that replays the fake server's script at virtual times.
+
+``ScriptedTransport`` answers each request with the SSE bytes the fake server would send, and hands them to the
+bench's own SSE parser stamped with the *scripted* times (intended send + TTFT + gaps) instead of the clock. The
+whole measurement path (parser, tokens per chunk, ITL with zero gaps, TPOT, percentiles, bootstrap, verdicts,
+outputs) then runs exactly as in a real run, without the machine's scheduling noise, so its figures can be checked
+against the script to well under a millisecond.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from tailguard.bench.client import RequestResult, SSEParser, _Transport
+from tailguard.bench.fakeserver import FakeScript, plan
+
+
+class ScriptedTransport(_Transport):
+    name = "scripted"
+
+    def __init__(self, script: FakeScript, packet: int = 37, with_timeline: bool = False) -> None:
+        self.script = script
+        self.packet = packet  # split every response into reads of this many bytes (all at their event's time)
+        self.with_timeline = with_timeline
+        self.planned: dict[str, tuple[float, list[tuple[float, int]], str]] = {}
+
+    async def start(self, max_connections: int, timeout: float) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def get_json(self, url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+        return 404, None
+
+    async def post(self, url, body, headers, res: RequestResult, stream, chat) -> None:
+        req = json.loads(body)
+        rid = headers["X-Request-ID"]
+        prompt = req.get("prompt") or " ".join(m["content"] for m in req.get("messages", []))
+        ttft, chunks, finish = plan(self.script, rid, int(req["max_tokens"]), len(prompt.split()),
+                                    bool(req.get("ignore_eos")))
+        self.planned[rid] = (ttft, chunks, finish)
+        res.sent = res.intended
+        res.headers_at = res.intended
+        res.status = 200
+        res.server_request_id = rid
+        parser = SSEParser(res, chat)
+        t = res.intended + ttft
+        base = {"id": rid, "object": "chat.completion.chunk", "model": req["model"]}
+
+        def feed(payload: dict | str, at: float) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload)
+            raw = f"data: {data}\n\n".encode()
+            for i in range(0, len(raw), self.packet):
+                parser.feed(raw[i : i + self.packet], at)
+
+        if chat:
+            feed({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, t)
+        done = 0
+        for i, (gap, size) in enumerate(chunks):
+            t += gap
+            done += size
+            text = self.script.token_text * size
+            choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            if i == len(chunks) - 1 and not chat:
+                choice["finish_reason"] = finish
+            feed({**base, "choices": [choice]}, t)
+        end = t + 0.0001
+        if chat:
+            feed({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}, end)
+        if req.get("stream_options", {}).get("include_usage"):
+            feed({**base, "choices": [], "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": done,
+                                                   "total_tokens": done + len(prompt.split())}}, end)
+        feed("[DONE]", end)
+        res.end = end
+
+
+def scripted_truth(transport: ScriptedTransport) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The script's own TTFT, ITL (every gap, k-1 zeros per k-token chunk) and E2E-before-tail, per request."""
+    ttft, itl, decode = [], [], []
+    for t0, chunks, _ in transport.planned.values():
+        ttft.append(t0)
+        gaps = [g for g, _ in chunks[1:]]
+        itl.extend(gaps + [0.0] * sum(k - 1 for _, k in chunks))
+        decode.append(t0 + sum(gaps))
+    return np.asarray(ttft), np.asarray(itl), np.asarray(decode)
+
+
+def bench_config(url: str = "http://127.0.0.1:9", **kw: Any):
+    from tailguard.bench.runner import BenchConfig
+
+    kw.setdefault("model", "fake")
+    kw.setdefault("tokenizer", "approx")
+    kw.setdefault("bootstrap", 200)
+    kw.setdefault("input_tokens", 32)
+    kw.setdefault("output_tokens", 12)
+    kw.setdefault("join", "off")
+    return BenchConfig(url=url, **kw)
