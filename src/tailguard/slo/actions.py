@@ -103,8 +103,9 @@ class SLOMetrics:
         self.objective = Gauge("tailguard_slo_objective_met",
                                "1 objective met, 0 breached, NaN too few samples, over the live window.",
                                ["profile", "objective"], registry=r)
-        self.latency = Gauge("tailguard_slo_window_latency_seconds", "Latency percentile over the live window.",
-                             ["scope", "metric", "quantile"], registry=r)
+        self.latency = Gauge("tailguard_slo_window_latency_seconds", "Latency percentile over the live window (percentile: 50, 95, 99;"
+                             " not 'quantile', which Prometheus reserves for summaries).",
+                             ["scope", "metric", "percentile"], registry=r)
         self.requests = Gauge("tailguard_slo_window_requests", "Requests finished in the live window.", ["scope"],
                               registry=r)
         self.error_ratio = Gauge("tailguard_slo_window_error_ratio", "Errors / served requests in the window.",
@@ -417,6 +418,7 @@ class ActionEngine:
         return out
 
     def _rebuild_degrade(self) -> None:
+        self._affected = 0  # probes count from the start of each degradation
         if self.dry_run:
             self._degrade_scopes = ()
             return

@@ -234,8 +234,7 @@ class SLOMonitor:
             for metric in CORE_METRICS:
                 for q in ("p50", "p95", "p99"):
                     val = v[metric][q]
-                    m.latency.labels(name, metric, q[1:] and str(int(q[1:]) / 100)).set(
-                        val if val is not None else math.nan)
+                    m.latency.labels(name, metric, q[1:]).set(val if val is not None else math.nan)
         for scope, adv in ev.advisories.items():
             for rule, r in adv["rules"].items():
                 m.advisory.labels(scope, rule).set(1 if r["active"] else 0)
