@@ -21,10 +21,12 @@ from tailguard.bench.fakeserver import FakeScript, plan
 class ScriptedTransport(_Transport):
     name = "scripted"
 
-    def __init__(self, script: FakeScript, packet: int = 37, with_timeline: bool = False) -> None:
+    def __init__(self, script: FakeScript, packet: int = 37, by_index: bool = False) -> None:
         self.script = script
         self.packet = packet  # split every response into reads of this many bytes (all at their event's time)
-        self.with_timeline = with_timeline
+        # by_index: the script's randomness follows the request's index, not its run-unique ID, so that two runs
+        # of one configuration see exactly the same stream
+        self.by_index = by_index
         self.planned: dict[str, tuple[float, list[tuple[float, int]], str]] = {}
 
     async def start(self, max_connections: int, timeout: float) -> None:
@@ -40,7 +42,8 @@ class ScriptedTransport(_Transport):
         req = json.loads(body)
         rid = headers["X-Request-ID"]
         prompt = req.get("prompt") or " ".join(m["content"] for m in req.get("messages", []))
-        ttft, chunks, finish = plan(self.script, rid, int(req["max_tokens"]), len(prompt.split()),
+        key = rid.rsplit("-", 1)[-1] if self.by_index else rid
+        ttft, chunks, finish = plan(self.script, key, int(req["max_tokens"]), len(prompt.split()),
                                     bool(req.get("ignore_eos")))
         self.planned[rid] = (ttft, chunks, finish)
         res.sent = res.intended

@@ -99,7 +99,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     bench = subparsers.add_parser(
         "bench", help="load-test an OpenAI-compatible server: latency percentiles, stage split, SLO verdicts",
-        description="Run a load test (tailguard bench --url URL ...), or: compare, sweep, fake-server.")
+        description="Run a load test (tailguard bench --url URL ...), or: compare, sweep, fake-server.",
+        allow_abbrev=False)  # abbreviations would make the sweep's --profile clash with --profiles
     _add_run_args(bench)
     sub = bench.add_subparsers(dest="bench_command", required=False, metavar="{compare,sweep,fake-server}")
 
@@ -119,7 +120,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     cmp.add_argument("--bootstrap", type=int, default=1000)
     cmp.add_argument("--seed", type=int, default=0)
 
-    sw = sub.add_parser("sweep", help="the highest offered rate at which an SLO profile still passes")
+    sw = sub.add_parser("sweep", help="the highest offered rate at which an SLO profile still passes",
+                        allow_abbrev=False)
     _add_run_args(sw)
     sw.add_argument("--profile", default="baseline", help="the profile to meet (built-in name or YAML file)")
     sw.add_argument("--start-rate", type=float, default=1.0)
@@ -309,8 +311,6 @@ def _cmd_run(args: argparse.Namespace, sweep: bool) -> int:
                 prof = load_profiles([args.profile])[0].name
             except Exception as exc:
                 raise UsageError(f"--profile: {exc}") from None
-            if args.profile not in cfg.profiles:
-                cfg.profiles = (*cfg.profiles, args.profile)
 
             def on_step(s: dict) -> None:
                 if not args.quiet:
@@ -321,7 +321,7 @@ def _cmd_run(args: argparse.Namespace, sweep: bool) -> int:
             if not args.quiet:
                 console.print(f"sweep against the {prof} profile, {cfg.num_requests or cfg.duration} "
                               f"{'requests' if cfg.num_requests else 's'} per step")
-            results, ms = _run_async(run_sweep(cfg, profile=prof, start=args.start_rate, max_rate=args.max_rate,
+            results, ms = _run_async(run_sweep(cfg, profile=args.profile, start=args.start_rate, max_rate=args.max_rate,
                                                factor=args.factor, refine=args.refine, max_steps=args.max_steps,
                                                on_step=on_step))
         else:

@@ -24,7 +24,7 @@ class RequestResult:
     __slots__ = (
         "index", "request_id", "server_request_id", "warmup", "spec", "intended", "sent", "headers_at",
         "first_token_at", "end", "chunk_times", "chunk_texts", "chunk_usage", "text", "status", "error",
-        "finish_reason", "usage", "tailguard", "server_timing", "llama_timings", "record", "role_only_chunks",
+        "finish_reason", "usage", "tailguard", "server_timing", "llama_timings", "record", "role_only_chunks", "streamed",
     )
 
     def __init__(self, index: int, request_id: str, spec: Any, intended: float, warmup: bool = False) -> None:
@@ -51,6 +51,7 @@ class RequestResult:
         self.llama_timings: dict | None = None
         self.record: dict | None = None
         self.role_only_chunks = 0
+        self.streamed = True  # False: a whole JSON answer (one "chunk", no per-token times at the client)
 
     @property
     def ok(self) -> bool:
@@ -176,6 +177,7 @@ class _Transport:
 
 
 def _finish_nonstream(res: RequestResult, data: bytes, t: float, chat: bool) -> None:
+    res.streamed = False
     try:
         obj = json.loads(data)
     except ValueError:

@@ -115,6 +115,13 @@ def request_metrics(res: RequestResult, t0: float, tokenizer, local_output_token
     # per-chunk recounts only where they are needed: no exact per-chunk usage, and more tokens than chunks
     need = n and not all(c is not None for c in cont) and (total is None or int(total) > n)
     recount = [len(tokenizer.encode(t)) for t in res.chunk_texts] if need else [1] * n
+    if not res.streamed:
+        # a whole answer at once: the client sees no token times, so no ITL, no TPOT and no "multi-token chunk"
+        # (TTFT is the time to the whole answer, as in vLLM's bench without streaming)
+        m.output_tokens = int(total) if total is not None else m.output_tokens_local
+        m.output_tokens_source = "usage" if total is not None else "recount"
+        m.chunk_tokens = []
+        return m
     if n and all(c is not None for c in cont) and cont[-1] is not None:
         prev = 0
         counts = []

@@ -88,8 +88,18 @@ def cdf_figure(results: dict, compare: dict | None = None, names=("A", "B")):
                                      line={"dash": dashes[j % 2]}, legendgroup=label,
                                      hovertemplate="%{x:.1f} ms: %{y:.3f}<extra></extra>"), row=r, col=c)
             if j == 0:
+                far = []
+                top = float(x.max()) if x.size else 0.0
                 for t in sorted(thr.get(k, ())):
+                    # a threshold far beyond the data would squash the curve into the axis: name it instead
+                    if top and t * 1e3 > 2.0 * top:
+                        far.append(t)
+                        continue
                     fig.add_vline(x=t * 1e3, line={"color": "#c00", "dash": "dot", "width": 1}, row=r, col=c)
+                if far:
+                    fig.add_annotation(text="SLO " + ", ".join(f"{t * 1e3:g}" for t in far) + " ms: off to the right",
+                                       xref="x domain", yref="y domain", x=0.98, y=0.05, showarrow=False,
+                                       font={"color": "#c00", "size": 11}, row=r, col=c)
             fig.update_xaxes(title_text="ms", row=r, col=c)
     fig.update_yaxes(range=[0, 1.01])
     fig.update_layout(height=620, margin={"t": 40, "b": 40}, showlegend=bool(compare),

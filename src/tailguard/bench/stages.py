@@ -128,8 +128,13 @@ async def fetch_records(transport, base_url: str, pairs: list[tuple[RequestMetri
             res.record = obj
             fetched += 1
 
-    # a first one alone: a server without the endpoint answers 404 and we stop there
-    await one(chosen[0][1])
+    # a first one alone: a server without the endpoint answers 404 and we stop there (after a few short retries:
+    # a server may close a record a moment after the client has read the last byte)
+    for attempt in range(4):
+        await one(chosen[0][1])
+        if fetched or statuses.get(404, 0) == 0:
+            break
+        await asyncio.sleep(0.05 * (attempt + 1))
     if fetched:
         await asyncio.gather(*(one(r) for _, r in chosen[1:]))
     return {"requested": len(chosen) if fetched else 1, "fetched": fetched,

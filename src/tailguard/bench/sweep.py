@@ -32,9 +32,13 @@ async def sweep(cfg: BenchConfig, profile: str = "baseline", start: float = 1.0,
                 on_step: Callable[[dict], None] | None = None) -> tuple[dict, list]:
     if start <= 0 or factor <= 1:
         raise ValueError("the sweep needs a positive start rate and a growth factor above 1")
-    if profile not in cfg.profiles:
-        cfg = dataclasses.replace(cfg, profiles=(*cfg.profiles, profile))
+    from tailguard.bench.profiles import load_profiles
     from tailguard.bench.tokens import load_tokenizer
+
+    # ``profile`` is a built-in name or a YAML file; verdicts are keyed by the profile's name
+    spec, profile = profile, load_profiles([profile])[0].name
+    if spec not in cfg.profiles:
+        cfg = dataclasses.replace(cfg, profiles=(*cfg.profiles, spec))
 
     tokenizer = load_tokenizer(cfg.tokenizer)
     steps: list[dict] = []

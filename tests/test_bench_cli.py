@@ -1,0 +1,118 @@
+"""``tailguard bench`` end to end: the fake-server command, a run writing its three outputs, sweep, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tailguard.bench.fakeserver import FakeScript, FakeServerProcess
+from tailguard.cli import main
+
+TAILGUARD = [sys.executable, "-m", "tailguard.cli"]
+
+
+@pytest.fixture(scope="module")
+def fake_cli_server():
+    """``tailguard bench fake-server --port 0``, started the way a user would."""
+    proc = subprocess.Popen([*TAILGUARD, "bench", "fake-server", "--port", "0", "--ttft", "0.01", "--itl", "0.002",
+                             "--multi-token-every", "4", "--max-lifetime", "120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("fake OpenAI-compatible server on http://127.0.0.1:"), line + proc.stderr.read()
+    url = line.split(" on ", 1)[1].split()[0]
+    yield url
+    proc.terminate()
+    proc.wait(10)
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+def test_cli_run_writes_results_csv_and_report(fake_cli_server, tmp_path):
+    out = tmp_path / "run"
+    t = time.monotonic()
+    # --model is left out: the bench asks /v1/models
+    p = subprocess.run([*TAILGUARD, "bench", "--url", fake_cli_server, "--rate", "50", "--num-requests", "40",
+                        "--input-tokens", "32", "--output-tokens", "8", "--langs", "en,zh", "--warmup-requests", "4",
+                        "--tokenizer", "approx", "--bootstrap", "200", "--seed", "3", "--output-dir", str(out)],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "160"})
+    assert p.returncode == 0, p.stderr
+    assert time.monotonic() - t < 60
+    assert "Traceback" not in p.stderr
+    for name in ("TTFT", "ITL", "TPOT", "E2E", "SLO verdicts", "req/s", "report.html"):
+        assert name in p.stdout
+    res = json.loads((out / "results.json").read_text())
+    assert res["run"]["target"]["model"] == "fake" and res["run"]["seed"] == 3
+    assert res["summary"]["requests"]["measured"] == 36 and res["summary"]["requests"]["warmup"] == 4
+    assert res["run"]["load"]["arrival"] == "poisson" and res["run"]["load"]["rate"] == 50
+    assert res["tokens"]["chunks"]["multi_token"] > 0
+    assert (out / "requests.csv").read_text().count("\n") == 41
+    assert 'id="fig-sankey"' in (out / "report.html").read_text()
+
+
+def test_cli_quiet_closed_loop_prints_only_the_report_path(fake_cli_server, tmp_path, capsys):
+    rc = main(["bench", "--url", fake_cli_server + "/v1/chat/completions", "--model", "fake", "--concurrency", "3",
+               "--num-requests", "12", "--output-tokens", "4", "--endpoint", "completions", "--tokenizer", "approx",
+               "--bootstrap", "0", "--quiet", "--output-dir", str(tmp_path)])
+    assert rc == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "report.html")
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["run"]["target"]["endpoint"] == "/v1/completions" and res["run"]["load"]["concurrency"] == 3
+
+
+def test_cli_sweep_finds_the_highest_passing_rate(tmp_path, capsys):
+    profile = tmp_path / "tight.yaml"
+    # the fake server never saturates (every request gets its scripted 90 ms), so every step passes
+    profile.write_text("name: tight\nobjectives:\n  - {metric: e2e, percentile: 99, threshold: 150ms}\n")
+    with FakeServerProcess(FakeScript(ttft=0.02, itl=0.01, max_lifetime=120)) as srv:
+        rc = main(["bench", "sweep", "--url", srv.url, "--model", "fake", "--profile", str(profile),
+                   "--profiles", "baseline", "--start-rate", "10", "--max-rate", "40", "--num-requests", "30",
+                   "--output-tokens", "8", "--tokenizer", "approx", "--bootstrap", "100", "--refine", "0",
+                   "--output-dir", str(tmp_path / "sw")])
+    assert rc == 0
+    res = json.loads((tmp_path / "sw" / "results.json").read_text())
+    sw = res["sweep"]
+    assert sw["profile"] == "tight" and [s["rate"] for s in sw["steps"]] == [10.0, 20.0, 40.0]
+    assert sw["best_rate"] == 40.0 and all(s["pass"] for s in sw["steps"])
+    assert 'id="fig-sweep"' in (tmp_path / "sw" / "report.html").read_text()
+    assert "rate    40.00 req/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rate", "10"], "--url is required"),
+    (["--url", "ftp://x"], "must be an http(s) URL"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--rate", "-3"], "--rate must be positive"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--num-requests", "0"], "--num-requests must be at least 1"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--langs", "en,fr"], "--langs takes a comma list"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--workload", "jsonl"], "needs --jsonl PATH"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--trace", "nope.csv"], "neither a built-in trace"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--profiles", "gold"], "unknown SLO profile"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--header", "novalue"], "NAME:VALUE"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--num-requests", "1", "--tokenizer", "approx"],
+     "did not answer the probe"),
+    (["--url", "http://127.0.0.1:9", "--num-requests", "1"], "/v1/models could not be read"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_bad_jsonl_and_profile_files(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hi"}\n{"nothing": 1}\n')
+    with FakeServerProcess(FakeScript(ttft=0.001, itl=0.001, max_lifetime=60)) as srv:
+        assert main(["bench", "--url", srv.url, "--model", "fake", "--jsonl", str(bad), "--tokenizer",
+                     "approx"]) == 2
+        assert "bad.jsonl:2: needs 'prompt' or 'messages'" in capsys.readouterr().err
+    yml = tmp_path / "p.yaml"
+    yml.write_text("name: x\nobjectives:\n  - {metric: latency, percentile: 99, threshold: 1s}\n")
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--model", "m", "--profiles-file", str(yml)]) == 2
+    assert "objective metric must be one of" in capsys.readouterr().err
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--model", "m", "--profiles-file",
+                 str(Path(tmp_path, "none.yaml"))]) == 2
