@@ -1,0 +1,69 @@
+"""Sliding windows: t-digest percentiles against exact ones, slot ageing, counts and rates, slicing by key."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tailguard.slo.profiles import Selector
+from tailguard.slo.windows import RequestSample, SlidingWindows
+
+
+def test_window_percentiles_within_one_percent_of_exact_on_100k():
+    rng = np.random.default_rng(7)
+    n = 100_000
+    e2e = rng.lognormal(mean=np.log(0.6), sigma=0.8, size=n)
+    ttft = rng.lognormal(mean=np.log(0.12), sigma=0.5, size=n)
+    bts = rng.choice(["chat", "batch", "finance"], size=n)
+    t0 = 1_800_000_000.0
+    w = SlidingWindows(slot_s=30, max_window_s=900)
+    times = t0 + np.sort(rng.uniform(0, 899.0, size=n))  # spread over 30 slots and three keys
+    for i in range(n):
+        w.record(RequestSample(e2e=float(e2e[i]), ttft=float(ttft[i]), business_type=str(bts[i])), now=float(times[i]))
+    now = float(times[-1])
+    st = w.query(Selector(), window_s=900, now=now)
+    assert st.total == n and st.n("e2e") == n and st.n("ttft") == n
+    for q in (0.5, 0.95, 0.99):
+        for name, vals in (("e2e", e2e), ("ttft", ttft)):
+            exact = float(np.quantile(vals, q))
+            got = st.quantile(name, q)
+            assert abs(got - exact) / exact < 0.01, (name, q, got, exact)
+    # A slice: one business type, same accuracy.
+    mask = bts == "finance"
+    fin = w.query(Selector(business_types=("finance",)), window_s=900, now=now)
+    assert fin.n("e2e") == int(mask.sum())
+    exact = float(np.quantile(e2e[mask], 0.99))
+    assert abs(fin.quantile("e2e", 0.99) - exact) / exact < 0.01
+    # A repeated query (closed slots cached) gives the same answer.
+    assert w.query(Selector(), window_s=900, now=now).quantile("e2e", 0.99) == st.quantile("e2e", 0.99)
+
+
+def test_slots_age_out_and_counts_follow_outcomes():
+    t = [1000.0]
+    w = SlidingWindows(slot_s=1, max_window_s=5, clock=lambda: t[0])
+    for outcome in ("success", "success", "error", "aborted", "rejected", "invalid"):
+        w.record(RequestSample(e2e=0.5, ttft=0.1, outcome=outcome))
+    w.record(RequestSample(e2e=0.01, outcome="success", degraded=True, synthetic=True))  # a template answer
+    st = w.query(window_s=5)
+    assert (st.total, st.served, st.errors, st.aborted, st.rejected, st.degraded) == (7, 5, 1, 1, 1, 1)
+    assert st.n("e2e") == 2  # successes only; the synthetic answer is not a latency sample
+    assert st.error_rate == pytest.approx(1 / 5) and st.shed_rate == pytest.approx(1 / 6)
+    assert st.n("ttft") == 4  # everything that reached the engine and had a first token
+    t[0] += 3
+    assert w.query(window_s=5).total == 7
+    assert w.query(window_s=2).total == 0  # the last two slots only
+    t[0] += 3
+    w.advance()
+    assert w.query(window_s=5).total == 0  # gone from the ring
+
+
+def test_long_context_and_key_cap():
+    w = SlidingWindows(slot_s=10, max_window_s=60, ctx_edges=(8192,), max_keys=2)
+    w.record(RequestSample(e2e=1.0, input_tokens=100), now=5)
+    w.record(RequestSample(e2e=3.0, input_tokens=20_000), now=5)
+    assert w.query(Selector(min_input_tokens=8193), 60, now=5).n("e2e") == 1
+    assert w.query(Selector(max_input_tokens=8192), 60, now=5).quantile("e2e", 0.5) == pytest.approx(1.0)
+    for r in ("a", "b", "c"):  # two keys exist already: new ones fold into "other"
+        w.record(RequestSample(e2e=1.0, region=r), now=5)
+    assert w.dropped_keys == 3
+    assert w.query(Selector(regions=("other",)), 60, now=5).total == 3
