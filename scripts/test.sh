@@ -3,10 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-# promtool (Debian's prometheus package) checks the /metrics output and exported rules when present.
-if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
-    || echo "note: promtool could not be installed; its checks will be skipped"
+# promtool (Debian's prometheus package) checks the /metrics output and the exported rules; headless Chromium renders
+# the HTML reports and the SLO dashboard. Tests that need them say so and skip where they could not be installed.
+missing=""
+command -v promtool >/dev/null 2>&1 || missing="$missing prometheus"
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+if [ -n "$missing" ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null) \
+    || echo "note: could not install$missing; the checks that need them will be skipped"
 fi
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/python -m pytest -q "$@"
