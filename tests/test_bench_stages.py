@@ -53,5 +53,5 @@ def test_non_streamed_answers_are_split_from_the_server_timing_header(tmp_path):
     assert res["stages"]["mode"] == "server"
     for m in ms:
         assert m.chunks == 1 and m.output_tokens == 6 and m.itl == [] and m.tpot is None and m.ttft == m.e2e
-        assert m.stages["decode"] == pytest.approx(5 * 0.002, abs=0.006)
+        assert m.stages["decode"] >= 0.9 * 5 * 0.002  # the scripted gaps are a lower bound
         assert sum(m.stages.values()) == pytest.approx(m.e2e, abs=2e-6)
