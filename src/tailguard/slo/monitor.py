@@ -37,7 +37,7 @@ from tailguard.slo.actions import (
 from tailguard.slo.config import TIERS, MonitorConfig
 from tailguard.slo.evaluate import Evaluation, Evaluator
 from tailguard.slo.profiles import LATENCY_METRICS, Metric, SLOProfile, get_profile, load_profiles
-from tailguard.slo.windows import CORE_METRICS, PeakDetector, RequestSample, SlidingWindows, sample_from
+from tailguard.slo.windows import CORE_METRICS, PeakDetector, SlidingWindows
 
 __all__ = ["SLOMonitor"]
 
@@ -108,8 +108,7 @@ class SLOMonitor:
     def record(self, request: Any, now: float | None = None) -> None:
         """Feed one finished request: a Timeline, a record dict or a :class:`RequestSample`. Never raises."""
         try:
-            s = request if type(request) is RequestSample else sample_from(request)
-            self.windows.record(s, now)
+            self.windows.record(request, now)  # queued; applied by the evaluation thread (see SlidingWindows.record)
             self.recorded += 1
             act = getattr(request, "slo_action", None)
             if act:
@@ -280,6 +279,8 @@ class SLOMonitor:
             "history": list(self.history),
             "recorded": self.recorded,
             "dropped_keys": self.windows.dropped_keys,
+            "dropped_samples": self.windows.dropped_samples,
+            "bad_samples": self.windows.bad_samples,
         }
 
     # --- lifecycle ---------------------------------------------------------------------------------------------------

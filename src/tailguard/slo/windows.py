@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from fastdigest import TDigest
 
+from tailguard.observe.timeline import Timeline
 from tailguard.slo.profiles import Selector
 
 __all__ = [
@@ -92,6 +93,14 @@ def sample_from(obj: Any) -> RequestSample:
     """A :class:`RequestSample` from a Timeline (``tailguard.observe.timeline``), a record dict (``to_record()`` or a
     store row as a dict), or a RequestSample (returned as is). Unknown fields default; nothing here raises on a
     missing optional field."""
+    if type(obj) is Timeline:  # the server's case: plain attribute reads, no getattr defaults
+        s = obj.summary()
+        o = obj.outcome
+        return RequestSample(
+            s.e2e, s.ttft, s.stages["queue"], s.itl, s.tpot, o.value if o is not None else SUCCESS,
+            obj.business_type, obj.lane, obj.client, obj.region, obj.num_prompt_tokens, obj.degraded,
+            obj.request_id, s.stages, obj.synthetic,
+        )
     if isinstance(obj, RequestSample):
         return obj
     if isinstance(obj, Mapping):
@@ -112,7 +121,7 @@ def sample_from(obj: Any) -> RequestSample:
             degraded=bool(obj.get("degraded")), request_id=str(obj.get("request_id") or ""), stages=stages,
             synthetic=bool(obj.get("synthetic")),
         )
-    # A Timeline (duck-typed: anything with summary()).
+    # Anything else with summary() (duck-typed).
     s = obj.summary()
     outcome = getattr(obj, "outcome", None)
     return RequestSample(
@@ -144,13 +153,43 @@ class _Cell:
 
 
 class _Slot:
-    __slots__ = ("index", "cells", "top", "closed")
+    __slots__ = ("index", "cells", "top", "closed", "compacted", "aggs")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.cells: dict[Key, _Cell] = {}
         self.top: list[tuple] = []  # min-heap of the slowest requests: (e2e, seq, request_id, key, stages)
-        self.closed = False
+        self.closed = False  # no more writes (record only ever writes to the current slot)
+        self.compacted = False  # buffers folded into digests (by a query, off the request path)
+        self.aggs: dict[frozenset[Key], _Cell] = {}  # merged cells per key set: closed slots never change
+
+
+def _add_counts(dst: _Cell, c: _Cell) -> None:
+    dst.total += c.total
+    dst.served += c.served
+    dst.errors += c.errors
+    dst.rejected += c.rejected
+    dst.aborted += c.aborted
+    dst.degraded += c.degraded
+    dst.log_n += c.log_n
+    dst.log_sum += c.log_sum
+    dst.log_sq += c.log_sq
+    dst.stage_n += c.stage_n
+    for i in range(len(STAGES)):
+        dst.stage_sum[i] += c.stage_sum[i]
+        dst.stage_sq[i] += c.stage_sq[i]
+
+
+def _merge_into(parts: Iterable[TDigest | None]) -> TDigest | None:
+    merged: TDigest | None = None
+    for d in parts:
+        if d is None:
+            continue
+        if merged is None:
+            merged = d.copy()
+        else:
+            merged.merge_inplace(d)
+    return merged
 
 
 @dataclass
@@ -371,10 +410,11 @@ class SlidingWindows:
         max_window_s: float = 900.0,
         metrics: Sequence[str] = CORE_METRICS,
         ctx_edges: Sequence[int] = (8192, 65536),
-        max_centroids: int = 1000,
+        max_centroids: int = 200,  # errors < 0.1% at P50/P95/P99 here, and a merge 6x cheaper than 1000
         buffer_limit: int = 4096,
         top_per_slot: int = 32,
         max_keys: int = 512,
+        max_pending: int = 1_000_000,
         clock: Callable[[], float] = time.time,
         on_slot_closed: Callable[[int, float], None] | None = None,
     ) -> None:
@@ -399,8 +439,13 @@ class SlidingWindows:
         self._keys: set[Key] = set()
         self._seq = 0
         self._lock = threading.Lock()
-        self._cache_idx: tuple[int, int] | None = None
-        self._cache: dict[tuple[Key, int], tuple[int, TDigest | None]] = {}
+        self._agg_lock = threading.Lock()  # query side only: compaction and per-slot aggregates
+        self._queue: deque[tuple[float, Any]] = deque()  # recorded, not yet applied (see record)
+        self._closed_turn: tuple[int, int] | None = None
+        self._closed_merged: dict[tuple[frozenset[Key], int], TDigest | None] = {}
+        self.max_pending = max_pending
+        self.dropped_samples = 0
+        self.bad_samples = 0
         # Which optional metrics to compute on the record path.
         self._i_e2e = self._mi.get("e2e")
         self._i_ttft = self._mi.get("ttft")
@@ -462,10 +507,19 @@ class SlidingWindows:
         return slot
 
     def _close(self, slot: _Slot) -> None:
+        # Runs in drain() or advance(), i.e. in the evaluation thread: the request path only queues.
+        slot.closed = True
+        with self._agg_lock:
+            self._compact(slot)
+        if self.on_slot_closed is not None:
+            self.on_slot_closed(sum(c.total for c in slot.cells.values()), self.slot_s)
+
+    def _compact(self, slot: _Slot) -> None:
+        """Fold a closed slot's buffers into its digests (once; called with ``_agg_lock`` held, not ``_lock``)."""
+        if slot.compacted:
+            return
         mc = self.max_centroids
-        total = 0
         for cell in slot.cells.values():
-            total += cell.total
             for i, buf in enumerate(cell.bufs):
                 if buf:
                     d = cell.digests[i]
@@ -474,9 +528,24 @@ class SlidingWindows:
                     else:
                         d.batch_update(buf)
                     cell.bufs[i] = []
-        slot.closed = True
-        if self.on_slot_closed is not None:
-            self.on_slot_closed(total, self.slot_s)
+        slot.compacted = True
+
+    def _slot_agg(self, slot: _Slot, keys: frozenset[Key], mis: Iterable[int]) -> _Cell:
+        """The closed slot's cells of ``keys`` merged (counts and the digests of metrics ``mis``), cached."""
+        agg = slot.aggs.get(keys)
+        if agg is None:
+            self._compact(slot)
+            agg = _Cell(len(self.metrics))
+            agg.digests = [False] * len(self.metrics)  # type: ignore[list-item] - False: not merged yet
+            for k in keys:
+                c = slot.cells.get(k)
+                if c is not None:
+                    _add_counts(agg, c)
+            slot.aggs[keys] = agg
+        for mi in mis:
+            if agg.digests[mi] is False:
+                agg.digests[mi] = _merge_into(slot.cells[k].digests[mi] for k in keys if k in slot.cells)
+        return agg
 
     def _flush(self, cell: _Cell, i: int) -> None:
         buf = cell.bufs[i]
@@ -487,111 +556,135 @@ class SlidingWindows:
             d.batch_update(buf)
         cell.bufs[i] = []
 
-    def record(self, s: RequestSample, now: float | None = None) -> None:
-        """Add one finished request. O(1) apart from the ITL gaps it carries (appended, not sorted)."""
-        if now is None:
-            now = self.clock()
+    def record(self, s: Any, now: float | None = None) -> None:
+        """Add one finished request (a RequestSample, a Timeline or a record dict): the request path's only cost.
+
+        It is queued, not applied: one deque append. Queries, ``advance`` and ``drain`` (the evaluation thread)
+        apply the queue first, so every figure they report includes every request recorded before them."""
+        if len(self._queue) >= self.max_pending:
+            self.dropped_samples += 1  # nobody has drained for a long time: drop rather than grow without bound
+            return
+        self._queue.append((self.clock() if now is None else now, s))
+
+    def drain(self) -> int:
+        """Apply the queued requests to their slots; returns how many."""
+        q = self._queue
+        n = 0
+        with self._lock:
+            while True:
+                try:
+                    now, s = q.popleft()  # deque: safe against concurrent appends
+                except IndexError:
+                    return n
+                n += 1
+                try:
+                    self._apply(s if type(s) is RequestSample else sample_from(s), now)
+                except Exception:  # noqa: BLE001 - one malformed record must not stop the rest
+                    self.bad_samples += 1
+
+    def _apply(self, s: RequestSample, now: float) -> None:
+        """Add one finished request to its slot (``_lock`` held)."""
         idx = int(now // self.slot_s)
         tokens = s.input_tokens
         edges = self.ctx_edges
         ctx = 0 if not edges or tokens <= edges[0] else bisect.bisect_left(edges, tokens)
         key = Key(s.business_type, s.lane, s.client, s.region, ctx)
-        with self._lock:
-            slot = self._cur
-            if slot is None or idx > slot.index:
-                slot = self._rotate(idx)
+        slot = self._cur
+        if slot is None or idx > slot.index:
+            slot = self._rotate(idx)
+        cell = slot.cells.get(key)
+        if cell is None:
+            if key not in self._keys:
+                if len(self._keys) >= self.max_keys:
+                    self.dropped_keys += 1
+                    key = Key("other", "other", "other", "other", ctx)
+                self._keys.add(key)
             cell = slot.cells.get(key)
             if cell is None:
-                if key not in self._keys:
-                    if len(self._keys) >= self.max_keys:
-                        self.dropped_keys += 1
-                        key = Key("other", "other", "other", "other", ctx)
-                    self._keys.add(key)
-                cell = slot.cells.get(key)
-                if cell is None:
-                    cell = slot.cells[key] = _Cell(len(self.metrics))
-            cell.total += 1
-            outcome = s.outcome
-            if outcome == SUCCESS:
-                cell.served += 1
-            elif outcome == ERROR:
-                cell.served += 1
-                cell.errors += 1
-            elif outcome == ABORTED:
-                cell.served += 1
-                cell.aborted += 1
-            elif outcome == REJECTED:
-                cell.rejected += 1
-                return
-            else:  # invalid or unknown: counted, not timed (as tailguard.observe.metrics does)
-                return
-            if s.degraded:
-                cell.degraded += 1
-            if s.synthetic:
-                return  # a template answer's latency says nothing about the engine
-            bufs = cell.bufs
-            limit = self.buffer_limit
-            i = self._i_ttft
-            if i is not None and s.ttft is not None:
-                bufs[i].append(s.ttft)
-                if len(bufs[i]) >= limit:
-                    self._flush(cell, i)
-            i = self._i_queue
-            if i is not None and s.queue_wait is not None:
-                bufs[i].append(s.queue_wait)
-                if len(bufs[i]) >= limit:
-                    self._flush(cell, i)
-            i = self._i_itl
-            if i is not None and s.itl:
-                bufs[i].extend(s.itl)
-                if len(bufs[i]) >= limit:
-                    self._flush(cell, i)
-            stages = s.stages
-            if stages:
-                cell.stage_n += 1
-                ss, sq = cell.stage_sum, cell.stage_sq
-                for j, name in enumerate(STAGES):
-                    v = stages.get(name)
-                    if v:
-                        ss[j] += v
-                        sq[j] += v * v
-                i = self._i_tok
-                if i is not None and "tokenize" in stages:
-                    bufs[i].append(stages["tokenize"])
-                i = self._i_pre
-                if i is not None and "prefill" in stages:
-                    bufs[i].append(stages["prefill"])
-            if outcome != SUCCESS:
-                return  # E2E and TPOT describe complete answers only
-            e2e = s.e2e
-            if e2e is None:
-                return
-            i = self._i_e2e
-            if i is not None:
-                bufs[i].append(e2e)
-                if len(bufs[i]) >= limit:
-                    self._flush(cell, i)
-            i = self._i_tpot
-            if i is not None and s.tpot is not None:
-                bufs[i].append(s.tpot)
-            if e2e > 0:
-                lg = math.log(e2e)
-                cell.log_n += 1
-                cell.log_sum += lg
-                cell.log_sq += lg * lg
-            top = slot.top
-            if len(top) < self.top_per_slot:
-                self._seq += 1
-                heapq.heappush(top, (e2e, self._seq, s.request_id, key, dict(stages) if stages else None, now))
-            elif e2e > top[0][0]:
-                self._seq += 1
-                heapq.heapreplace(top, (e2e, self._seq, s.request_id, key, dict(stages) if stages else None, now))
+                cell = slot.cells[key] = _Cell(len(self.metrics))
+        cell.total += 1
+        outcome = s.outcome
+        if outcome == SUCCESS:
+            cell.served += 1
+        elif outcome == ERROR:
+            cell.served += 1
+            cell.errors += 1
+        elif outcome == ABORTED:
+            cell.served += 1
+            cell.aborted += 1
+        elif outcome == REJECTED:
+            cell.rejected += 1
+            return
+        else:  # invalid or unknown: counted, not timed (as tailguard.observe.metrics does)
+            return
+        if s.degraded:
+            cell.degraded += 1
+        if s.synthetic:
+            return  # a template answer's latency says nothing about the engine
+        bufs = cell.bufs
+        limit = self.buffer_limit
+        i = self._i_ttft
+        if i is not None and s.ttft is not None:
+            bufs[i].append(s.ttft)
+            if len(bufs[i]) >= limit:
+                self._flush(cell, i)
+        i = self._i_queue
+        if i is not None and s.queue_wait is not None:
+            bufs[i].append(s.queue_wait)
+            if len(bufs[i]) >= limit:
+                self._flush(cell, i)
+        i = self._i_itl
+        if i is not None and s.itl:
+            bufs[i].extend(s.itl)
+            if len(bufs[i]) >= limit:
+                self._flush(cell, i)
+        stages = s.stages
+        if stages:
+            cell.stage_n += 1
+            ss, sq = cell.stage_sum, cell.stage_sq
+            for j, name in enumerate(STAGES):
+                v = stages.get(name)
+                if v:
+                    ss[j] += v
+                    sq[j] += v * v
+            i = self._i_tok
+            if i is not None and "tokenize" in stages:
+                bufs[i].append(stages["tokenize"])
+            i = self._i_pre
+            if i is not None and "prefill" in stages:
+                bufs[i].append(stages["prefill"])
+        if outcome != SUCCESS:
+            return  # E2E and TPOT describe complete answers only
+        e2e = s.e2e
+        if e2e is None:
+            return
+        i = self._i_e2e
+        if i is not None:
+            bufs[i].append(e2e)
+            if len(bufs[i]) >= limit:
+                self._flush(cell, i)
+        i = self._i_tpot
+        if i is not None and s.tpot is not None:
+            bufs[i].append(s.tpot)
+        if e2e > 0:
+            lg = math.log(e2e)
+            cell.log_n += 1
+            cell.log_sum += lg
+            cell.log_sq += lg * lg
+        top = slot.top
+        if len(top) < self.top_per_slot:
+            self._seq += 1
+            heapq.heappush(top, (e2e, self._seq, s.request_id, key, dict(stages) if stages else None, now))
+        elif e2e > top[0][0]:
+            self._seq += 1
+            heapq.heapreplace(top, (e2e, self._seq, s.request_id, key, dict(stages) if stages else None, now))
 
     # --- queries -------------------------------------------------------------------------------------------------
     def advance(self, now: float | None = None) -> None:
         """Turn the ring up to ``now`` even without traffic (evaluate calls it)."""
         if now is None:
             now = self.clock()
+        self.drain()
         idx = int(now // self.slot_s)
         with self._lock:
             if self._cur is None or idx > self._cur.index:
@@ -604,31 +697,22 @@ class SlidingWindows:
         cur = self._cur if self._cur is not None and lo < self._cur.index <= idx and not self._cur.closed else None
         return closed, cur, idx
 
-    def _closed_digest(self, key: Key, mi: int, slots: list[_Slot], cache_id: tuple[int, int]) -> tuple[int, Any]:
-        if self._cache_idx != cache_id:
-            self._cache = {}
-            self._cache_idx = cache_id
-        ck = (key, mi)
-        hit = self._cache.get(ck)
-        if hit is not None:
-            return hit
-        merged: TDigest | None = None
-        n = 0
-        for s in slots:
-            c = s.cells.get(key)
+    def _current_snapshot(self, cur: _Slot, keys: list[Key], mis: list[int]) -> _Cell:
+        """The current slot's cells of ``keys``, copied (called with ``_lock`` held: copies only, no merging)."""
+        snap = _Cell(len(self.metrics))
+        parts: list[list[TDigest]] = [[] for _ in self.metrics]
+        for k in keys:
+            c = cur.cells.get(k)
             if c is None:
                 continue
-            d = c.digests[mi]
-            if d is None:
-                continue
-            n += d.n_values
-            if merged is None:
-                merged = d.copy()
-            else:
-                merged.merge_inplace(d)
-        hit = (n, merged)
-        self._cache[ck] = hit
-        return hit
+            _add_counts(snap, c)
+            for mi in mis:
+                if c.digests[mi] is not None:
+                    parts[mi].append(c.digests[mi].copy())
+                if c.bufs[mi]:
+                    snap.bufs[mi].extend(c.bufs[mi])
+        snap.digests = parts  # type: ignore[assignment] - lists of digests, merged outside the lock
+        return snap
 
     def query(
         self,
@@ -639,60 +723,52 @@ class SlidingWindows:
         peak: bool = False,
         keys: Iterable[Key] | None = None,
     ) -> WindowStats:
-        """Merge the window's slots for the keys ``selector`` matches (or the given ``keys``)."""
+        """Merge the window's slots for the keys ``selector`` matches (or the given ``keys``).
+
+        The request path's lock is held only to pick the slots and copy the current slot's cells; merging happens
+        outside it, on per-slot aggregates that closed slots keep (a closed slot never changes), so a query costs
+        one merge per slot and metric plus the newest closed slot's own merge."""
         if now is None:
             now = self.clock()
         n_slots = max(1, min(self.max_slots, math.ceil(window_s / self.slot_s - 1e-9)))
         sel = selector or Selector()
         wanted = [m for m in (metrics or self.metrics) if m in self._mi]
+        mis = [self._mi[m] for m in wanted]
+        self.drain()
         with self._lock:
             closed, cur, idx = self._window_slots(n_slots, now)
             if keys is None:
                 keys = [k for k in self._keys if self.key_matches(k, sel, peak)]
             keys = list(keys)
-            stats = WindowStats(window_s=n_slots * self.slot_s, start=(idx - n_slots + 1) * self.slot_s, end=now)
-            for slot in ([*closed, cur] if cur is not None else closed):
-                for k in keys:
-                    c = slot.cells.get(k)
-                    if c is None:
-                        continue
-                    stats.total += c.total
-                    stats.served += c.served
-                    stats.errors += c.errors
-                    stats.rejected += c.rejected
-                    stats.aborted += c.aborted
-                    stats.degraded += c.degraded
-                    stats.log_n += c.log_n
-                    stats.log_sum += c.log_sum
-                    stats.log_sq += c.log_sq
-                    stats.stage_n += c.stage_n
-                    for i in range(len(STAGES)):
-                        stats.stage_sum[i] += c.stage_sum[i]
-                        stats.stage_sq[i] += c.stage_sq[i]
-            cache_id = (n_slots, idx)
-            for m in wanted:
-                mi = self._mi[m]
-                merged: TDigest | None = None
-                n = 0
-                for k in keys:
-                    kn, kd = self._closed_digest(k, mi, closed, cache_id)
-                    parts = [kd] if kd is not None else []
-                    if cur is not None:
-                        c = cur.cells.get(k)
-                        if c is not None:
-                            if c.digests[mi] is not None:
-                                parts.append(c.digests[mi])
-                                kn += c.digests[mi].n_values
-                            if c.bufs[mi]:
-                                parts.append(TDigest.from_values(c.bufs[mi], max_centroids=self.max_centroids))
-                                kn += len(c.bufs[mi])
-                    for d in parts:
-                        if merged is None:
-                            merged = d.copy()
-                        else:
-                            merged.merge_inplace(d)
-                    n += kn
-                stats.metrics[m] = MetricStats(n=n, digest=merged)
+            snap = self._current_snapshot(cur, keys, mis) if cur is not None else None
+        keyset = frozenset(keys)
+        stats = WindowStats(window_s=n_slots * self.slot_s, start=(idx - n_slots + 1) * self.slot_s, end=now)
+        total = _Cell(len(self.metrics))
+        with self._agg_lock:
+            aggs = [self._slot_agg(slot, keyset, mis) for slot in closed]
+        for a in aggs:
+            _add_counts(total, a)
+        if snap is not None:
+            _add_counts(total, snap)
+        for name in ("total", "served", "errors", "rejected", "aborted", "degraded", "log_n", "log_sum", "log_sq",
+                     "stage_n", "stage_sum", "stage_sq"):
+            setattr(stats, name, getattr(total, name))
+        mc = self.max_centroids
+        turn = (idx, n_slots)
+        if self._closed_turn != turn:  # the ring turned: merges of closed slots are stale
+            self._closed_turn, self._closed_merged = turn, {}
+        for m, mi in zip(wanted, mis, strict=True):
+            ck = (keyset, mi)
+            if ck not in self._closed_merged:
+                self._closed_merged[ck] = _merge_into(a.digests[mi] for a in aggs)
+            closed_d = self._closed_merged[ck]
+            parts = [closed_d]
+            if snap is not None:
+                parts += snap.digests[mi]
+                if snap.bufs[mi]:
+                    parts.append(TDigest.from_values(snap.bufs[mi], max_centroids=mc))
+            merged = _merge_into(parts)
+            stats.metrics[m] = MetricStats(n=0 if merged is None else int(merged.n_values), digest=merged)
         return stats
 
     def slowest(
@@ -703,6 +779,7 @@ class SlidingWindows:
             now = self.clock()
         n_slots = max(1, min(self.max_slots, math.ceil(window_s / self.slot_s - 1e-9)))
         sel = selector or Selector()
+        self.drain()
         with self._lock:
             closed, cur, _ = self._window_slots(n_slots, now)
             items = [e for s in ([*closed, cur] if cur is not None else closed) for e in s.top]
@@ -719,6 +796,7 @@ class SlidingWindows:
         if now is None:
             now = self.clock()
         n_slots = max(1, min(self.max_slots, math.ceil(seconds / self.slot_s - 1e-9)))
+        self.drain()
         with self._lock:
             closed, cur, _ = self._window_slots(n_slots, now)
             return sum(c.total for s in ([*closed, cur] if cur is not None else closed) for c in s.cells.values())
