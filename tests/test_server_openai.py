@@ -167,6 +167,17 @@ def test_record_by_id_has_token_timestamps(server):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
 
 
+def test_reused_request_id_returns_the_latest_record(server):
+    client = _client(server)
+    for n in (3, 5):
+        client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=n,
+                                       extra_headers={"X-Request-ID": "reused-1"})
+        # At once (maybe before the store has it) and after the store has caught up: always this request's record.
+        assert httpx.get(server.url + "/v1/requests/reused-1").json()["output_tokens"] == n
+        settle(server)
+        assert httpx.get(server.url + "/v1/requests/reused-1").json()["output_tokens"] == n
+
+
 def test_metrics_endpoint_parses(server):
     from prometheus_client.parser import text_string_to_metric_families
 

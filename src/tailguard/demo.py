@@ -74,8 +74,9 @@ async def _record(client, url: str, rid: str) -> dict[str, Any]:
         await asyncio.sleep(0.02)
 
 
-async def _one(client, url: str, model: str, idx: int, prompt: str, max_tokens: int, t0: float) -> DemoRecord:
-    rid = f"demo-{idx:03d}"
+async def _one(client, url: str, model: str, run: str, idx: int, prompt: str, max_tokens: int,
+               t0: float) -> DemoRecord:
+    rid = f"demo-{run}-{idx:03d}"
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
@@ -109,6 +110,7 @@ async def _burst(url: str, model: str, n: int, max_tokens: int, console: Console
     import httpx
 
     t0 = time.perf_counter()
+    run = time.strftime("%H%M%S")  # the store keeps earlier runs' records: keep this run's IDs apart
     columns = (TextColumn("[bold]burst"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -116,7 +118,7 @@ async def _burst(url: str, model: str, n: int, max_tokens: int, console: Console
             task = progress.add_task("requests", total=n)
 
             async def tracked(i: int) -> DemoRecord:
-                rec = await _one(client, url, model, i, DEMO_PROMPTS[i % len(DEMO_PROMPTS)], max_tokens, t0)
+                rec = await _one(client, url, model, run, i, DEMO_PROMPTS[i % len(DEMO_PROMPTS)], max_tokens, t0)
                 progress.advance(task)
                 return rec
 
@@ -192,13 +194,15 @@ def _table(records: list[DemoRecord]) -> Table:
 
 def _run_bench(url: str, model: str, args, out_dir: Path, console: Console) -> Path | None:
     """A short open-loop bench run against the demo server; returns its report's path."""
+    from tailguard.bench.cli import print_summary
     from tailguard.bench.runner import BenchConfig, run_sync
 
     cfg = BenchConfig(url=url, model=model, rate=args.bench_rate, num_requests=args.bench_requests,
                       input_tokens=64, output_tokens=args.max_tokens, langs=("en", "zh"), warmup_requests=2,
                       output_dir=str(out_dir), business_type="demo", bootstrap=300, label="demo")
     console.rule("[bold]tailguard bench against the demo server")
-    run_sync(cfg)
+    results, _ = run_sync(cfg)
+    print_summary(results, console)
     report = out_dir / "report.html"
     return report if report.exists() else None
 

@@ -172,8 +172,10 @@ def create_app(
         rec = None
         if state.store is not None:
             rec = await asyncio.to_thread(state.store.get, rid)
-        if rec is None and rid in state.recent:
-            rec = state.recent[rid].to_record()  # not yet written by the batch writer (and never with text)
+        recent = state.recent.get(rid)
+        # A client may reuse an ID: the in-memory record is the latest one; use it until the store has caught up.
+        if recent is not None and (rec is None or rec.get("received_at") != recent.received_unix):
+            rec = recent.to_record()  # not yet written by the batch writer (and never with text)
         if rec is None:
             raise APIError(404, f"no record of request {rid[:128]!r} (records are kept "
                                 f"{config.retention_days:g} days)", code="request_not_found")
