@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from tailguard.engine.fake import FakeEngine, FakeTiming
-from tests.serving_helpers import settle
+from tailguard.serving.server import ThreadedServer
+from tests.serving_helpers import make_config, settle
 from tests.slo_helpers import FakeClock, WebhookReceiver, burst, chat, slo_config, slo_server
 
 
@@ -205,3 +206,23 @@ def test_shed_status_is_configurable(tmp_path, status):
         r = chat(server.url, business_type="batch")
         assert r.status_code == status and int(r.headers["retry-after"]) >= 1
         assert json.loads(r.text)["error"]["code"] == "slo_shed"
+
+
+def test_shed_matches_the_business_type_even_when_its_metric_label_is_capped(tmp_path):
+    """The Prometheus label set is capped (an allowlist, or 32 types seen): a type outside it is counted as 'other'.
+    Shedding must still see the type the client sent, or non-core traffic escapes orange by its label alone."""
+    clock = FakeClock()
+    engine = FakeEngine(FakeTiming(ttft=0.7, itl=0.0))
+    slo = slo_config(actions={"degrade": {"enabled": False}})
+    cfg = make_config(tmp_path, slo=slo, business_types=["chat"])  # "batch" is not a metric label here
+    with ThreadedServer(cfg, engine, slo_clock=clock) as server:
+        burst(server, 6)
+        assert server.state.slo.evaluate().to_dict()["tier"] == "orange"
+        r = chat(server.url, business_type="batch")
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "slo_shed" and "'batch'" in r.json()["error"]["message"]
+        assert chat(server.url, business_type="chat").status_code == 200
+        settle(server)
+        rec = server.state.store.get(r.headers["x-request-id"])
+        assert rec["slo_action"]["action"] == "shed" and rec["business_type"] == "other"  # the label stays capped
+

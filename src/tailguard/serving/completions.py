@@ -250,14 +250,17 @@ class CompletionEndpoint:
             raise APIError(503, msg, code="model_not_ready", headers={"Retry-After": "5"})
         body = await self._read_body(ex, hdrs)
         mon = st.slo
+        # The SLO actions match the business type the client sent, not its metric label: the label set is capped
+        # (an allowlist, or the first 32 types seen), and a type counted as "other" must still be shed or degraded.
+        btype = clean_label(hdrs.get("x-business-type"))
         if mon is not None:
-            shed = mon.shed_for(tl.business_type, tl.lane)
+            shed = mon.shed_for(btype, tl.lane)
             if shed is not None:
                 # Orange: non-core traffic is refused before it costs a parse, a tokenize or a queue slot.
                 tl.slo_action = {k: shed[k] for k in ("action", "tier", "scope", "action_id")}
                 wait = max(1, math.ceil(shed["retry_after_s"]))
                 raise APIError(shed["status"], f"the service is shedding non-core traffic (SLO tier {shed['tier']}, "
-                                               f"business type {tl.business_type!r}, lane {tl.lane!r}); retry in "
+                                               f"business type {btype!r}, lane {tl.lane!r}); retry in "
                                                f"{wait} s", code="slo_shed", headers={"Retry-After": str(wait)})
         data = decode_json(body)
         p = parse_chat(data) if self.chat else parse_completion(data, engine.tokenizer.vocab_size)
@@ -272,7 +275,7 @@ class CompletionEndpoint:
         max_tokens = p.max_tokens
         if max_tokens is None:
             max_tokens = st.config.default_max_tokens or max(1, engine.max_model_len - len(ids))
-        deg = mon.degradation_for(tl.business_type, tl.lane, tl.client, tl.region, len(ids)) if mon else None
+        deg = mon.degradation_for(btype, tl.lane, tl.client, tl.region, len(ids)) if mon else None
         if deg is not None:
             tl.slo_action = {"action": "degrade", "mode": deg.mode, "tier": deg.tier, "scope": deg.scope,
                              "action_id": deg.action_id, "reason": deg.reason}
