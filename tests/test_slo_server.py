@@ -226,3 +226,11 @@ def test_shed_matches_the_business_type_even_when_its_metric_label_is_capped(tmp
         rec = server.state.store.get(r.headers["x-request-id"])
         assert rec["slo_action"]["action"] == "shed" and rec["business_type"] == "other"  # the label stays capped
 
+
+def test_alerts_limit_must_be_a_whole_number(tmp_path):
+    with slo_server(tmp_path, FakeClock()) as server:
+        for limit in ("1.5", "1e3", "nan", "-1", "9" * 5000):
+            r = httpx.get(server.url + "/v1/alerts", params={"limit": limit})
+            assert r.status_code == 400, (limit, r.text)
+            assert r.json()["error"]["param"] == "limit"
+        assert httpx.get(server.url + "/v1/alerts", params={"limit": "10"}).status_code == 200

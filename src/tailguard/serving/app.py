@@ -194,10 +194,19 @@ def create_app(
                            param=name, code="invalid_value")
         return v
 
+    def _query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+        raw = request.query_params.get(name)
+        if raw is None:
+            return default
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= len(str(hi)) and lo <= int(raw) <= hi):
+            raise APIError(400, f"query parameter {name!r} must be a whole number from {lo} to {hi}, got "
+                                f"{raw[:50]!r}", param=name, code="invalid_value")
+        return int(raw)
+
     async def alerts(request: Request) -> Response:
         """Alert, action, hook, advisory and objective records: the store's, plus any not yet written."""
         guard(request)
-        limit = int(_query_number(request, "limit", 100, 1, 10_000))
+        limit = _query_int(request, "limit", 100, 1, 10_000)
         since = _query_number(request, "since", None, 0, 1e12)
         kind = request.query_params.get("kind")
         kinds = ("alert", "action", "hook", "advisory", "objective")
