@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tailguard.engine.fake import FakeEngine, FakeTiming
+from tailguard.engine.request import RequestError
 from tests.serving_helpers import fake_server, settle
 
 CHAT = "/v1/chat/completions"
@@ -191,6 +192,40 @@ def test_failure_mid_stream_ends_the_stream_with_an_error_event(tmp_path):
             list(client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}],
                                                 max_tokens=10, stream=True))
         assert "SECRET" not in str(info.value)
+
+
+class _RefusingEngine(FakeEngine):
+    """Refuses the request (a RequestError, the client's fault) after some tokens have been streamed."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__(FakeTiming(ttft=0.001, itl=0.001))
+        self.after = after
+
+    async def generate(self, prompt_token_ids, sampling, request_id, priority=0, arrival_time=None):
+        n = 0
+        async for ev in super().generate(prompt_token_ids, sampling, request_id, priority, arrival_time):
+            if n >= self.after:
+                raise RequestError("refused mid-stream")
+            n += 1
+            yield ev
+
+
+def test_request_error_mid_stream_still_ends_the_stream(tmp_path):
+    """Headers are out, so the status cannot change: the stream must end with an error event and [DONE], not be
+    cut off with an unterminated chunked body."""
+    with fake_server(tmp_path, engine=_RefusingEngine(after=3)) as s:
+        body = {**OK, "max_tokens": 10, "stream": True}
+        with httpx.stream("POST", s.url + CHAT, json=body, headers={"X-Request-ID": "mid-1"}, timeout=10) as r:
+            assert r.status_code == 200
+            text = r.read().decode()
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert "refused mid-stream" in err["message"] and err["type"] == "invalid_request_error"
+        settle(s)
+        rec = httpx.get(s.url + "/v1/requests/mid-1").json()
+        assert rec["status"] == 400 and rec["outcome"] == "invalid"
+        assert httpx.get(s.url + "/health").status_code == 200
 
 
 def test_api_key_required_and_never_logged(tmp_path, caplog):

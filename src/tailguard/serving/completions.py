@@ -161,7 +161,12 @@ class CompletionEndpoint:
             await self._serve(ex, hdrs)
         except APIError as err:
             tl.error = _clean_str(err.message, 1000)
-            await ex.send_error(err)
+            if ex.started and not ex.done:
+                # Mid-stream (the engine refused after tokens went out): the status is sent; end the stream.
+                ex.done = True
+                await self._send_quietly(ex, sse_error(err.message, err.type, err.code))
+            else:
+                await ex.send_error(err)
             tl.finalize(err.status, err.outcome)
         except ClientGone:
             tl.finalize(499, Outcome.ABORTED)
