@@ -159,15 +159,16 @@ def test_queue_full_is_429_with_retry_after(tmp_path):
 class _BrokenEngine(FakeEngine):
     """Fails inside generation, before or after the first token, with a message that must not leak."""
 
-    def __init__(self, after: int) -> None:
+    def __init__(self, after: int, error: Exception | None = None) -> None:
         super().__init__(FakeTiming(ttft=0.001, itl=0.001))
         self.after = after
+        self.error = error or RuntimeError("SECRET internal detail /etc/passwd")
 
     async def generate(self, prompt_token_ids, sampling, request_id, priority=0, arrival_time=None):
         n = 0
         async for ev in super().generate(prompt_token_ids, sampling, request_id, priority, arrival_time):
             if n >= self.after:
-                raise RuntimeError("SECRET internal detail /etc/passwd")
+                raise self.error
             n += 1
             yield ev
 
@@ -194,26 +195,10 @@ def test_failure_mid_stream_ends_the_stream_with_an_error_event(tmp_path):
         assert "SECRET" not in str(info.value)
 
 
-class _RefusingEngine(FakeEngine):
-    """Refuses the request (a RequestError, the client's fault) after some tokens have been streamed."""
-
-    def __init__(self, after: int) -> None:
-        super().__init__(FakeTiming(ttft=0.001, itl=0.001))
-        self.after = after
-
-    async def generate(self, prompt_token_ids, sampling, request_id, priority=0, arrival_time=None):
-        n = 0
-        async for ev in super().generate(prompt_token_ids, sampling, request_id, priority, arrival_time):
-            if n >= self.after:
-                raise RequestError("refused mid-stream")
-            n += 1
-            yield ev
-
-
 def test_request_error_mid_stream_still_ends_the_stream(tmp_path):
-    """Headers are out, so the status cannot change: the stream must end with an error event and [DONE], not be
-    cut off with an unterminated chunked body."""
-    with fake_server(tmp_path, engine=_RefusingEngine(after=3)) as s:
+    """The engine refuses the request (the client's fault) after tokens went out: the status cannot change any more,
+    so the stream must end with an error event and [DONE], not be cut off with an unterminated chunked body."""
+    with fake_server(tmp_path, engine=_BrokenEngine(after=3, error=RequestError("refused mid-stream"))) as s:
         body = {**OK, "max_tokens": 10, "stream": True}
         with httpx.stream("POST", s.url + CHAT, json=body, headers={"X-Request-ID": "mid-1"}, timeout=10) as r:
             assert r.status_code == 200
