@@ -162,13 +162,13 @@ class _BrokenEngine(FakeEngine):
     def __init__(self, after: int, error: Exception | None = None) -> None:
         super().__init__(FakeTiming(ttft=0.001, itl=0.001))
         self.after = after
-        self.error = error or RuntimeError("SECRET internal detail /etc/passwd")
+        self.failure = error or RuntimeError("SECRET internal detail /etc/passwd")
 
     async def generate(self, prompt_token_ids, sampling, request_id, priority=0, arrival_time=None):
         n = 0
         async for ev in super().generate(prompt_token_ids, sampling, request_id, priority, arrival_time):
             if n >= self.after:
-                raise self.error
+                raise self.failure
             n += 1
             yield ev
 
