@@ -201,18 +201,13 @@ class RequestStore:
     # --- event-loop side --------------------------------------------------------------------------------------------
     def put(self, timeline: Timeline) -> bool:
         """Queue a finished timeline for writing. O(1), no I/O; False (and counted) only if the backlog is full."""
-        with self._lock:
-            if self._pending >= self._max_backlog:
-                self.dropped += 1
-                if self._on_drop:
-                    self._on_drop(1)
-                return False
-            self._pending += 1
-        self._q.put(("request", timeline))
-        return True
+        return self._enqueue("request", timeline)
 
     def put_alert(self, record: dict[str, Any]) -> bool:
         """Queue one SLO alert/action record (a dict of :class:`tailguard.slo.actions.RecordLog`). Thread-safe."""
+        return self._enqueue("alert", dict(record))
+
+    def _enqueue(self, kind: str, item: Any) -> bool:
         with self._lock:
             if self._pending >= self._max_backlog:
                 self.dropped += 1
@@ -220,7 +215,7 @@ class RequestStore:
                     self._on_drop(1)
                 return False
             self._pending += 1
-        self._q.put(("alert", dict(record)))
+        self._q.put((kind, item))
         return True
 
     def put_sample(self, t: float, running: int, waiting: int, server_queue: int, kv_used: int, kv_total: int) -> None:

@@ -338,6 +338,25 @@ class CompletionEndpoint:
             ex.in_queue = False
             self.state.admission.leave()
 
+    def _take(self, ex: _Exchange, ev: Any, first: bool, lp_items: list | None) -> bool:
+        """Put one engine event on the timeline (and its logprobs in ``lp_items`` and the audit); True for a token."""
+        tl = ex.tl
+        if first:
+            self._first_event(ex)
+            if ev.token_id is not None:
+                tl.first_token = ev.time
+        if ev.token_id is None:
+            return False
+        tl.token_times.append(ev.time)
+        if lp_items is not None:
+            lp_items.append((ev.token_id, ev.logprob, ev.top_logprobs))
+            if tl.logprobs is not None:
+                tl.logprobs.append({"id": ev.token_id, "logprob": ev.logprob, "top": ev.top_logprobs})
+        return True
+
+    def _format(self, tl: Timeline, p: Parsed) -> ChatFormat | CompletionFormat:
+        return (ChatFormat if self.chat else CompletionFormat)(tl.request_id, p.model, int(time.time()))
+
     @staticmethod
     def _final(tl: Timeline, ev: Any) -> str:
         tl.last_token = ev.time
@@ -366,28 +385,18 @@ class CompletionEndpoint:
 
     async def _stream(self, ex: _Exchange, p: Parsed, agen: Any) -> None:
         tl, send = ex.tl, ex.send
-        fmt = (ChatFormat if self.chat else CompletionFormat)(tl.request_id, p.model, int(time.time()))
+        fmt = self._format(tl, p)
         want_lp = p.logprobs is not None
         keep_text = self.state.config.store_text
-        audit = tl.logprobs
         pending = 0  # tokens produced but not yet sent (a token may carry no visible text yet)
         lp_items: list = []
         offset = 0
         first = True
         final = None
         async for ev in agen:
-            if first:
-                first = False
-                self._first_event(ex)
-                if ev.token_id is not None:
-                    tl.first_token = ev.time
-            if ev.token_id is not None:
-                tl.token_times.append(ev.time)
+            if self._take(ex, ev, first, lp_items if want_lp else None):
                 pending += 1
-                if want_lp:
-                    lp_items.append((ev.token_id, ev.logprob, ev.top_logprobs))
-                    if audit is not None:
-                        audit.append({"id": ev.token_id, "logprob": ev.logprob, "top": ev.top_logprobs})
+            first = False
             if ev.finished:
                 final = ev
                 break
@@ -431,25 +440,15 @@ class CompletionEndpoint:
 
     async def _full(self, ex: _Exchange, p: Parsed, agen: Any) -> None:
         tl = ex.tl
-        fmt = (ChatFormat if self.chat else CompletionFormat)(tl.request_id, p.model, int(time.time()))
+        fmt = self._format(tl, p)
         want_lp = p.logprobs is not None
-        audit = tl.logprobs
         texts: list[str] = []
         lp_items: list = []
         first = True
         final = None
         async for ev in agen:
-            if first:
-                first = False
-                self._first_event(ex)
-                if ev.token_id is not None:
-                    tl.first_token = ev.time
-            if ev.token_id is not None:
-                tl.token_times.append(ev.time)
-                if want_lp:
-                    lp_items.append((ev.token_id, ev.logprob, ev.top_logprobs))
-                    if audit is not None:
-                        audit.append({"id": ev.token_id, "logprob": ev.logprob, "top": ev.top_logprobs})
+            self._take(ex, ev, first, lp_items if want_lp else None)
+            first = False
             if ev.text:
                 texts.append(ev.text)
             if ev.finished:
@@ -481,7 +480,7 @@ class CompletionEndpoint:
         tl.finish_reason = "stop"
         if self.state.config.store_text:
             tl.output_text = text
-        fmt = (ChatFormat if self.chat else CompletionFormat)(tl.request_id, p.model, int(time.time()))
+        fmt = self._format(tl, p)
         if p.stream:
             await ex.start(200, _SSE_HEADERS + _degraded_headers(tl))
             tail = fmt.finish("", "stop", None, tailguard=tl.stage_object()) if not p.include_usage else (

@@ -198,28 +198,23 @@ class SLOMonitor:
                 self.metrics.alert_active.labels(tr.scope, tr.tier).set(0)
             self.records.emit(rec)
         for scope, rule, event, figs in ev.advisory_changes:
-            k = (scope, rule)
-            start = self._advisories.pop(k, None) if event == "cleared" else None
-            rec = {"id": start["id"] if start else new_id(), "kind": "advisory", "name": rule, "event": event,
-                   "scope": scope, "tier": None, "at": now,
-                   "started_at": start["started_at"] if start else now,
-                   "ended_at": now if event == "cleared" else None, "figures": figs,
-                   "details": {"advice": ev.advisories[scope]["rules"][rule]["advice"]}, "dry_run": dry,
-                   "alert_id": None}
-            if event == "raised":
-                self._advisories[k] = rec
-            self.records.emit(rec)
+            self._emit_change(self._advisories, "advisory", scope, rule, event, figs, now, dry,
+                              {"advice": ev.advisories[scope]["rules"][rule]["advice"]})
         for prof, label, event, figs in ev.objective_changes:
-            k = (prof, label)
-            start = self._objectives.pop(k, None) if event == "cleared" else None
-            rec = {"id": start["id"] if start else new_id(), "kind": "objective", "name": label, "event": event,
-                   "scope": prof, "tier": None, "at": now,
-                   "started_at": start["started_at"] if start else now,
-                   "ended_at": now if event == "cleared" else None, "figures": figs, "details": {}, "dry_run": dry,
-                   "alert_id": None}
-            if event == "raised":
-                self._objectives[k] = rec
-            self.records.emit(rec)
+            self._emit_change(self._objectives, "objective", prof, label, event, figs, now, dry, {})
+
+    def _emit_change(self, active: dict[tuple[str, str], dict[str, Any]], kind: str, scope: str, name: str,
+                     event: str, figs: dict[str, Any], now: float, dry: bool, details: dict[str, Any]) -> None:
+        """One advisory or objective record: "raised" opens it in ``active``, "cleared" closes it with its id."""
+        k = (scope, name)
+        start = active.pop(k, None) if event == "cleared" else None
+        rec = {"id": start["id"] if start else new_id(), "kind": kind, "name": name, "event": event,
+               "scope": scope, "tier": None, "at": now, "started_at": start["started_at"] if start else now,
+               "ended_at": now if event == "cleared" else None, "figures": figs, "details": details, "dry_run": dry,
+               "alert_id": None}
+        if event == "raised":
+            active[k] = rec
+        self.records.emit(rec)
 
     def _export(self, ev: Evaluation) -> None:
         m = self.metrics
