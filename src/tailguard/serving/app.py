@@ -32,11 +32,8 @@ from tailguard.slo.dashboard import DASHBOARD_HTML, json_safe
 log = logging.getLogger("tailguard.server")
 
 
-def _error(err: APIError, request_id: str | None = None) -> Response:
-    headers = dict(err.headers)
-    if request_id:
-        headers["x-request-id"] = request_id
-    return Response(err.body(), status_code=err.status, media_type="application/json", headers=headers)
+def _error(err: APIError) -> Response:
+    return Response(err.body(), status_code=err.status, media_type="application/json", headers=dict(err.headers))
 
 
 def create_app(

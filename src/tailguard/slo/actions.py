@@ -3,8 +3,8 @@
 - **yellow** (and above) -> scale out: a webhook POST and/or a command with the JSON request on stdin, asking for
   ``replicas_pct`` (10%) more replicas; once per escalation (green -> yellow), and a matching scale-in request
   (``replicas_delta_pct`` negative) when the monitor is back to green.
-- **orange** (and above) -> shed: :meth:`ActionEngine.should_shed` answers True for non-core business types and
-  lanes (protected lanes never), with a ``Retry-After``; the server answers 429 or 503.
+- **orange** (and above) -> shed: :meth:`ActionEngine.shed_for` answers with the refusal (status, ``Retry-After``)
+  for non-core business types and lanes (protected lanes never); the server answers 429 or 503.
 - **red** -> degrade: :meth:`ActionEngine.degradation_for` returns the configured template for traffic of the red
   scope; the server answers with it and marks the response and the record degraded.
 
@@ -59,9 +59,6 @@ class RecordLog:
         self._sinks: list[RecordSink] = list(sinks or [])
         self._lock = threading.Lock()
         self.sink_errors = 0
-
-    def add_sink(self, sink: RecordSink) -> None:
-        self._sinks.append(sink)
 
     def emit(self, record: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -236,7 +233,7 @@ class HookRunner:
 
 class ActionEngine:
     """Turns tiers into actions and back. ``reconcile`` is called after each evaluation with the tier of every
-    scope; ``should_shed`` and ``degradation_for`` are the cheap questions the server asks per request."""
+    scope; ``shed_for`` and ``degradation_for`` are the cheap questions the server asks per request."""
 
     def __init__(
         self,
@@ -269,11 +266,6 @@ class ActionEngine:
         self._affected = 0  # requests matched by a degradation, for the every-n-th probe
 
     # --- per-request questions ---------------------------------------------------------------------------------------
-    def should_shed(self, business_type: str | None, lane: str | None = None) -> tuple[bool, float | None]:
-        """(True, retry_after_s) when orange holds and this traffic is non-core; (False, None) otherwise."""
-        info = self.shed_for(business_type, lane)
-        return (True, info["retry_after_s"]) if info else (False, None)
-
     def shed_for(self, business_type: str | None, lane: str | None = None) -> dict[str, Any] | None:
         """What the server needs to refuse this request while shedding (status, Retry-After, the action's id and
         tier, for the response and the record), or None to let it through."""
@@ -283,10 +275,6 @@ class ActionEngine:
         if business_type in self._shed_bt or lane in self._shed_lanes:
             return info
         return None
-
-    @property
-    def shed_status(self) -> int:
-        return self.cfg.shed.status
 
     def degradation_for(self, business_type: str | None = None, lane: str | None = None, client: str | None = None,
                         region: str | None = None, input_tokens: int | None = None) -> Degradation | None:

@@ -3,7 +3,7 @@
     monitor = SLOMonitor(MonitorConfig(...), sinks=[store.put_alert], registry=metrics.registry)
     monitor.record(timeline)                 # per finished request: cheap, on the request path
     monitor.evaluate()                       # every eval_interval_s (a background task)
-    monitor.should_shed(business_type, lane) # -> (bool, retry_after_s): per request, before admission
+    monitor.shed_for(business_type, lane)    # -> refusal details | None: per request, before admission
     monitor.degradation_for(business_type, lane, client=..., region=..., input_tokens=...)  # -> Degradation | None
     monitor.snapshot()                       # JSON for the dashboard and GET /v1/alerts
     monitor.alerts()                         # the alert/action records kept in memory
@@ -115,9 +115,6 @@ class SLOMonitor:
                 self.metrics.affected.labels(act.get("action", "?"), act.get("mode") or act.get("action", "?")).inc()
         except Exception:  # noqa: BLE001 - monitoring must never fail a request
             log.exception("SLO monitor could not record a request")
-
-    def should_shed(self, business_type: str | None, lane: str | None = None) -> tuple[bool, float | None]:
-        return self.actions.should_shed(business_type, lane)
 
     def shed_for(self, business_type: str | None, lane: str | None = None) -> dict[str, Any] | None:
         return self.actions.shed_for(business_type, lane)
