@@ -7,12 +7,13 @@ import asyncio
 import json
 import math
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from tailguard.slo.config import TierPolicy
+from tailguard.slo.config import MonitorConfig, TierPolicy
 from tailguard.slo.evaluate import TierTracker
 from tailguard.slo.monitor import SLOMonitor
 from tailguard.slo.windows import RequestSample
@@ -143,3 +144,24 @@ def test_broken_sink_and_failing_evaluation_do_not_stop_the_monitor():
 
     asyncio.run(run_briefly())
     assert len(calls) >= 2  # kept evaluating after the first failure
+
+
+def test_close_waits_for_an_evaluation_in_flight():
+    """Shutdown cancels the evaluation task, but its worker thread goes on: close() must wait for it, or the records
+    it emits reach a store that is already closed (and the scale hooks run after they were shut down)."""
+    mon = SLOMonitor(MonitorConfig())
+    started = threading.Event()
+    inner = mon.evaluator.evaluate
+
+    def slow(*a, **kw):
+        started.set()
+        time.sleep(0.3)
+        return inner(*a, **kw)
+
+    mon.evaluator.evaluate = slow
+    t = threading.Thread(target=mon.evaluate)
+    t.start()
+    assert started.wait(5)
+    mon.close()
+    assert not t.is_alive(), "close() returned while an evaluation was still running"
+    t.join()

@@ -290,4 +290,7 @@ class SLOMonitor:
                 await asyncio.wait_for(stop.wait(), interval)
 
     def close(self) -> None:
-        self.actions.close()
+        # A cancelled run() leaves its worker thread evaluating: wait for it, so its records reach the sinks (the
+        # server closes the store after this) and no hook is submitted after the hook runner has shut down.
+        with self._eval_lock:
+            self.actions.close()
