@@ -96,6 +96,11 @@ def test_cli_sweep_finds_the_highest_passing_rate(tmp_path, capsys):
     (["--url", "http://127.0.0.1:9", "--model", "m", "--num-requests", "1", "--tokenizer", "approx"],
      "did not answer the probe"),
     (["--url", "http://127.0.0.1:9", "--num-requests", "1"], "/v1/models could not be read"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--rate", "nan"], "--rate must be a number"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--burstiness", "nan"], "--burstiness must be a number"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--warmup-seconds", "nan"], "--warmup-seconds must be a number"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--temperature", "nan"], "--temperature must be a number"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--temperature", "-1"], "--temperature must be from 0 to 2"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert main(["bench", *argv]) == 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -152,6 +153,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 # --- validation -----------------------------------------------------------------------------------------------
 
 def _positive(name: str, v: float | None, allow_zero: bool = False) -> None:
+    if v is not None and math.isnan(v):  # NaN passes every comparison below: a run with it measures nonsense
+        raise UsageError(f"{name} must be a number, got nan")
     if v is not None and (v < 0 or (v == 0 and not allow_zero)):
         raise UsageError(f"{name} must be {'non-negative' if allow_zero else 'positive'}, got {v:g}")
 
@@ -213,6 +216,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     for name in ("warmup_requests", "warmup_seconds", "trace_start", "input_spread", "output_spread", "bootstrap"):
         _positive("--" + name.replace("_", "-"), getattr(args, name), allow_zero=True)
+    if math.isnan(args.temperature):
+        raise UsageError("--temperature must be a number, got nan")
+    if not 0 <= args.temperature <= 2:
+        raise UsageError(f"--temperature must be from 0 to 2 (what OpenAI servers accept), got {args.temperature:g}")
     if args.input_spread >= 1 or args.output_spread >= 1:
         raise UsageError("--input-spread and --output-spread are fractions below 1")
     langs = tuple(x.strip() for x in args.langs.split(",") if x.strip())
@@ -298,7 +305,7 @@ def _cmd_run(args: argparse.Namespace, sweep: bool) -> int:
         if sweep:
             _positive("--start-rate", args.start_rate)
             _positive("--max-rate", args.max_rate)
-            if args.factor <= 1:
+            if not args.factor > 1:  # NaN too
                 raise UsageError("--factor must be above 1")
             if args.rate or args.concurrency:
                 raise UsageError("the sweep chooses the rate itself: drop --rate/--concurrency")
