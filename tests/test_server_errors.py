@@ -257,3 +257,17 @@ def test_every_request_leaves_exactly_one_record(tmp_path):
         rows = s.state.store.query("SELECT request_id, status FROM requests ORDER BY id")
         assert [r[0] for r in rows] == ids
         assert [r[1] for r in rows] == [200, 404, 400, 400, 400]
+
+
+def test_unhandled_route_error_echoes_only_a_valid_request_id(tmp_path, monkeypatch):
+    with fake_server(tmp_path) as s:
+        def broken(rid):
+            raise RuntimeError("SECRET store detail")
+
+        monkeypatch.setattr(s.state.store, "get", broken)
+        r = httpx.get(s.url + "/v1/requests/x", headers={"X-Request-ID": "<script>alert(1)</script>"}, timeout=10)
+        assert r.status_code == 500 and r.headers["content-type"].startswith("application/json")
+        assert "<script>" not in r.json()["error"]["message"] and "SECRET" not in r.text
+        r = httpx.get(s.url + "/v1/requests/x", headers={"X-Request-ID": "ok-id-1"}, timeout=10)
+        assert r.status_code == 500 and "ok-id-1" in r.json()["error"]["message"]
+        assert httpx.get(s.url + "/health").status_code == 200

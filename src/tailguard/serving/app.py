@@ -23,7 +23,7 @@ from starlette.routing import Route
 from tailguard.observe.metrics import CONTENT_TYPE, ServerMetrics
 from tailguard.observe.store import RequestStore
 from tailguard.serving.backend import Backend
-from tailguard.serving.completions import CompletionEndpoint
+from tailguard.serving.completions import REQUEST_ID, CompletionEndpoint
 from tailguard.serving.config import ServerConfig
 from tailguard.serving.errors import APIError
 from tailguard.serving.state import ServerState
@@ -251,8 +251,9 @@ def create_app(
                                code="not_found" if exc.status_code == 404 else None, headers=exc.headers or {}))
 
     async def server_error(request: Request, exc: Exception) -> Response:
-        rid = request.headers.get("x-request-id", "")[:128]
-        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        rid = request.headers.get("x-request-id", "")
+        rid = rid if REQUEST_ID.match(rid) else ""  # a client's header: echo it only when it is a plain id
+        log.error("unhandled error on %s %r", request.method, request.url.path[:200], exc_info=exc)
         return _error(APIError(500, "internal server error" + (f"; request id {rid}" if rid else "")))
 
     routes = [

@@ -41,7 +41,7 @@ from tailguard.serving.state import ServerState
 log = logging.getLogger("tailguard.server")
 perf_counter = time.perf_counter
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@\-]{1,128}$")
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@\-]{1,128}$")
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -146,7 +146,7 @@ class CompletionEndpoint:
         st = self.state
         hdrs = _headers(scope)
         rid = hdrs.get("x-request-id", "")
-        if not _REQUEST_ID.match(rid):
+        if not REQUEST_ID.match(rid):
             rid = new_request_id()
         tl = Timeline(request_id=rid, endpoint=self.endpoint, received=received, model=st.model_label)
         tl.business_type = st.metrics.business_type(hdrs.get("x-business-type")) if st.metrics else "default"
