@@ -67,9 +67,9 @@ def slo_config(**over: Any) -> MonitorConfig:
 
 @contextlib.contextmanager
 def slo_server(tmp: Path, clock: FakeClock | None = None, slo: MonitorConfig | None = None,
-               engine: FakeEngine | None = None) -> Iterator[ThreadedServer]:
+               engine: FakeEngine | None = None, **server_cfg: Any) -> Iterator[ThreadedServer]:
     engine = engine or FakeEngine(FakeTiming(ttft=0.01, itl=0.0))
-    cfg = make_config(tmp, slo=slo or slo_config())
+    cfg = make_config(tmp, slo=slo or slo_config(), **server_cfg)
     with ThreadedServer(cfg, engine, slo_clock=clock) as server:
         yield server
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+import httpx
 import pytest
 
 from tailguard.slo.windows import RequestSample
@@ -27,13 +28,16 @@ def _dump_dom(url: str, profile: str) -> str:
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (Debian package 'chromium')")
 def test_dashboard_shows_the_current_tier_in_chromium(tmp_path):
     clock = FakeClock()
-    with slo_server(tmp_path, clock) as server:
+    # With an API key the data is behind it; the page takes the key from its URL fragment.
+    with slo_server(tmp_path, clock, api_key="dash-secret") as server:
         mon = server.state.slo
         clock.advance(1)
         for i in range(20):
             mon.record(RequestSample(e2e=1.2, ttft=0.3, queue_wait=0.9, request_id=f"slow{i}"))
         assert mon.evaluate().to_dict()["tier"] == "red"
-        dom = _dump_dom(server.url + "/slo?interval=500", str(tmp_path / "chromium"))
+        assert httpx.get(server.url + "/slo/data").status_code == 401
+        assert httpx.get(server.url + "/slo").status_code == 200
+        dom = _dump_dom(server.url + "/slo?interval=500#key=dash-secret", str(tmp_path / "chromium"))
     assert 'id="tier" class="t-red" data-tier="red">RED<' in dom
     assert "<title>tailguard SLO: RED</title>" in dom
     # The tables were filled from /slo/data: the scope row, the red alert and the degrade action.

@@ -235,6 +235,7 @@ def create_app(
         return HTMLResponse(DASHBOARD_HTML, headers={"cache-control": "no-cache"})
 
     async def slo_data(request: Request) -> Response:
+        guard(request)  # request IDs, lanes and regions: behind the API key like /v1/alerts
         if state.slo is None:
             raise APIError(404, "the SLO monitor is off (slo.enabled: false)", code="slo_disabled")
         snap = await asyncio.to_thread(state.slo.snapshot)

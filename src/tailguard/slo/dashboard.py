@@ -68,6 +68,9 @@ DASHBOARD_HTML = r"""<!doctype html>
 const params = new URLSearchParams(location.search);
 const INTERVAL = Math.max(250, Number(params.get("interval") || 2000));
 const DATA_URL = params.get("data") || location.pathname.replace(/\/?$/, "/data");  // /slo -> /slo/data
+// With an API key on the server, open /slo#key=KEY: the fragment never leaves the browser, the key goes as a header.
+const KEY = new URLSearchParams(location.hash.slice(1)).get("key");
+const AUTH = KEY ? {Authorization: "Bearer " + KEY} : {};
 const $ = (id) => document.getElementById(id);
 const fmtS = (v) => v == null ? "–" : (v < 1 ? (v * 1000).toFixed(v < 0.01 ? 2 : 0) + " ms" : v.toFixed(3) + " s");
 const fmtP = (v) => v == null ? "–" : (v * 100).toFixed(2) + "%";
@@ -174,7 +177,7 @@ function chart(hist, scope) {
 
 async function poll() {
   try {
-    const r = await fetch(DATA_URL, {cache: "no-store"});
+    const r = await fetch(DATA_URL, {cache: "no-store", headers: AUTH});
     if (!r.ok) throw new Error("HTTP " + r.status);
     render(await r.json());
     $("error").textContent = "";
