@@ -51,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(demo)
     demo.add_argument("--requests", type=int, default=16, help="concurrent requests in the burst")
     demo.add_argument("--max-tokens", type=int, default=48)
-    demo.add_argument("--bench-requests", type=int, default=30, help="requests of the bench run (0: no bench run)")
-    demo.add_argument("--bench-rate", type=float, default=0.5, help="Poisson arrival rate of the bench run (req/s)")
+    # Defaults the embedded model sustains on two CPU cores, so that the bench shows a loaded, not a saturated, server.
+    demo.add_argument("--bench-requests", type=int, default=20, help="requests of the bench run (0: no bench run)")
+    demo.add_argument("--bench-rate", type=float, default=0.3, help="Poisson arrival rate of the bench run (req/s)")
+    demo.add_argument("--bench-output-tokens", type=int, default=32, help="output tokens per bench request")
     demo.add_argument("--output-dir", default="runs/demo")
 
     serve = sub.add_parser("serve", help="OpenAI-compatible server with per-request timelines, metrics and a store")

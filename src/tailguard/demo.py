@@ -198,7 +198,7 @@ def _run_bench(url: str, model: str, args, out_dir: Path, console: Console) -> P
     from tailguard.bench.runner import BenchConfig, run_sync
 
     cfg = BenchConfig(url=url, model=model, rate=args.bench_rate, num_requests=args.bench_requests,
-                      input_tokens=64, output_tokens=args.max_tokens, langs=("en", "zh"), warmup_requests=2,
+                      input_tokens=64, output_tokens=args.bench_output_tokens, langs=("en", "zh"), warmup_requests=2,
                       output_dir=str(out_dir), business_type="demo", bootstrap=300, label="demo")
     console.rule("[bold]tailguard bench against the demo server")
     results, _ = run_sync(cfg)
