@@ -95,6 +95,12 @@ def test_unknown_argument_is_400(server):
     _assert_error(_post(server, {**OK, "temperatur": 0.5}), 400, param="temperatur", code="unrecognized_argument")
 
 
+def test_lone_surrogate_in_the_prompt_is_a_plain_400(server):
+    body = b'{"model": "fake", "max_tokens": 2, "messages": [{"role": "user", "content": "hi \\ud800 there"}]}'
+    err = _assert_error(_post(server, body), 400, param="messages")
+    assert "lone surrogate \\ud800" in err["message"] and "Error" not in err["message"]
+
+
 def test_unknown_model_is_404(server):
     err = _assert_error(_post(server, {**OK, "model": "gpt-17"}), 404, param="model", code="model_not_found")
     assert "gpt-17" in err["message"]

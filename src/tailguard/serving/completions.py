@@ -240,6 +240,10 @@ class CompletionEndpoint:
             return run()
         except APIError:
             raise
+        except UnicodeEncodeError as exc:  # a lone surrogate: a legal JSON escape, but not Unicode text
+            bad = exc.object[exc.start:exc.end].encode("unicode_escape").decode()[:40]
+            raise APIError(400, f"the prompt is not valid Unicode text: it holds the lone surrogate {bad}",
+                           param="messages" if self.chat else "prompt") from None
         except Exception as exc:  # noqa: BLE001 - whatever the template or tokenizer rejects is the input's fault
             raise APIError(400, f"the prompt could not be tokenized: {type(exc).__name__}: {str(exc)[:200]}",
                            param="messages" if self.chat else "prompt") from None
