@@ -208,8 +208,51 @@ def profile_from_dict(d: dict) -> SLOProfile:
     return p
 
 
+def from_monitor_profile(mp) -> SLOProfile:
+    """The bench's view of a live monitor profile (``tailguard.slo.profiles.SLOProfile``, the YAML that
+    ``tailguard serve`` reads), so one profiles file serves both. The bench judges TTFT, ITL, TPOT and E2E by
+    business type; objectives on other metrics or on lanes, clients, regions or peak hours are named in the
+    description as not judged here. Goodput bounds: per metric and scope, the threshold of its highest percentile."""
+    from tailguard.slo.profiles import LATENCY_METRICS, Metric
+
+    p = SLOProfile(mp.name, mp.description)
+    skipped: list[str] = []
+    top: dict[tuple[str, tuple[str, ...]], tuple[float, float]] = {}
+    for o in mp.objectives:
+        bts = tuple(b.lower() for b in (o.where.business_types or mp.applies_to.business_types))
+        if any(sel.lanes or sel.clients or sel.regions or sel.peak_only or sel.min_input_tokens is not None
+               or sel.max_input_tokens is not None for sel in (o.where, mp.applies_to)):
+            skipped.append(o.label)
+        elif o.metric in LATENCY_METRICS and o.metric.value in METRICS and o.percentile is not None:
+            p.objectives.append(Objective(o.metric.value, o.percentile, o.threshold, business_types=bts))
+            key = (o.metric.value, bts)
+            if key not in top or o.percentile > top[key][0]:
+                top[key] = (o.percentile, o.threshold)
+        elif o.metric is Metric.ERROR_RATE:
+            p.max_error_rate = o.threshold
+        elif o.metric is Metric.DEGRADATION_RATE:
+            p.max_degraded_rate = o.threshold
+        elif o.metric is Metric.LONG_CONTEXT_DECAY and o.of.value in METRICS:
+            p.long_context = LongContextRule(o.long_min_tokens, o.short_max_tokens, o.threshold, o.of.value)
+        else:
+            skipped.append(o.label)
+    p.request_bounds = [RequestBound(metric, threshold, bts) for (metric, bts), (_, threshold) in top.items()]
+    if skipped:
+        p.description = f"{p.description} (not judged by the bench: {', '.join(skipped)})".strip()
+    if not p.objectives and p.max_error_rate is None:
+        raise ValueError(f"profile {p.name!r}: none of its objectives can be judged by the bench ({', '.join(skipped)})")
+    return p
+
+
+def _is_monitor_format(doc: Any) -> bool:
+    """``profiles: {name: {...}}`` (a mapping of named profiles, as ``tailguard serve`` reads) rather than the
+    bench's own ``profiles: [...]`` or single-profile shape."""
+    return isinstance(doc, dict) and isinstance(doc.get("profiles"), dict)
+
+
 def load_profiles(names: list[str]) -> list[SLOProfile]:
-    """Built-in names and YAML files (one profile, or ``profiles: [...]``)."""
+    """Built-in names and YAML files: the bench's shape (one profile, or ``profiles: [...]``) or the live monitor's
+    (``profiles: {name: {...}}``, see docs/slo.md), so that one file serves ``serve`` and ``bench``."""
     out: list[SLOProfile] = []
     for n in names:
         if n in BUILTIN:
@@ -221,6 +264,11 @@ def load_profiles(names: list[str]) -> list[SLOProfile]:
         import yaml
 
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if _is_monitor_format(doc):
+            from tailguard.slo.profiles import parse_profiles
+
+            out.extend(from_monitor_profile(mp) for mp in parse_profiles(doc, str(path)).values())
+            continue
         items = doc.get("profiles") if isinstance(doc, dict) and "profiles" in doc else [doc]
         for item in items:
             if not isinstance(item, dict):
