@@ -28,6 +28,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from engine_throughput import (
+    CHAT_PROMPTS as PROMPTS,  # the same chat prompts as the throughput run (sibling script)
+)
 from rich.console import Console
 from rich.table import Table
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -37,16 +40,6 @@ from tailguard.engine.request import SamplingParams
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a bicycle stays upright while moving.",
-    "Give me three tips for writing clean Python code.",
-    "What causes the seasons on Earth?",
-    "Describe the water cycle to a ten-year-old.",
-    "List some good habits for getting better sleep.",
-    "Why is the sky blue? Answer in a few sentences.",
-    "Summarize the plot of a heist movie you would like to see.",
-]
 
 MATMUL_OPS = {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "quantized::linear_dynamic"}
 ELEMENTWISE_OPS = {
