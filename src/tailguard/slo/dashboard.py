@@ -36,7 +36,8 @@ DASHBOARD_HTML = r"""<!doctype html>
   .t-green { background: #2e9d5b; color: #fff; } .t-yellow { background: #f2c230; color: #222; }
   .t-orange { background: #f07c2a; color: #fff; } .t-red { background: #d93b3b; color: #fff; }
   main { display: grid; grid-template-columns: repeat(auto-fit, minmax(420px, 1fr)); gap: 1em; padding: 1em; }
-  section { background: #fff; border-radius: 6px; padding: .8em 1em; box-shadow: 0 1px 2px #0002; }
+  section { background: #fff; border-radius: 6px; padding: .8em 1em; box-shadow: 0 1px 2px #0002; overflow-x: auto;
+            min-width: 0; }  /* a wide table scrolls inside its card instead of spilling out */
   section h2 { font-size: 1em; margin: 0 0 .5em; }
   table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }
   th, td { text-align: right; padding: .15em .5em; border-bottom: 1px solid #eee; white-space: nowrap; }
