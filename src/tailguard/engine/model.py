@@ -95,7 +95,10 @@ class LlamaModel:
         angles = torch.outer(torch.arange(cfg.max_position, dtype=torch.float64), inv_freq)
         emb = torch.cat([angles, angles], dim=-1)
         self.cos = emb.cos().to(device=self.device, dtype=self.dtype)
-        self.sin = emb.sin().to(device=self.device, dtype=self.dtype)
+        # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: the sign lives in the table, one op per layer less.
+        sin = emb.sin()
+        self.sin = torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]], dim=-1).to(
+            device=self.device, dtype=self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         # [layer, k|v, block, slot-in-block, kv_head, head_dim]: gathering whole blocks moves block_size rows per index.
@@ -105,10 +108,18 @@ class LlamaModel:
         )
 
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        # x * cos + rotate_half(x) * sin, with rotate_half's negation folded into ``signed_sin``.
+        return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)
+
+    @staticmethod
+    def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        """One query token per decoding sequence against its paged keys: [D, H, hd]."""
+        kd = k_cache[meta.decode_gather].flatten(1, 2).transpose(1, 2)  # [D, kv, L, hd]
+        vd = v_cache[meta.decode_gather].flatten(1, 2).transpose(1, 2)
+        od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
+        return od.squeeze(2)
 
     @torch.inference_mode()
     def forward(
@@ -132,13 +143,12 @@ class LlamaModel:
             k_cache, v_cache = kv_cache[layer_idx, 0], kv_cache[layer_idx, 1]
             k_cache.view(-1, n_kv, head_dim).index_copy_(0, meta.slot_mapping, k)
             v_cache.view(-1, n_kv, head_dim).index_copy_(0, meta.slot_mapping, v)
-            attn = torch.empty(n_tok, n_heads, head_dim, dtype=x.dtype, device=x.device)
-            if d:
-                kd = k_cache[meta.decode_gather].flatten(1, 2).transpose(1, 2)  # [D, kv, L, hd]
-                vd = v_cache[meta.decode_gather].flatten(1, 2).transpose(1, 2)
-                qd = q[:d].unsqueeze(2)  # [D, H, 1, hd]
-                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
-                attn[:d] = od.squeeze(2)
+            if d == n_tok:  # a decode-only step (most steps): no buffer to assemble
+                attn = self._decode_attention(q, k_cache, v_cache, meta)
+            else:
+                attn = torch.empty(n_tok, n_heads, head_dim, dtype=x.dtype, device=x.device)
+            if d and d < n_tok:
+                attn[:d] = self._decode_attention(q[:d], k_cache, v_cache, meta)
             for span in meta.prefills:
                 qp = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
                 if span.gather is None:
@@ -150,7 +160,7 @@ class LlamaModel:
                     vp = v_cache[span.gather].flatten(0, 1).transpose(0, 1).unsqueeze(0)
                     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, enable_gqa=True)
                 attn[span.token_start : span.token_end] = op.squeeze(0).transpose(0, 1)
-            x = x + o_proj(attn.view(n_tok, q_dim))
+            x = x + o_proj(attn.reshape(n_tok, q_dim))
             h = F.rms_norm(x, (cfg.hidden_size,), ffn_norm, cfg.rms_eps)
             gate, up = gate_up_proj(h).chunk(2, dim=-1)
             x = x + down_proj(F.silu(gate) * up)
