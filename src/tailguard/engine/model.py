@@ -147,8 +147,8 @@ class LlamaModel:
                 attn = self._decode_attention(q, k_cache, v_cache, meta)
             else:
                 attn = torch.empty(n_tok, n_heads, head_dim, dtype=x.dtype, device=x.device)
-            if d and d < n_tok:
-                attn[:d] = self._decode_attention(q[:d], k_cache, v_cache, meta)
+                if d:
+                    attn[:d] = self._decode_attention(q[:d], k_cache, v_cache, meta)
             for span in meta.prefills:
                 qp = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
                 if span.gather is None:
