@@ -31,7 +31,8 @@ from tailguard.engine.tokenizer import GGUFTokenizer, IncrementalDetokenizer
 @dataclass
 class EngineArgs:
     model: str = "smollm2"  # alias, "tiny", or a path to a .gguf file
-    weight_format: str = "float32"  # float32 | bfloat16 | int8
+    # auto: native (the GGUF's own blocks, float32 answers) on the CPU, bfloat16 on CUDA. Or float32 | bfloat16 | int8.
+    weight_format: str = "auto"
     device: str = "auto"
     block_size: int = 16
     kv_cache_tokens: int = 65536  # KV capacity in tokens (rounded down to whole blocks)
@@ -97,6 +98,16 @@ def tiny_model_path(source: Path) -> Path:
     return path
 
 
+def resolve_weight_format(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "bfloat16"
+    from tailguard.engine import kernels
+
+    return "native" if kernels.available() else "float32"
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         if args.num_threads:
@@ -110,8 +121,9 @@ class LLMEngine:
         self.model_name = "tiny" if args.model == "tiny" else Path(path).stem if args.model.endswith(".gguf") else args.model
         self.device = pick_device(args.device)
         self.tokenizer = GGUFTokenizer(path)
-        weights = load_gguf(path)
-        self.model = LlamaModel(weights, args.weight_format, self.device)
+        self.weight_format = resolve_weight_format(args.weight_format, self.device)
+        weights = load_gguf(path, packed=self.weight_format == "native")
+        self.model = LlamaModel(weights, self.weight_format, self.device)
         self.config = weights.config
         max_len = min(args.max_model_len or self.config.max_position, self.config.max_position)
         num_blocks = max(1, args.kv_cache_tokens // args.block_size)

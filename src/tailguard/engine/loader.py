@@ -15,25 +15,29 @@ import numpy as np
 import torch
 
 from tailguard.engine.config import ModelConfig
+from tailguard.engine.kernels import NATIVE_FORMATS, PackedMatrix
+
+# A matrix is a float tensor, or (``packed=True``) a PackedMatrix that keeps the GGUF's own quantized blocks.
+Matrix = torch.Tensor | PackedMatrix
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor  # [q_dim + 2 * kv_dim, hidden]: Q, K and V fused into one matmul
-    o: torch.Tensor
+    qkv: Matrix  # [q_dim + 2 * kv_dim, hidden]: Q, K and V fused into one matmul
+    o: Matrix
     ffn_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate and up fused into one matmul
-    down: torch.Tensor
+    gate_up: Matrix  # [2 * intermediate, hidden]: gate and up fused into one matmul
+    down: Matrix
 
 
 @dataclass
 class ModelWeights:
     config: ModelConfig
-    embed: torch.Tensor
+    embed: Matrix
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: Matrix
 
 
 def _field(reader: gguf.GGUFReader, key: str, default=None):
@@ -86,39 +90,73 @@ def _dequantize(tensor) -> np.ndarray:
     return np.array(data.reshape(shape), dtype=np.float32, copy=True)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> ModelWeights:
+def _packed(tensor, n_heads: int | None) -> PackedMatrix:
+    """A 2-D tensor kept in its GGUF block format (rows un-permuted as whole rows of blocks, which is exact).
+
+    Formats the kernels cannot read are dequantized to float32 rows instead."""
+    n, k = (int(d) for d in reversed(tensor.shape))
+    fmt = int(tensor.tensor_type)
+    if fmt in NATIVE_FORMATS and (fmt < 2 or k % 32 == 0):
+        rows = np.asarray(tensor.data).view(np.uint8).reshape(n, -1)
+    else:
+        fmt = 0
+        rows = _dequantize(tensor).view(np.uint8).reshape(n, -1)
+    if n_heads is not None:
+        rows = unpermute_qk(rows, n_heads)
+    return PackedMatrix(torch.from_numpy(np.array(rows, copy=True)), fmt, n, k)
+
+
+def _cat_rows(parts: list[PackedMatrix]) -> PackedMatrix:
+    """Stack matrices by rows (QKV, gate+up). Mixed formats fall back to float32 rows."""
+    if len({p.fmt for p in parts}) > 1:
+        parts = [PackedMatrix(p.dequantize().view(torch.uint8), 0, p.out_features, p.in_features) for p in parts]
+    return PackedMatrix(torch.cat([p.data for p in parts], dim=0).contiguous(), parts[0].fmt,
+                        sum(p.out_features for p in parts), parts[0].in_features)
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+              packed: bool = False) -> ModelWeights:
+    """Load a Llama GGUF. With ``packed`` the matrices keep the file's quantized blocks (for the native kernels);
+    otherwise every matrix is dequantized to ``dtype``. Norm weights are always float tensors."""
     reader = gguf.GGUFReader(str(path))
     config = read_config(reader)
     arrays = {t.name: t for t in reader.tensors}
 
-    def get(name: str, n_heads: int | None = None) -> torch.Tensor:
+    def tensor(name: str):
         if name not in arrays:
             raise ValueError(f"GGUF file {path} lacks tensor {name}")
-        array = _dequantize(arrays[name])
+        return arrays[name]
+
+    def get(name: str, n_heads: int | None = None) -> torch.Tensor:
+        array = _dequantize(tensor(name))
         if n_heads is not None:
             array = unpermute_qk(array, n_heads)
         return torch.from_numpy(array).to(device=device, dtype=dtype)
 
+    def matrix(name: str, n_heads: int | None = None) -> Matrix:
+        return _packed(tensor(name), n_heads) if packed else get(name, n_heads)
+
+    def cat(parts: list[Matrix]) -> Matrix:
+        return _cat_rows(parts) if packed else torch.cat(parts, dim=0).contiguous()
+
     layers = []
     for i in range(config.num_layers):
         p = f"blk.{i}."
-        q = get(p + "attn_q.weight", config.num_heads)
-        k = get(p + "attn_k.weight", config.num_kv_heads)
-        v = get(p + "attn_v.weight")
-        gate = get(p + "ffn_gate.weight")
-        up = get(p + "ffn_up.weight")
+        q = matrix(p + "attn_q.weight", config.num_heads)
+        k = matrix(p + "attn_k.weight", config.num_kv_heads)
+        v = matrix(p + "attn_v.weight")
         layers.append(
             LayerWeights(
                 attn_norm=get(p + "attn_norm.weight"),
-                qkv=torch.cat([q, k, v], dim=0).contiguous(),
-                o=get(p + "attn_output.weight"),
+                qkv=cat([q, k, v]),
+                o=matrix(p + "attn_output.weight"),
                 ffn_norm=get(p + "ffn_norm.weight"),
-                gate_up=torch.cat([gate, up], dim=0).contiguous(),
-                down=get(p + "ffn_down.weight"),
+                gate_up=cat([matrix(p + "ffn_gate.weight"), matrix(p + "ffn_up.weight")]),
+                down=matrix(p + "ffn_down.weight"),
             )
         )
-    embed = get("token_embd.weight")
-    lm_head = embed if config.tie_embeddings else get("output.weight")
+    embed = matrix("token_embd.weight")
+    lm_head = embed if config.tie_embeddings else matrix("output.weight")
     return ModelWeights(config=config, embed=embed, layers=layers, norm=get("output_norm.weight"), lm_head=lm_head)
 
 

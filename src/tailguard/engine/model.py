@@ -14,9 +14,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tailguard.engine import kernels
+from tailguard.engine.kernels import PackedMatrix
 from tailguard.engine.loader import ModelWeights
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
+# native: the GGUF's own blocks (Q4_1/Q8_0 for SmolLM2) multiplied with float32 activations by tailguard's kernels;
+# the same numbers as float32 (whose weights are those blocks dequantized) at a sixth of the bytes. CPU only.
+WEIGHT_FORMATS = ("native", "float32", "bfloat16", "int8")
+
+# Above this many tokens a product dequantizes its weight once and lets the BLAS sgemm run (prefill); below it the
+# kernels read the blocks directly (decode). Measured crossover on this machine class: benchmarks/native_kernels.py.
+NATIVE_GEMM_MIN_TOKENS = 64
 
 
 @dataclass
@@ -35,15 +43,23 @@ class AttentionMetadata:
     decode_gather: torch.Tensor | None  # [D, max_blocks] each decode's block table (padded with block 0)
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] True where a key is real
     prefills: list[PrefillSpan]
+    decode_lens: torch.Tensor | None = None  # [D] int32: keys each decode attends to (its position + 1)
 
 
 class Linear:
-    """y = x @ W^T in the chosen weight format. int8 uses fbgemm's dynamic per-channel quantized kernel."""
+    """y = x @ W^T in the chosen weight format. int8 uses fbgemm's dynamic per-channel quantized kernel; native reads
+    the GGUF's blocks with tailguard's kernels."""
 
-    def __init__(self, weight: torch.Tensor, fmt: str) -> None:
+    def __init__(self, weight: torch.Tensor | PackedMatrix, fmt: str) -> None:
         self.fmt = fmt
-        self.out_features = weight.shape[0]
-        if fmt == "int8":
+        self.out_features = weight.out_features if isinstance(weight, PackedMatrix) else weight.shape[0]
+        self.packed = weight if isinstance(weight, PackedMatrix) else None
+        self.in_features = weight.in_features if self.packed is not None else weight.shape[1]
+        if fmt == "native":
+            if self.packed is None:
+                raise ValueError("the native format needs packed weights (load_gguf(..., packed=True))")
+            self.weight = None
+        elif fmt == "int8":
             w = weight.float()
             scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
             with warnings.catch_warnings():
@@ -55,6 +71,10 @@ class Linear:
             self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            if x.shape[0] < NATIVE_GEMM_MIN_TOKENS:
+                return kernels.linear(x, self.packed)
+            return F.linear(x, self.packed.dequantize())
         if self.fmt == "int8":
             return torch.ops.quantized.linear_dynamic(x, self._packed, True)
         if self.fmt == "bfloat16":
@@ -66,8 +86,8 @@ class LlamaModel:
     def __init__(self, weights: ModelWeights, weight_format: str = "float32", device: str | torch.device = "cpu") -> None:
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}")
-        if weight_format == "int8" and torch.device(device).type != "cpu":
-            raise ValueError("the int8 weight format uses fbgemm and runs on the CPU only")
+        if weight_format in ("int8", "native") and torch.device(device).type != "cpu":
+            raise ValueError(f"the {weight_format} weight format runs on the CPU only")
         cfg = weights.config
         self.config = cfg
         self.device = torch.device(device)
@@ -80,10 +100,15 @@ class LlamaModel:
         def dev(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=self.device, dtype=self.dtype)
 
-        def lin(t: torch.Tensor) -> Linear:
+        def lin(t: torch.Tensor | PackedMatrix) -> Linear:
+            if isinstance(t, PackedMatrix):
+                return Linear(t, weight_format)
             return Linear(t.to(device=self.device, dtype=weight_dtype), weight_format)
 
-        self.embed = dev(weights.embed)
+        native = weight_format == "native"
+        if native != isinstance(weights.embed, PackedMatrix):
+            raise ValueError("load the GGUF with packed=True for the native format, and only for it")
+        self.embed = weights.embed if native else dev(weights.embed)
         self.layers = [
             (dev(lw.attn_norm), lin(lw.qkv), lin(lw.o), dev(lw.ffn_norm), lin(lw.gate_up), lin(lw.down))
             for lw in weights.layers
@@ -99,6 +124,28 @@ class LlamaModel:
         sin = emb.sin()
         self.sin = torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]], dim=-1).to(
             device=self.device, dtype=self.dtype)
+        self._decode_step: kernels.DecodeStep | None = None
+        self._decode_step_cache: torch.Tensor | None = None
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights read per decode token (matrices and the LM head; the embedding row is negligible)."""
+        total = 0
+        for layer in self.layers:
+            for lin in (layer[1], layer[2], layer[4], layer[5]):
+                total += lin.packed.nbytes if lin.packed is not None else _dense_bytes(lin)
+        return total + (self.lm_head.packed.nbytes if self.lm_head.packed is not None else _dense_bytes(self.lm_head))
+
+    def _native_decode(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """A decode-only step in one call of the C kernels (every layer, paged attention, the LM head)."""
+        if self._decode_step is None or self._decode_step_cache is not kv_cache:
+            self._decode_step = kernels.DecodeStep(
+                config=self.config,
+                layers=[(an, qkv.packed, o.packed, fn, gu.packed, dn.packed) for an, qkv, o, fn, gu, dn in self.layers],
+                final_norm=self.norm, embed_w=self.embed, lm_head=self.lm_head.packed, cos=self.cos, sin=self.sin,
+                kv_cache=kv_cache)
+            self._decode_step_cache = kv_cache
+        assert meta.decode_gather is not None and meta.decode_lens is not None
+        return self._decode_step(input_ids, meta.positions, meta.slot_mapping, meta.decode_gather, meta.decode_lens)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         # [layer, k|v, block, slot-in-block, kv_head, head_dim]: gathering whole blocks moves block_size rows per index.
@@ -127,12 +174,15 @@ class LlamaModel:
     ) -> torch.Tensor:
         cfg = self.config
         n_tok = input_ids.shape[0]
+        d = meta.num_decodes
+        native = self.weight_format == "native"
+        if native and d == n_tok and logits_indices.shape[0] == d:
+            return self._native_decode(input_ids, meta, kv_cache)
         n_heads, n_kv, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim
         cos = self.cos[meta.positions].unsqueeze(1)
         sin = self.sin[meta.positions].unsqueeze(1)
-        d = meta.num_decodes
-        x = self.embed[input_ids]
+        x = kernels.embed(input_ids, self.embed) if native else self.embed[input_ids]
         for layer_idx, (attn_norm, qkv_proj, o_proj, ffn_norm, gate_up_proj, down_proj) in enumerate(self.layers):
             h = F.rms_norm(x, (cfg.hidden_size,), attn_norm, cfg.rms_eps)
             qkv = qkv_proj(h)
@@ -166,3 +216,9 @@ class LlamaModel:
             x = x + down_proj(F.silu(gate) * up)
         x = F.rms_norm(x[logits_indices], (cfg.hidden_size,), self.norm, cfg.rms_eps)
         return self.lm_head(x).float()
+
+
+def _dense_bytes(lin: Linear) -> int:
+    if lin.weight is not None:
+        return lin.weight.numel() * lin.weight.element_size()
+    return lin.out_features * lin.in_features  # fbgemm's int8: one byte a weight

@@ -68,12 +68,17 @@ class ModelRunner:
                 q_pos = torch.arange(chunk.start, chunk.end, device=dev).unsqueeze(1)
                 mask = torch.arange(len(used_blocks) * bs, device=dev).unsqueeze(0) <= q_pos
                 prefills.append(PrefillSpan(start_tok, len(ids), gather, mask))
-        decode_gather = decode_mask = None
+        decode_gather = decode_mask = lengths = None
         if decode_tables:
             widest = max(len(t) for t in decode_tables)
-            decode_gather = torch.tensor([t + [0] * (widest - len(t)) for t in decode_tables], dtype=torch.long).to(dev)
-            lengths = torch.tensor(decode_lens)
-            decode_mask = (torch.arange(widest * bs).unsqueeze(0) < lengths.unsqueeze(1)).view(len(decode_lens), 1, 1, -1).to(dev)
+            native_decode = self.model.weight_format == "native" and not prefills
+            # The native kernel reads int32 block tables and needs no mask.
+            decode_gather = torch.tensor([t + [0] * (widest - len(t)) for t in decode_tables],
+                                         dtype=torch.int32 if native_decode else torch.long).to(dev)
+            lengths = torch.tensor(decode_lens, dtype=torch.int32)
+            if not native_decode:
+                decode_mask = (torch.arange(widest * bs).unsqueeze(0) < lengths.unsqueeze(1)).view(
+                    len(decode_lens), 1, 1, -1).to(dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -81,6 +86,7 @@ class ModelRunner:
             decode_gather=decode_gather,
             decode_mask=decode_mask,
             prefills=prefills,
+            decode_lens=lengths,
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, torch.tensor(logits_indices, dtype=torch.long, device=dev)
 

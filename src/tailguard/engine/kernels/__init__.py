@@ -1,0 +1,231 @@
+"""tailguard's CPU kernels (tg_kernels.c): products on GGUF's quantized blocks and a whole decode step in one call.
+
+The C source is compiled with the machine's gcc (``-O3 -march=native -fopenmp``) at install time
+(``python -m tailguard.engine.kernels``) or on first use, into a cache keyed by the source, the compiler and the CPU's
+instruction set. It is loaded with ctypes after torch, so its OpenMP loops run on torch's own OpenMP runtime (same
+soname) and the two never oversubscribe the cores; ctypes releases the GIL during each call, so the HTTP event loop
+keeps running while a step computes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch  # noqa: F401 - load torch's OpenMP runtime before ours
+
+from tailguard.engine.model_store import cache_dir
+
+SOURCE = Path(__file__).with_name("tg_kernels.c")
+ABI_VERSION = 3
+
+# ggml type ids (GGUF's own numbering) of the formats the kernels read directly.
+F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8
+NATIVE_FORMATS = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def _cpu_key() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _library_path() -> Path:
+    cc = os.environ.get("CC", "gcc")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    except OSError as exc:
+        raise KernelBuildError(f"no C compiler ({cc}): tailguard's native kernels need gcc") from exc
+    digest = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_key().encode()).hexdigest()[:16]
+    return cache_dir().parent / "kernels" / f"tg_kernels-{digest}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernels for this machine (once; cached). Returns the shared library's path."""
+    path = _library_path()
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cc = os.environ.get("CC", "gcc")
+    if shutil.which(cc) is None:
+        raise KernelBuildError(f"no C compiler ({cc}) on PATH: tailguard's native kernels need gcc")
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(partial), str(SOURCE), "-lm"]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{' '.join(cmd)}\n{result.stderr[-4000:]}")
+    if verbose:
+        print(" ".join(cmd))
+    partial.replace(path)
+    return path
+
+
+_lib: ctypes.CDLL | None = None
+_lock = threading.Lock()
+
+
+def lib() -> ctypes.CDLL:
+    global _lib
+    with _lock:
+        if _lib is None:
+            handle = ctypes.CDLL(str(build()))
+            if handle.tg_abi_version() != ABI_VERSION:
+                raise KernelBuildError("stale kernel library: ABI version mismatch")
+            p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+            handle.tg_linear.argtypes = [p, i, i, p, i, i, p, i]
+            handle.tg_dequant.argtypes = [p, i, i, i, p]
+            handle.tg_embed.argtypes = [p, i, p, i, i, i, p]
+            handle.tg_row_bytes.argtypes = [i, i]
+            handle.tg_row_bytes.restype = i64
+            handle.tg_simd.restype = ctypes.c_char_p
+            handle.tg_decode.argtypes = [p, p, i, p, p, p, p, i, p, p]
+            _lib = handle
+        return _lib
+
+
+def available() -> bool:
+    """True when the kernels are (or can be) built here: x86-64 or other CPUs with gcc."""
+    try:
+        lib()
+        return True
+    except (KernelBuildError, OSError):
+        return False
+
+
+def simd() -> str:
+    return lib().tg_simd().decode()
+
+
+def row_bytes(fmt: int, k: int) -> int:
+    return int(lib().tg_row_bytes(fmt, k))
+
+
+@dataclass
+class PackedMatrix:
+    """A weight matrix [out_features, in_features] kept in its GGUF block format: ``data`` is uint8 [N, row bytes]."""
+
+    data: torch.Tensor
+    fmt: int
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        _check(lib().tg_dequant(self.data.data_ptr(), self.fmt, self.out_features, self.in_features, out.data_ptr()))
+        return out
+
+
+def _check(code: int) -> None:
+    if code != 0:
+        raise ValueError(f"tailguard kernel rejected its arguments (code {code})")
+
+
+def linear(x: torch.Tensor, w: PackedMatrix, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """x [T, K] float32 @ W^T -> [T, N]; with ``accumulate`` adds into ``out``."""
+    x = x.contiguous()
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError("linear expects a contiguous float32 [T, in_features] input")
+    if out is None:
+        out = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+    _check(lib().tg_linear(x.data_ptr(), x.shape[0], w.in_features, w.data.data_ptr(), w.fmt, w.out_features,
+                           out.data_ptr(), int(accumulate)))
+    return out
+
+
+def embed(ids: torch.Tensor, w: PackedMatrix) -> torch.Tensor:
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.shape[0], w.in_features, dtype=torch.float32)
+    _check(lib().tg_embed(ids.data_ptr(), ids.shape[0], w.data.data_ptr(), w.fmt, w.out_features, w.in_features,
+                          out.data_ptr()))
+    return out
+
+
+# --- the decode step ---------------------------------------------------------------------------------------------
+
+class _Mat(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("fmt", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32),
+                ("pad", ctypes.c_int32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("qkv", _Mat), ("o", _Mat),
+                ("gate_up", _Mat), ("down", _Mat)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("n_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("inter", ctypes.c_int32),
+                ("n_heads", ctypes.c_int32), ("n_kv", ctypes.c_int32), ("head_dim", ctypes.c_int32),
+                ("vocab", ctypes.c_int32), ("max_pos", ctypes.c_int32), ("eps", ctypes.c_float),
+                ("pad", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p),
+                ("embed", _Mat), ("lm_head", _Mat), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
+
+
+class _KV(ctypes.Structure):
+    _fields_ = [("kv", ctypes.c_void_p), ("fp16", ctypes.c_int32), ("num_blocks", ctypes.c_int32),
+                ("block_size", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+def _mat(w: PackedMatrix) -> _Mat:
+    return _Mat(w.data.data_ptr(), w.fmt, w.out_features, w.in_features, 0)
+
+
+class DecodeStep:
+    """Binds a model's packed weights and its KV cache once; ``__call__`` runs one decode step for D sequences.
+
+    Keeps references to every tensor whose pointer it hands to C, so none is freed while the C side holds it.
+    """
+
+    def __init__(self, *, config, layers: list[tuple], final_norm: torch.Tensor, embed_w: PackedMatrix,
+                 lm_head: PackedMatrix, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        self._keep = [final_norm, cos, sin, kv_cache, embed_w.data, lm_head.data]
+        layer_structs = []
+        for attn_norm, qkv, o, ffn_norm, gate_up, down in layers:
+            self._keep += [attn_norm, ffn_norm, qkv.data, o.data, gate_up.data, down.data]
+            layer_structs.append(_Layer(attn_norm.data_ptr(), ffn_norm.data_ptr(), _mat(qkv), _mat(o), _mat(gate_up),
+                                        _mat(down)))
+        self._layers = (_Layer * len(layer_structs))(*layer_structs)
+        self.vocab = lm_head.out_features
+        self._model = _Model(config.num_layers, config.hidden_size, config.intermediate_size, config.num_heads,
+                             config.num_kv_heads, config.head_dim, self.vocab, cos.shape[0], config.rms_eps, 0.0,
+                             self._layers, final_norm.data_ptr(), _mat(embed_w), _mat(lm_head), cos.data_ptr(),
+                             sin.data_ptr())
+        _, _, num_blocks, block_size, _, _ = kv_cache.shape
+        if kv_cache.dtype not in (torch.float32, torch.float16) or not kv_cache.is_contiguous():
+            raise ValueError("the decode kernel reads a contiguous float32 or float16 KV cache")
+        self._kv = _KV(kv_cache.data_ptr(), int(kv_cache.dtype == torch.float16), num_blocks, block_size, 0)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                 ctx_lens: torch.Tensor) -> torch.Tensor:
+        d = tokens.shape[0]
+        logits = torch.empty(d, self.vocab, dtype=torch.float32)
+        _check(lib().tg_decode(ctypes.byref(self._model), ctypes.byref(self._kv), d, tokens.data_ptr(),
+                               positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+                               ctx_lens.data_ptr(), logits.data_ptr()))
+        return logits
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tailguard.engine.kernels``: build the kernels for this machine now (install scripts call it)."""
+    path = build(verbose="-v" in (argv or sys.argv[1:]))
+    print(f"tailguard kernels: {path} ({simd()})")
+    return 0

@@ -1,0 +1,5 @@
+import sys
+
+from tailguard.engine.kernels import main
+
+sys.exit(main())

@@ -1,0 +1,648 @@
+/* tailguard's CPU kernels: matrix products straight on GGUF's quantized blocks with float32 activations, and a whole
+ * decode step (every layer, paged attention, the LM head) in one call.
+ *
+ * Why: SmolLM2's GGUF stores its layers as Q4_1 and its embedding/LM head as Q8_0. Multiplying by those blocks with
+ * float32 activations computes exactly what the float32 model computes (its weights *are* those blocks, dequantized),
+ * while reading 6.4x fewer bytes than float32 weights; llama.cpp instead quantizes the activations to 8 bits, which
+ * changes the answers. Running the whole decode step here removes the ~750 small torch ops per step that cost more
+ * than the matrix products themselves.
+ *
+ * Built at install (or on first use) with `gcc -O3 -march=native -fopenmp`; parallel loops use the OpenMP runtime
+ * that torch has already loaded (same soname), so the two never fight over the cores. Called through ctypes, which
+ * releases the GIL for the duration of each call.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* ggml's type ids, so Python can pass GGUF's own numbers. */
+enum { TG_F32 = 0, TG_F16 = 1, TG_Q4_0 = 2, TG_Q4_1 = 3, TG_Q8_0 = 8 };
+
+int tg_abi_version(void) { return 3; }
+
+const char *tg_simd(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}
+
+/* ---- half precision ------------------------------------------------------------------------------------------- */
+
+static inline float h2f(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        float f = (float)man * (1.0f / 16777216.0f); /* subnormal: man * 2^-24 */
+        return (h & 0x8000) ? -f : f;
+    }
+    bits = exp == 31 ? (sign | 0x7f800000u | (man << 13)) : (sign | ((exp + 112) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t f2h(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    /* Round to nearest even; overflow to inf; small values through the subnormal range. */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000;
+    uint32_t absx = x & 0x7fffffff;
+    if (absx >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (absx > 0x7f800000 ? 0x200 : 0));
+    if (absx >= 0x477ff000) return (uint16_t)(sign | 0x7c00);
+    if (absx < 0x38800000) { /* subnormal or zero in half */
+        float a;
+        memcpy(&a, &absx, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(a * 16777216.0f));
+    }
+    uint32_t mant = absx & 0x7fffff, e = (absx >> 23) - 112;
+    uint32_t h = (e << 10) | (mant >> 13);
+    uint32_t rest = mant & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
+    return (uint16_t)(sign | h);
+#endif
+}
+
+/* ---- quantized rows -------------------------------------------------------------------------------------------- */
+
+static inline int64_t row_bytes(int fmt, int K) {
+    switch (fmt) {
+    case TG_F32: return (int64_t)K * 4;
+    case TG_F16: return (int64_t)K * 2;
+    case TG_Q4_0: return (int64_t)K / 32 * 18;
+    case TG_Q4_1: return (int64_t)K / 32 * 20;
+    case TG_Q8_0: return (int64_t)K / 32 * 34;
+    default: return -1;
+    }
+}
+
+int64_t tg_row_bytes(int fmt, int K) { return row_bytes(fmt, K); }
+
+/* Dequantize one row of K weights into out[K] (float32), exactly as gguf's reference dequantizer does. */
+static void dequant_row(const uint8_t *row, int fmt, int K, float *out) {
+    if (fmt == TG_F32) {
+        memcpy(out, row, (size_t)K * 4);
+        return;
+    }
+    if (fmt == TG_F16) {
+        const uint16_t *h = (const uint16_t *)row;
+        for (int k = 0; k < K; k++) out[k] = h2f(h[k]);
+        return;
+    }
+    const int nb = K / 32;
+    for (int b = 0; b < nb; b++) {
+        float *o = out + b * 32;
+        if (fmt == TG_Q8_0) {
+            const uint8_t *blk = row + (size_t)b * 34;
+            uint16_t dh;
+            memcpy(&dh, blk, 2);
+            const float d = h2f(dh);
+            const int8_t *qs = (const int8_t *)(blk + 2);
+#if defined(__AVX512F__)
+            __m512 dv = _mm512_set1_ps(d);
+            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs))), dv));
+            _mm512_storeu_ps(o + 16,
+                             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)))), dv));
+#elif defined(__AVX2__)
+            __m256 dv = _mm256_set1_ps(d);
+            for (int j = 0; j < 32; j += 8)
+                _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + j)))), dv));
+#else
+            for (int j = 0; j < 32; j++) o[j] = d * (float)qs[j];
+#endif
+        } else { /* Q4_0 / Q4_1: 16 bytes of nibbles, low nibbles are weights 0..15, high nibbles 16..31 */
+            const int q41 = fmt == TG_Q4_1;
+            const uint8_t *blk = row + (size_t)b * (q41 ? 20 : 18);
+            uint16_t dh, mh = 0;
+            memcpy(&dh, blk, 2);
+            if (q41) memcpy(&mh, blk + 2, 2);
+            const float d = h2f(dh), m = q41 ? h2f(mh) : -8.0f * d;
+            const uint8_t *qs = blk + (q41 ? 4 : 2);
+#if defined(__AVX512F__) || defined(__AVX2__)
+            __m128i q = _mm_loadu_si128((const __m128i *)qs);
+            __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0f));
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f));
+#endif
+#if defined(__AVX512F__)
+            __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+            /* d * q + m with two roundings, as the reference does (no fused multiply-add here). */
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), dv), mv));
+            _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), dv), mv));
+#elif defined(__AVX2__)
+            __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), dv), mv));
+            _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), dv), mv));
+            _mm256_storeu_ps(o + 16, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), dv), mv));
+            _mm256_storeu_ps(o + 24, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), dv), mv));
+#else
+            if (q41) {
+                for (int j = 0; j < 16; j++) {
+                    o[j] = d * (float)(qs[j] & 15) + m;
+                    o[j + 16] = d * (float)(qs[j] >> 4) + m;
+                }
+            } else {
+                for (int j = 0; j < 16; j++) {
+                    o[j] = d * (float)((int)(qs[j] & 15) - 8);
+                    o[j + 16] = d * (float)((int)(qs[j] >> 4) - 8);
+                }
+            }
+#endif
+        }
+    }
+}
+
+/* ---- dense dot products on dequantized rows --------------------------------------------------------------------- */
+
+#if defined(__AVX512F__)
+#define VL 16
+typedef __m512 vf;
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VZERO() _mm512_setzero_ps()
+#define VSUM(v) _mm512_reduce_add_ps(v)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VL 8
+typedef __m256 vf;
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VZERO() _mm256_setzero_ps()
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#define VSUM(v) hsum256(v)
+#endif
+
+static inline float dot(const float *a, const float *b, int n) {
+    int k = 0;
+    float s = 0.0f;
+#ifdef VL
+    vf acc0 = VZERO(), acc1 = VZERO();
+    for (; k + 2 * VL <= n; k += 2 * VL) {
+        acc0 = VFMA(VLOAD(a + k), VLOAD(b + k), acc0);
+        acc1 = VFMA(VLOAD(a + k + VL), VLOAD(b + k + VL), acc1);
+    }
+    for (; k + VL <= n; k += VL) acc0 = VFMA(VLOAD(a + k), VLOAD(b + k), acc0);
+#ifdef __AVX512F__
+    s = VSUM(_mm512_add_ps(acc0, acc1));
+#else
+    s = VSUM(_mm256_add_ps(acc0, acc1));
+#endif
+#endif
+    for (; k < n; k++) s += a[k] * b[k];
+    return s;
+}
+
+/* ROWS dequantized rows w[ROWS][K] against one activation row x[K]: out[r] = dot(w[r], x). Eight independent
+ * accumulator chains keep both FMA ports busy; x is loaded once for all rows. */
+#define ROWS 8
+static inline void dots8(const float *w, int K, const float *x, float *out) {
+    int k = 0;
+#ifdef VL
+    vf a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO(), a4 = VZERO(), a5 = VZERO(), a6 = VZERO(), a7 = VZERO();
+    for (; k + VL <= K; k += VL) {
+        vf xv = VLOAD(x + k);
+        a0 = VFMA(VLOAD(w + k), xv, a0);
+        a1 = VFMA(VLOAD(w + K + k), xv, a1);
+        a2 = VFMA(VLOAD(w + 2 * K + k), xv, a2);
+        a3 = VFMA(VLOAD(w + 3 * K + k), xv, a3);
+        a4 = VFMA(VLOAD(w + 4 * K + k), xv, a4);
+        a5 = VFMA(VLOAD(w + 5 * K + k), xv, a5);
+        a6 = VFMA(VLOAD(w + 6 * K + k), xv, a6);
+        a7 = VFMA(VLOAD(w + 7 * K + k), xv, a7);
+    }
+    out[0] = VSUM(a0); out[1] = VSUM(a1); out[2] = VSUM(a2); out[3] = VSUM(a3);
+    out[4] = VSUM(a4); out[5] = VSUM(a5); out[6] = VSUM(a6); out[7] = VSUM(a7);
+#else
+    for (int r = 0; r < ROWS; r++) out[r] = 0.0f;
+#endif
+    for (; k < K; k++)
+        for (int r = 0; r < ROWS; r++) out[r] += w[(size_t)r * K + k] * x[k];
+}
+
+/* Four dequantized rows w[4][K] against four activation rows x[4][ldx]: out[t][r]. Sixteen accumulators, eight
+ * loads per sixteen FMAs: the batched-decode micro-kernel. */
+static inline void dots4x4(const float *w, int K, const float *x, int ldx, float out[4][4]) {
+    int k = 0;
+    for (int t = 0; t < 4; t++)
+        for (int r = 0; r < 4; r++) out[t][r] = 0.0f;
+#ifdef VL
+    vf c00 = VZERO(), c01 = VZERO(), c02 = VZERO(), c03 = VZERO(), c10 = VZERO(), c11 = VZERO(), c12 = VZERO(),
+       c13 = VZERO(), c20 = VZERO(), c21 = VZERO(), c22 = VZERO(), c23 = VZERO(), c30 = VZERO(), c31 = VZERO(),
+       c32 = VZERO(), c33 = VZERO();
+    for (; k + VL <= K; k += VL) {
+        const vf w0 = VLOAD(w + k), w1 = VLOAD(w + K + k), w2 = VLOAD(w + 2 * K + k), w3 = VLOAD(w + 3 * K + k);
+        vf xv = VLOAD(x + k);
+        c00 = VFMA(w0, xv, c00); c01 = VFMA(w1, xv, c01); c02 = VFMA(w2, xv, c02); c03 = VFMA(w3, xv, c03);
+        xv = VLOAD(x + ldx + k);
+        c10 = VFMA(w0, xv, c10); c11 = VFMA(w1, xv, c11); c12 = VFMA(w2, xv, c12); c13 = VFMA(w3, xv, c13);
+        xv = VLOAD(x + 2 * ldx + k);
+        c20 = VFMA(w0, xv, c20); c21 = VFMA(w1, xv, c21); c22 = VFMA(w2, xv, c22); c23 = VFMA(w3, xv, c23);
+        xv = VLOAD(x + 3 * ldx + k);
+        c30 = VFMA(w0, xv, c30); c31 = VFMA(w1, xv, c31); c32 = VFMA(w2, xv, c32); c33 = VFMA(w3, xv, c33);
+    }
+    out[0][0] = VSUM(c00); out[0][1] = VSUM(c01); out[0][2] = VSUM(c02); out[0][3] = VSUM(c03);
+    out[1][0] = VSUM(c10); out[1][1] = VSUM(c11); out[1][2] = VSUM(c12); out[1][3] = VSUM(c13);
+    out[2][0] = VSUM(c20); out[2][1] = VSUM(c21); out[2][2] = VSUM(c22); out[2][3] = VSUM(c23);
+    out[3][0] = VSUM(c30); out[3][1] = VSUM(c31); out[3][2] = VSUM(c32); out[3][3] = VSUM(c33);
+#endif
+    for (; k < K; k++)
+        for (int t = 0; t < 4; t++)
+            for (int r = 0; r < 4; r++) out[t][r] += w[(size_t)r * K + k] * x[(size_t)t * ldx + k];
+}
+
+/* y[t, n] (+)= sum_k x[t, k] * W[n, k] for rows n in [n0, n1), on a per-thread scratch of ROWS dequantized rows. */
+static void linear_rows(const float *x, int T, int K, const uint8_t *w, int fmt, int64_t rb, int n0, int n1, float *y,
+                        int ldy, int accumulate, float *scratch) {
+    float part[ROWS];
+    for (int n = n0; n < n1; n += ROWS) {
+        const int rows = n1 - n < ROWS ? n1 - n : ROWS;
+        for (int r = 0; r < rows; r++) dequant_row(w + (size_t)(n + r) * rb, fmt, K, scratch + (size_t)r * K);
+        int t = 0;
+        if (rows == ROWS) {
+            float tile[4][4];
+            for (; t + 4 <= T; t += 4) {
+                for (int half = 0; half < 2; half++) {
+                    dots4x4(scratch + (size_t)half * 4 * K, K, x + (size_t)t * K, K, tile);
+                    for (int i = 0; i < 4; i++) {
+                        float *yt = y + (size_t)(t + i) * ldy + n + half * 4;
+                        for (int r = 0; r < 4; r++) yt[r] = accumulate ? yt[r] + tile[i][r] : tile[i][r];
+                    }
+                }
+            }
+        }
+        for (; t < T; t++) {
+            const float *xt = x + (size_t)t * K;
+            float *yt = y + (size_t)t * ldy + n;
+            if (rows == ROWS) {
+                dots8(scratch, K, xt, part);
+            } else {
+                for (int r = 0; r < rows; r++) part[r] = dot(scratch + (size_t)r * K, xt, K);
+            }
+            if (accumulate)
+                for (int r = 0; r < rows; r++) yt[r] += part[r];
+            else
+                for (int r = 0; r < rows; r++) yt[r] = part[r];
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/* One activation row against Q4_1 / Q8_0 rows without a dequantized copy (the single-stream decode path): per block,
+ * d * (q . x) + m * sum(x), four rows at a time so each x block is loaded once. Same sums as the dequantized product
+ * up to float rounding order. */
+#define FUSED_ROWS 4
+static inline __m512 q_lo(__m128i q, __m128i mask) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask))); }
+static inline __m512 q_hi(__m128i q, __m128i mask) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+}
+
+/* Block b of row r against the activation block (xl, xh): returns q . x for that block; sets *d (and *m). */
+static inline __m512 q41_block(const uint8_t *blk, __m512 xl, __m512 xh, __m128i mask, float *d, float *m) {
+    uint16_t dh, mh;
+    memcpy(&dh, blk, 2);
+    memcpy(&mh, blk + 2, 2);
+    *d = h2f(dh);
+    *m = h2f(mh);
+    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 4));
+    return _mm512_fmadd_ps(q_hi(q, mask), xh, _mm512_mul_ps(q_lo(q, mask), xl));
+}
+
+static inline __m512 q80_block(const uint8_t *blk, __m512 xl, __m512 xh, float *d) {
+    uint16_t dh;
+    memcpy(&dh, blk, 2);
+    *d = h2f(dh);
+    const __m512 ql = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+    const __m512 qh = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+    return _mm512_fmadd_ps(qh, xh, _mm512_mul_ps(ql, xl));
+}
+
+static void gemv_fused(const float *x, const float *xsum, int K, const uint8_t *w, int fmt, int64_t rb, int n0, int n1,
+                       float *y, int accumulate) {
+    const int nb = K / 32;
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    int n = n0;
+    float d0, d1, d2, d3, m0, m1, m2, m3;
+    for (; n + FUSED_ROWS <= n1; n += FUSED_ROWS) {
+        const uint8_t *r0 = w + (size_t)n * rb, *r1 = r0 + rb, *r2 = r1 + rb, *r3 = r2 + rb;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+        if (fmt == TG_Q4_1) {
+            for (int b = 0; b < nb; b++) {
+                const __m512 xl = _mm512_loadu_ps(x + b * 32), xh = _mm512_loadu_ps(x + b * 32 + 16);
+                const size_t o = (size_t)b * 20;
+                const __m512 t0 = q41_block(r0 + o, xl, xh, mask, &d0, &m0);
+                const __m512 t1 = q41_block(r1 + o, xl, xh, mask, &d1, &m1);
+                const __m512 t2 = q41_block(r2 + o, xl, xh, mask, &d2, &m2);
+                const __m512 t3 = q41_block(r3 + o, xl, xh, mask, &d3, &m3);
+                a0 = _mm512_fmadd_ps(t0, _mm512_set1_ps(d0), a0);
+                a1 = _mm512_fmadd_ps(t1, _mm512_set1_ps(d1), a1);
+                a2 = _mm512_fmadd_ps(t2, _mm512_set1_ps(d2), a2);
+                a3 = _mm512_fmadd_ps(t3, _mm512_set1_ps(d3), a3);
+                s0 += m0 * xsum[b]; s1 += m1 * xsum[b]; s2 += m2 * xsum[b]; s3 += m3 * xsum[b];
+            }
+        } else {
+            for (int b = 0; b < nb; b++) {
+                const __m512 xl = _mm512_loadu_ps(x + b * 32), xh = _mm512_loadu_ps(x + b * 32 + 16);
+                const size_t o = (size_t)b * 34;
+                const __m512 t0 = q80_block(r0 + o, xl, xh, &d0);
+                const __m512 t1 = q80_block(r1 + o, xl, xh, &d1);
+                const __m512 t2 = q80_block(r2 + o, xl, xh, &d2);
+                const __m512 t3 = q80_block(r3 + o, xl, xh, &d3);
+                a0 = _mm512_fmadd_ps(t0, _mm512_set1_ps(d0), a0);
+                a1 = _mm512_fmadd_ps(t1, _mm512_set1_ps(d1), a1);
+                a2 = _mm512_fmadd_ps(t2, _mm512_set1_ps(d2), a2);
+                a3 = _mm512_fmadd_ps(t3, _mm512_set1_ps(d3), a3);
+            }
+        }
+        const float v0 = _mm512_reduce_add_ps(a0) + s0, v1 = _mm512_reduce_add_ps(a1) + s1;
+        const float v2 = _mm512_reduce_add_ps(a2) + s2, v3 = _mm512_reduce_add_ps(a3) + s3;
+        if (accumulate) { y[n] += v0; y[n + 1] += v1; y[n + 2] += v2; y[n + 3] += v3; }
+        else { y[n] = v0; y[n + 1] = v1; y[n + 2] = v2; y[n + 3] = v3; }
+    }
+    for (; n < n1; n++) { /* leftover rows, one at a time */
+        const uint8_t *r0 = w + (size_t)n * rb;
+        __m512 a0 = _mm512_setzero_ps();
+        float s0 = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            const __m512 xl = _mm512_loadu_ps(x + b * 32), xh = _mm512_loadu_ps(x + b * 32 + 16);
+            const __m512 t0 = fmt == TG_Q4_1 ? q41_block(r0 + (size_t)b * 20, xl, xh, mask, &d0, &m0)
+                                             : q80_block(r0 + (size_t)b * 34, xl, xh, &d0);
+            a0 = _mm512_fmadd_ps(t0, _mm512_set1_ps(d0), a0);
+            if (fmt == TG_Q4_1) s0 += m0 * xsum[b];
+        }
+        const float v0 = _mm512_reduce_add_ps(a0) + s0;
+        y[n] = accumulate ? y[n] + v0 : v0;
+    }
+}
+#endif
+
+/* y[T, N] (+)= x[T, K] @ W[N, K]^T, W in `fmt`. Rows are split between threads in groups of ROWS. */
+static void linear(const float *x, int T, int K, const uint8_t *w, int fmt, int N, float *y, int ldy, int accumulate) {
+    const int64_t rb = row_bytes(fmt, K);
+    const int groups = (N + ROWS - 1) / ROWS;
+#if defined(__AVX512F__)
+    if (T == 1 && (fmt == TG_Q4_1 || fmt == TG_Q8_0) && K % 32 == 0) {
+        float *xsum = (float *)malloc(sizeof(float) * (size_t)(K / 32));
+        for (int b = 0; b < K / 32; b++) {
+            float s = 0.0f;
+            for (int j = 0; j < 32; j++) s += x[b * 32 + j];
+            xsum[b] = s;
+        }
+#pragma omp parallel
+        {
+            const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+            const int g0 = (int)((int64_t)groups * id / nt), g1 = (int)((int64_t)groups * (id + 1) / nt);
+            const int n0 = g0 * ROWS, n1 = g1 * ROWS < N ? g1 * ROWS : N;
+            if (n0 < n1) gemv_fused(x, xsum, K, w, fmt, rb, n0, n1, y, accumulate);
+        }
+        free(xsum);
+        return;
+    }
+#endif
+#pragma omp parallel
+    {
+        float *scratch = (float *)malloc(sizeof(float) * ROWS * (size_t)K);
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int g0 = (int)((int64_t)groups * id / nt), g1 = (int)((int64_t)groups * (id + 1) / nt);
+        const int n0 = g0 * ROWS, n1 = g1 * ROWS < N ? g1 * ROWS : N;
+        if (n0 < n1) linear_rows(x, T, K, w, fmt, rb, n0, n1, y, ldy, accumulate, scratch);
+        free(scratch);
+    }
+}
+
+int tg_linear(const float *x, int T, int K, const uint8_t *w, int fmt, int N, float *y, int accumulate) {
+    if (row_bytes(fmt, K) < 0 || (fmt >= TG_Q4_0 && K % 32)) return -1;
+    linear(x, T, K, w, fmt, N, y, N, accumulate);
+    return 0;
+}
+
+int tg_dequant(const uint8_t *w, int fmt, int N, int K, float *out) {
+    const int64_t rb = row_bytes(fmt, K);
+    if (rb < 0 || (fmt >= TG_Q4_0 && K % 32)) return -1;
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) dequant_row(w + (size_t)n * rb, fmt, K, out + (size_t)n * K);
+    return 0;
+}
+
+int tg_embed(const int64_t *ids, int T, const uint8_t *w, int fmt, int vocab, int K, float *out) {
+    const int64_t rb = row_bytes(fmt, K);
+    if (rb < 0) return -1;
+    for (int t = 0; t < T; t++) {
+        if (ids[t] < 0 || ids[t] >= vocab) return -2;
+        dequant_row(w + (size_t)ids[t] * rb, fmt, K, out + (size_t)t * K);
+    }
+    return 0;
+}
+
+/* ---- the decode step ---------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const uint8_t *data;
+    int32_t fmt, N, K, pad;
+} tg_mat;
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;
+    tg_mat qkv, o, gate_up, down;
+} tg_layer;
+
+typedef struct {
+    int32_t n_layers, hidden, inter, n_heads, n_kv, head_dim, vocab, max_pos;
+    float eps, pad;
+    const tg_layer *layers;
+    const float *final_norm;
+    tg_mat embed, lm_head;
+    const float *cos, *sin; /* [max_pos, head_dim]; sin carries rotate-half's sign in its first half */
+} tg_model;
+
+typedef struct {
+    void *kv;           /* [n_layers, 2, num_blocks, block_size, n_kv, head_dim], float32 or float16 */
+    int32_t fp16, num_blocks, block_size, pad;
+} tg_kv;
+
+static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
+    double ss = 0.0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float r = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+static void rope(float *v, int hd, const float *cos, const float *sin) {
+    float tmp[512];
+    const int half = hd / 2;
+    for (int i = 0; i < hd; i++) tmp[i] = v[i];
+    for (int i = 0; i < hd; i++) v[i] = tmp[i] * cos[i] + tmp[(i + half) % hd] * sin[i];
+}
+
+static inline void kv_store(void *kv, int fp16, size_t off, const float *src, int n) {
+    if (fp16) {
+        uint16_t *d = (uint16_t *)kv + off;
+        for (int i = 0; i < n; i++) d[i] = f2h(src[i]);
+    } else {
+        memcpy((float *)kv + off, src, sizeof(float) * (size_t)n);
+    }
+}
+
+static inline const float *kv_row(const void *kv, int fp16, size_t off, int hd, float *buf) {
+    if (!fp16) return (const float *)kv + off;
+    const uint16_t *s = (const uint16_t *)kv + off;
+    int i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+    for (; i + 8 <= hd; i += 8) _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+    for (; i < hd; i++) buf[i] = h2f(s[i]);
+    return buf;
+}
+
+#define SLICE 256   /* positions per attention slice: long contexts split across threads, merged by log-sum-exp */
+#define MAX_GROUP 16
+
+/* One decode query per sequence against its paged K/V. q, out: [D, n_heads * hd]. */
+static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D, const float *q, const int32_t *tables,
+                            int max_blocks, const int32_t *ctx_lens, float *out) {
+    const int H = m->n_heads, G = m->n_kv, hd = m->head_dim, group = H / G, bs = c->block_size;
+    const size_t layer_off = (size_t)layer * 2 * c->num_blocks * bs * G * hd;
+    const size_t v_off = (size_t)c->num_blocks * bs * G * hd;
+    const float scale = 1.0f / sqrtf((float)hd);
+    int *first = (int *)malloc(sizeof(int) * (size_t)(D + 1));
+    first[0] = 0;
+    for (int d = 0; d < D; d++) first[d + 1] = first[d] + (ctx_lens[d] + SLICE - 1) / SLICE;
+    const int n_slices = first[D];
+    const int n_tasks = n_slices * G;
+    /* per task and query head of its group: running max, sum of exp, unnormalised output */
+    float *pm = (float *)malloc(sizeof(float) * (size_t)n_tasks * group * (hd + 2));
+#pragma omp parallel
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)group * SLICE);
+        float kbuf[512], vbuf[512];
+#pragma omp for schedule(dynamic)
+        for (int task = 0; task < n_tasks; task++) {
+            const int g = task % G, slice = task / G;
+            int d = 0;
+            while (first[d + 1] <= slice) d++;
+            const int p0 = (slice - first[d]) * SLICE;
+            const int p1 = p0 + SLICE < ctx_lens[d] ? p0 + SLICE : ctx_lens[d];
+            const int32_t *table = tables + (size_t)d * max_blocks;
+            float *res = pm + (size_t)task * group * (hd + 2);
+            for (int p = p0; p < p1; p++) {
+                const size_t off = layer_off + ((size_t)table[p / bs] * bs + p % bs) * G * hd + (size_t)g * hd;
+                const float *k = kv_row(c->kv, c->fp16, off, hd, kbuf);
+                for (int j = 0; j < group; j++)
+                    scores[j * SLICE + (p - p0)] = dot(q + (size_t)d * H * hd + (size_t)(g * group + j) * hd, k, hd) * scale;
+            }
+            for (int j = 0; j < group; j++) {
+                float *s = scores + j * SLICE, mx = -INFINITY, sum = 0.0f;
+                for (int i = 0; i < p1 - p0; i++) mx = s[i] > mx ? s[i] : mx;
+                for (int i = 0; i < p1 - p0; i++) {
+                    s[i] = expf(s[i] - mx);
+                    sum += s[i];
+                }
+                res[j * (hd + 2)] = mx;
+                res[j * (hd + 2) + 1] = sum;
+                memset(res + j * (hd + 2) + 2, 0, sizeof(float) * (size_t)hd);
+            }
+            for (int p = p0; p < p1; p++) {
+                const size_t off = layer_off + v_off + ((size_t)table[p / bs] * bs + p % bs) * G * hd + (size_t)g * hd;
+                const float *v = kv_row(c->kv, c->fp16, off, hd, vbuf);
+                for (int j = 0; j < group; j++) {
+                    const float w = scores[j * SLICE + (p - p0)];
+                    float *o = res + j * (hd + 2) + 2;
+                    for (int i = 0; i < hd; i++) o[i] += w * v[i];
+                }
+            }
+        }
+        free(scores);
+    }
+    /* merge the slices of each (sequence, head) */
+    for (int d = 0; d < D; d++) {
+        for (int h = 0; h < H; h++) {
+            const int g = h / group, j = h % group;
+            float mx = -INFINITY, total = 0.0f;
+            for (int s = first[d]; s < first[d + 1]; s++) {
+                const float sm = pm[((size_t)(s * G + g) * group + j) * (hd + 2)];
+                mx = sm > mx ? sm : mx;
+            }
+            float *o = out + (size_t)d * H * hd + (size_t)h * hd;
+            memset(o, 0, sizeof(float) * (size_t)hd);
+            for (int s = first[d]; s < first[d + 1]; s++) {
+                const float *r = pm + ((size_t)(s * G + g) * group + j) * (hd + 2);
+                const float f = expf(r[0] - mx);
+                total += r[1] * f;
+                for (int i = 0; i < hd; i++) o[i] += r[2 + i] * f;
+            }
+            const float inv = 1.0f / total;
+            for (int i = 0; i < hd; i++) o[i] *= inv;
+        }
+    }
+    free(pm);
+    free(first);
+}
+
+/* One token per sequence through every layer; writes each token's K/V at its slot and logits[D, vocab].
+ * tables: [D, max_blocks] block ids; ctx_lens[d] = position + 1 (the keys the token attends to, itself included). */
+int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, const int64_t *positions,
+              const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *ctx_lens, float *logits) {
+    const int Hd = m->hidden, I = m->inter, H = m->n_heads, G = m->n_kv, hd = m->head_dim;
+    const int qd = H * hd, kvd = G * hd, qkv_w = qd + 2 * kvd;
+    if (hd > 512 || H / G > MAX_GROUP || H % G) return -1;
+    for (int d = 0; d < D; d++) {
+        if (positions[d] < 0 || positions[d] >= m->max_pos || ctx_lens[d] != positions[d] + 1) return -2;
+        if (tokens[d] < 0 || tokens[d] >= m->vocab) return -3;
+    }
+    float *x = (float *)malloc(sizeof(float) * (size_t)D * Hd);
+    float *h = (float *)malloc(sizeof(float) * (size_t)D * Hd);
+    float *qkv = (float *)malloc(sizeof(float) * (size_t)D * qkv_w);
+    float *q = (float *)malloc(sizeof(float) * (size_t)D * qd);
+    float *attn = (float *)malloc(sizeof(float) * (size_t)D * qd);
+    float *gu = (float *)malloc(sizeof(float) * (size_t)D * 2 * I);
+    float *act = (float *)malloc(sizeof(float) * (size_t)D * I);
+    const int64_t erb = row_bytes(m->embed.fmt, Hd);
+    for (int d = 0; d < D; d++) dequant_row(m->embed.data + (size_t)tokens[d] * erb, m->embed.fmt, Hd, x + (size_t)d * Hd);
+    const size_t v_off = (size_t)c->num_blocks * c->block_size * kvd;
+    for (int l = 0; l < m->n_layers; l++) {
+        const tg_layer *L = &m->layers[l];
+        const size_t layer_off = (size_t)l * 2 * v_off;
+        for (int d = 0; d < D; d++) rms_norm(x + (size_t)d * Hd, L->attn_norm, Hd, m->eps, h + (size_t)d * Hd);
+        linear(h, D, Hd, L->qkv.data, L->qkv.fmt, qkv_w, qkv, qkv_w, 0);
+        for (int d = 0; d < D; d++) {
+            float *row = qkv + (size_t)d * qkv_w;
+            const float *cs = m->cos + (size_t)positions[d] * hd, *sn = m->sin + (size_t)positions[d] * hd;
+            for (int i = 0; i < H + G; i++) rope(row + (size_t)i * hd, hd, cs, sn);
+            memcpy(q + (size_t)d * qd, row, sizeof(float) * (size_t)qd);
+            kv_store(c->kv, c->fp16, layer_off + (size_t)slots[d] * kvd, row + qd, kvd);
+            kv_store(c->kv, c->fp16, layer_off + v_off + (size_t)slots[d] * kvd, row + qd + kvd, kvd);
+        }
+        paged_attention(m, c, l, D, q, tables, max_blocks, ctx_lens, attn);
+        linear(attn, D, qd, L->o.data, L->o.fmt, Hd, x, Hd, 1);
+        for (int d = 0; d < D; d++) rms_norm(x + (size_t)d * Hd, L->ffn_norm, Hd, m->eps, h + (size_t)d * Hd);
+        linear(h, D, Hd, L->gate_up.data, L->gate_up.fmt, 2 * I, gu, 2 * I, 0);
+        for (int d = 0; d < D; d++) {
+            const float *g = gu + (size_t)d * 2 * I, *u = g + I;
+            float *a = act + (size_t)d * I;
+            for (int i = 0; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+        linear(act, D, I, L->down.data, L->down.fmt, Hd, x, Hd, 1);
+    }
+    for (int d = 0; d < D; d++) rms_norm(x + (size_t)d * Hd, m->final_norm, Hd, m->eps, h + (size_t)d * Hd);
+    linear(h, D, Hd, m->lm_head.data, m->lm_head.fmt, m->vocab, logits, m->vocab, 0);
+    free(x); free(h); free(qkv); free(q); free(attn); free(gu); free(act);
+    return 0;
+}
