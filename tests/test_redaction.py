@@ -67,8 +67,9 @@ def test_store_text_keeps_only_redacted_text(tmp_path, redactor):
         assert rec["output_text"] == "The "
         tok = s.state.engine.tokenizer
         assert rec["prompt_token_ids"] == tok.encode(rec["prompt_text"])  # the tokens of what was kept
-        assert len(rec["prompt_token_sha256"]) == 64
+        assert len(rec["prompt_token_hmac"]) == 64
         assert len(rec["logprobs"]) == 4
+        assert all(e["id"] is not None for e in rec["logprobs"])  # "The " needed no redaction: the full set (T3)
         raw = s.state.store.query("SELECT prompt_text, output_text, prompt_token_ids, record FROM requests")
         assert not any("13812345678" in (v or "") for row in raw for v in row)
     with fake_server(tmp_path / "off") as s:  # default: no text at all
