@@ -163,3 +163,12 @@ def test_encode_cache_is_bounded_by_bytes_and_evicts_lru(smollm2_path, tokenizer
     off.encode(texts[0])
     off.encode(texts[0])
     assert off.cache_hits == 0 and off.cache_bytes == 0
+
+
+def test_incremental_detokenizer_continues_a_prompt_tail(tokenizer):
+    tail = tokenizer.encode("用户说：")
+    ids = tokenizer.encode(" 你好 🤖 world")
+    detok = IncrementalDetokenizer(tokenizer, prompt_tail=tail)
+    deltas = [detok.add(t) for t in ids]
+    assert detok.text == "".join(deltas) == tokenizer.decode(tail + ids)[len(tokenizer.decode(tail)):]
+    assert detok.num_tokens == len(ids)

@@ -137,31 +137,24 @@ class GGUFTokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without re-decoding the whole output each step.
+    """Turns a growing list of token ids into text deltas, with ``tokenizers``' ``DecodeStream``.
 
-    Keeps a short window of tokens before the read offset so that multi-token characters (common in Chinese) and
-    byte-level merges decode correctly; a delta that ends in an incomplete UTF-8 sequence is held back.
+    The stream keeps the short window of tokens it needs so that multi-token characters (common in Chinese, emoji)
+    and byte-level merges decode correctly: a token that ends inside a UTF-8 sequence yields nothing until the
+    sequence is complete. Special tokens (e.g. <|im_end|>) carry no visible text.
     """
 
     def __init__(self, tokenizer: GGUFTokenizer, prompt_tail: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_tail or [])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self._stream = decoders.DecodeStream(list(prompt_tail or []), skip_special_tokens=True)
+        self.num_tokens = 0
         self.text = ""
 
     def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        if token_id in self.tokenizer.special_ids:
-            # Special tokens (e.g. <|im_end|>) carry no visible text.
-            self.prefix_offset = self.read_offset = len(self.ids)
+        """Feed one token; returns the text it completes ("" while a character is still incomplete)."""
+        self.num_tokens += 1
+        delta = self._stream.step(self.tokenizer._tok, token_id)
+        if not delta:
             return ""
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text) :]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            self.text += delta
-            return delta
-        return ""
+        self.text += delta
+        return delta
