@@ -367,3 +367,28 @@ def test_schema_2_database_is_migrated_and_stays_readable(tmp_path):
     assert again.get("old-1")["user"] == s.pseudonym("bob")
     again.close()
     assert os.path.exists(path)
+
+
+def test_a_dead_writer_loses_nothing_silently(tmp_path, caplog):
+    s = RequestStore(tmp_path / "r.sqlite3", flush_interval=0.01)
+    real = s._q
+
+    class Broken:  # the writer's next read fails as if something below it broke
+        def put(self, item):
+            real.put(item)
+
+        def get(self, *a, **kw):
+            raise RuntimeError("something below the writer broke")
+
+        get_nowait = get
+
+    s._q = Broken()
+    with caplog.at_level(logging.ERROR, logger="tailguard.store"):
+        accepted = sum(s.put(_tl(i)) for i in range(5))
+        s._thread.join(10)
+        assert not s._thread.is_alive()
+        refused = sum(not s.put(_tl(i)) for i in range(5, 8))
+        lost = s.close(deadline_s=1)
+    assert "writer thread died" in caplog.text
+    assert refused == 3
+    assert s.written + s.failed + s.dropped == 8 and lost == accepted - s.written - s.failed

@@ -44,6 +44,7 @@ DEFAULT_RETENTION_DAYS = 15.0
 DEFAULT_MAX_BACKLOG = 100_000
 DEFAULT_MAX_BACKLOG_BYTES = 256 * 1024 * 1024
 DEFAULT_CLOSE_DEADLINE_S = 60.0
+_STUCK_WRITER_GRACE_S = 10.0  # after the deadline, how long the batch in hand may still take
 SECRET_ENV = "TAILGUARD_STORE_SECRET"
 SECRET_FILE = "store.secret"  # beside the database, mode 0600
 
@@ -332,8 +333,8 @@ class RequestStore:
         self._idle = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._abandon = threading.Event()  # the close deadline passed: count what is left instead of writing it
-        self._closed = False
-        self._lost_at_close = 0
+        self._closed = False  # refusing records: closed, or the writer died
+        self._close_called = False
         self.written = 0
         self.failed = 0
         self.dropped = 0
@@ -424,8 +425,9 @@ class RequestStore:
         """
         deadline_s = self.close_deadline_s if deadline_s is None else deadline_s
         with self._lock:
-            if self._closed:
+            if self._close_called:
                 return 0
+            self._close_called = True
             self._closed = True
             left = self._pending
             self._q.put(("stop", None, 0))
@@ -433,10 +435,16 @@ class RequestStore:
             log.info("request store: writing the last %d records before exit (up to %.0f s)", left, deadline_s)
         self._thread.join(deadline_s)
         if self._thread.is_alive():
-            self._abandon.set()  # the writer counts what is left after the batch in hand
-            self._thread.join()
-        lost = self._lost_at_close
+            self._abandon.set()  # the writer stops after the batch in hand
+            self._thread.join(_STUCK_WRITER_GRACE_S)
+            if self._thread.is_alive():  # stuck inside one batch (a hung redaction, a locked file): give up on it
+                log.error("request store: the writer is stuck in a batch; counting it as lost")
+        with self._lock:  # the writer has exited: whatever is still pending was never written
+            lost, self._pending, self._pending_bytes = self._pending, 0, 0
+            self.dropped += lost
+            self._idle.notify_all()
         if lost:
+            self._report_drop(lost, "the close deadline passed")
             log.error("request store: %d records could not be written within the %.0f s close deadline",
                       lost, deadline_s)
         return lost
@@ -603,25 +611,15 @@ class RequestStore:
         with contextlib.suppress(sqlite3.Error):
             conn.execute("ROLLBACK")
 
-    def _count_abandoned(self) -> None:
-        """The close deadline passed: every record still queued is lost; count it, do not write it."""
-        lost = lost_bytes = 0
-        while True:
-            try:
-                kind, _, cost = self._q.get_nowait()
-            except queue.Empty:
-                break
-            if kind in ("request", "alert"):
-                lost += 1
-                lost_bytes += cost
-        if lost:
-            with self._lock:
-                self.dropped += lost
-            self._lost_at_close = lost
-            self._report_drop(lost, "the close deadline passed")
-            self._done(lost, lost_bytes)
-
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            log.exception("request store: the writer thread died; records from now on are counted as dropped")
+            with self._lock:
+                self._closed = True  # refuse (and count) new records rather than queue them for nobody
+
+    def _loop(self) -> None:
         conn = _connect(self.path)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; a crash may lose the last batch only
@@ -676,8 +674,6 @@ class RequestStore:
                 except sqlite3.Error:
                     log.exception("retention sweep failed")
                 next_sweep = time.monotonic() + self._retention_interval
-        if self._abandon.is_set():
-            self._count_abandoned()
         conn.close()
 
 
