@@ -392,3 +392,16 @@ def test_a_dead_writer_loses_nothing_silently(tmp_path, caplog):
     assert "writer thread died" in caplog.text
     assert refused == 3
     assert s.written + s.failed + s.dropped == 8 and lost == accepted - s.written - s.failed
+
+
+def test_a_record_still_in_memory_reads_like_the_stored_one(tmp_path):
+    s = RequestStore(tmp_path / "r.sqlite3", flush_interval=0.01)
+    tl = _tl(1, user="carol", sampling={"max_tokens": 4, "stop": ["carol's phone"]})
+    live = s.record_of(tl)
+    s.put(tl)
+    s.flush()
+    stored = s.get("req-1")
+    assert live["user"] == stored["user"] == s.pseudonym("carol")
+    assert live["sampling"] == stored["sampling"] == {"max_tokens": 4, "stop": None, "stop_count": 1}
+    assert "carol" not in json.dumps(live)
+    s.close()

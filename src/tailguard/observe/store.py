@@ -496,12 +496,21 @@ class RequestStore:
             clean = tl.output_text is not None and output_text == tl.output_text
         return json.dumps(lps if clean else withhold_ids(lps), ensure_ascii=False, separators=(",", ":"))
 
-    def _sampling(self, sampling: dict[str, Any] | None) -> dict[str, Any] | None:
+    def record_of(self, tl: Timeline) -> dict[str, Any]:
+        """A timeline not yet written, as ``get`` will return it without its text: the user pseudonymized, stop
+        sequences withheld. Serve this, never ``tl.to_record()``, for records still in memory."""
+        rec = tl.to_record()
+        rec["user"] = self.pseudonym(rec["user"])
+        rec["sampling"] = self._sampling(rec["sampling"], with_text=False)
+        return rec
+
+    def _sampling(self, sampling: dict[str, Any] | None, with_text: bool | None = None) -> dict[str, Any] | None:
         """Stop sequences are client text: redacted with text storage on, withheld (only their count) otherwise."""
         if not sampling or not sampling.get("stop"):
             return sampling
         out = dict(sampling)
-        out["stop"] = [self._redact(s) for s in sampling["stop"]] if self.store_text else None
+        keep = self.store_text if with_text is None else with_text
+        out["stop"] = [self._redact(s) for s in sampling["stop"]] if keep else None
         out["stop_count"] = len(sampling["stop"])
         return out
 
