@@ -146,7 +146,9 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: GGUFTokenizer, prompt_tail: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
-        self._stream = decoders.DecodeStream(list(prompt_tail or []), skip_special_tokens=True)
+        self._stream = decoders.DecodeStream(skip_special_tokens=True)
+        for token_id in prompt_tail or ():  # context only: its text is the prompt's, not ours
+            self._stream.step(tokenizer._tok, token_id)
         self.num_tokens = 0
         self.text = ""
 
