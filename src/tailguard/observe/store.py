@@ -331,7 +331,6 @@ class RequestStore:
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._stop = threading.Event()
         self._abandon = threading.Event()  # the close deadline passed: count what is left instead of writing it
         self._closed = False  # refusing records: closed, or the writer died
         self._close_called = False
