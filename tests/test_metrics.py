@@ -107,3 +107,19 @@ def test_promtool_check_metrics():
     m.sample(1, 0, 10, 1, 0, 0, 1, 512)
     out = subprocess.run([promtool, "check", "metrics"], input=m.render(), capture_output=True, timeout=30)
     assert out.returncode == 0, out.stdout.decode() + out.stderr.decode()
+
+
+def test_records_the_store_could_not_write_are_exported(tmp_path):
+    from tailguard.observe.store import RequestStore
+
+    m = ServerMetrics("fake")
+    store = RequestStore(tmp_path / "r.sqlite3", max_backlog=0,
+                         on_drop=lambda n: m.store_dropped.labels(m.model).inc(n),
+                         on_error=lambda n: m.store_errors.labels(m.model).inc(n))
+    assert not store.put(_finished())  # backlog full
+    store.close()
+    assert not store.put(_finished())  # closed
+    fams = _families(m)
+    dropped = {s.name: s.value for s in fams["tailguard_store_dropped_records"].samples}
+    assert dropped["tailguard_store_dropped_records_total"] == 2 == store.dropped
+    assert "tailguard_store_failed_records" in fams

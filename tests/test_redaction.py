@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import pytest
 
-from tailguard.observe.redaction import Redactor, cn_id_checksum_ok
+from tailguard.observe import redaction
+from tailguard.observe.redaction import RedactionUnavailable, Redactor, cn_id_checksum_ok
 from tests.serving_helpers import fake_server, settle
 
 
@@ -67,8 +71,9 @@ def test_store_text_keeps_only_redacted_text(tmp_path, redactor):
         assert rec["output_text"] == "The "
         tok = s.state.engine.tokenizer
         assert rec["prompt_token_ids"] == tok.encode(rec["prompt_text"])  # the tokens of what was kept
-        assert len(rec["prompt_token_sha256"]) == 64
+        assert len(rec["prompt_token_hmac"]) == 64
         assert len(rec["logprobs"]) == 4
+        assert all(e["id"] is not None for e in rec["logprobs"])  # "The " needed no redaction: the full set (T3)
         raw = s.state.store.query("SELECT prompt_text, output_text, prompt_token_ids, record FROM requests")
         assert not any("13812345678" in (v or "") for row in raw for v in row)
     with fake_server(tmp_path / "off") as s:  # default: no text at all
@@ -78,3 +83,27 @@ def test_store_text_keeps_only_redacted_text(tmp_path, redactor):
         row = s.state.store.query("SELECT prompt_text, output_text, prompt_token_ids FROM requests")[0]
         assert tuple(row) == (None, None, None)
         assert "prompt_text" not in httpx.get(s.url + "/v1/requests/txt-2").json()
+
+
+def test_store_text_without_presidio_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(redaction, "_REQUIRED", (*redaction._REQUIRED, "tailguard_no_such_module"))
+    with pytest.raises(RedactionUnavailable, match=r"pip install 'tailguard\[redaction\]'"):
+        redaction.check_available()
+    with pytest.raises(RedactionUnavailable, match="tailguard_no_such_module"):
+        Redactor()
+
+
+def test_a_server_imports_no_optional_package():
+    """A server-only install (no redaction, bench or report extras) must be able to import the server stack."""
+    code = (
+        "import sys\n"
+        "import tailguard.cli, tailguard.serving.app, tailguard.serving.server, tailguard.observe.store\n"
+        "import tailguard.observe.redaction, tailguard.observe.metrics, tailguard.slo.monitor\n"
+        "import tailguard.engine.engine\n"
+        "tailguard.cli.build_parser()\n"
+        "heavy = ('presidio_analyzer', 'presidio_anonymizer', 'spacy', 'plotly', 'rich', 'aiohttp', 'transformers')\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & set(heavy)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

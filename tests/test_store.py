@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 import sqlite3
+import stat
+import threading
 import time
 
 import pytest
 
-from tailguard.observe.store import SCHEMA_VERSION, RequestStore, SchemaError
+from tailguard.observe.store import SCHEMA_VERSION, SECRET_ENV, SECRET_FILE, RequestStore, SchemaError
 from tailguard.observe.timeline import Outcome, Timeline
 
 
@@ -118,8 +124,10 @@ def test_text_is_redacted_and_tokens_follow_the_redacted_text(tmp_path):
     rec = s.get("req-1")
     assert rec["prompt_text"] == "my <X>" and rec["output_text"] == "no <X> here"
     assert rec["prompt_token_ids"] == encode("my <X>")  # not the real ids: they would spell the secret
-    assert len(rec["prompt_token_sha256"]) == 64
-    assert rec["logprobs"][0]["top"][1] == [6, -2.0]
+    assert len(rec["prompt_token_hmac"]) == 64
+    # The output was redacted: the candidate set keeps its probabilities but not the ids that spell the output.
+    assert rec["logprobs"] == [{"id": None, "logprob": -0.1, "top": [[None, -0.1], [None, -2.0]],
+                                "ids_withheld": True}]
     assert s.get("req-2")["prompt_token_ids"] == [9, 9]  # nothing redacted: the real ids
     s.close()
 
@@ -131,7 +139,7 @@ def test_unencodable_strings_do_not_lose_the_batch(store):
     store.put(_tl(2))
     store.flush()
     assert store.count() == 2 and store.failed == 0
-    assert store.get("req-1")["user"].endswith("lone surrogate")
+    assert store.get("req-1")["user"] == store.pseudonym("\ud800 lone surrogate")
 
 
 def test_backlog_bound_drops_and_counts(tmp_path):
@@ -139,4 +147,261 @@ def test_backlog_bound_drops_and_counts(tmp_path):
     s = RequestStore(tmp_path / "r.sqlite3", max_backlog=0, on_drop=dropped.append)
     assert not s.put(_tl(1))
     assert s.dropped == 1 and dropped == [1]
+    s.close()
+
+
+# --- nothing lost silently (issue 10, item 8) -----------------------------------------------------------------------
+class _Gate:
+    """A redactor that holds the writer thread on its first call until released."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, text):
+        self.entered.set()
+        self.release.wait(30)
+        return text
+
+
+def test_put_after_close_is_refused_and_counted(tmp_path, caplog):
+    dropped = []
+    s = RequestStore(tmp_path / "r.sqlite3", flush_interval=0.01, on_drop=dropped.append)
+    assert s.put(_tl(1))
+    assert s.close() == 0
+    with caplog.at_level(logging.ERROR, logger="tailguard.store"):
+        assert not s.put(_tl(2))
+        assert not s.put_alert({"id": "a", "kind": "alert", "name": "x", "event": "raised", "at": time.time()})
+    assert s.dropped == 2 and dropped == [1, 1]
+    assert "req-2" in caplog.text and "closed" in caplog.text
+    assert s.count() == 1
+
+
+def test_close_drains_the_backlog_it_holds(tmp_path):
+    gate = _Gate()
+    s = RequestStore(tmp_path / "r.sqlite3", store_text=True, redact=gate, batch_size=1, flush_interval=0.01)
+    for i in range(40):
+        assert s.put(_tl(i, prompt_text="p"))
+    assert gate.entered.wait(10)
+    closer = threading.Thread(target=s.close)  # the default deadline: far longer than this backlog needs
+    closer.start()
+    gate.release.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert s.count() == 40 and s.dropped == 0 and s.backlog == 0
+
+
+def test_close_deadline_counts_and_logs_what_was_not_written(tmp_path, caplog):
+    gate = _Gate()
+    dropped = []
+    s = RequestStore(tmp_path / "r.sqlite3", store_text=True, redact=gate, batch_size=1, flush_interval=0.01,
+                     on_drop=dropped.append)
+    for i in range(50):
+        assert s.put(_tl(i, prompt_text="p"))
+    assert gate.entered.wait(10)
+
+    def release_once_abandoned():  # the writer is stuck until the close deadline has passed
+        while not s._abandon.is_set():
+            time.sleep(0.005)
+        gate.release.set()
+
+    threading.Thread(target=release_once_abandoned, daemon=True).start()
+    with caplog.at_level(logging.ERROR, logger="tailguard.store"):
+        lost = s.close(deadline_s=0.05)
+    assert lost == 49  # the record in hand was finished; every queued one was counted, not written
+    assert s.count() == 1 and s.written == 1
+    assert s.dropped == 49 and dropped == [49]
+    assert s.written + s.dropped == 50 and s.backlog == 0
+    assert "49 records could not be written" in caplog.text
+
+
+def test_backlog_is_bounded_by_bytes(tmp_path):
+    gate = _Gate()
+    dropped = []
+    s = RequestStore(tmp_path / "r.sqlite3", store_text=True, redact=gate, batch_size=1, flush_interval=0.01,
+                     max_backlog_bytes=4 << 20, on_drop=dropped.append)
+    assert s.put(_tl(0, prompt_text="x"))
+    assert gate.entered.wait(10)  # the writer holds record 0; the rest queue up
+    big = "y" * (1 << 20)
+    accepted = sum(s.put(_tl(i, prompt_text=big)) for i in range(1, 11))
+    assert 2 <= accepted <= 4  # 1 MiB prompts against a 4 MiB budget
+    assert s.dropped == 10 - accepted and sum(dropped) == s.dropped
+    assert s.backlog_bytes <= 4 << 20
+    # A single record larger than the whole budget still goes through when nothing is queued.
+    gate.release.set()
+    assert s.flush(30)
+    assert s.put(_tl(99, prompt_text="z" * (5 << 20)))
+    assert s.flush(30) and s.count() == 1 + accepted + 1
+    s.close()
+
+
+# --- pseudonyms and what derives from redacted text (issue 10, item 12) ---------------------------------------------
+def test_user_is_stored_as_a_keyed_pseudonym(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    path = tmp_path / "r.sqlite3"
+    s = RequestStore(path, flush_interval=0.01)
+    s.put(_tl(1, user="alice@example.com"))
+    s.flush()
+    stored = s.get("req-1")["user"]
+    assert stored != "alice@example.com" and len(stored) == 32 and stored == s.pseudonym("alice@example.com")
+    assert stored != hashlib.sha256(b"alice@example.com").hexdigest()[:32]  # keyed, not a plain hash
+    s.close()
+    conn = sqlite3.connect(path)
+    assert not [r for r in conn.execute("SELECT * FROM requests") if "alice" in json.dumps(list(r))]
+    conn.close()
+    key_file = tmp_path / SECRET_FILE
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    # Same deployment (same key file): the same pseudonym, so a user's records still group together.
+    again = RequestStore(path)
+    assert again.pseudonym("alice@example.com") == stored
+    again.close()
+    # Another key (config or environment): another pseudonym.
+    assert RequestStore(tmp_path / "b" / "r.sqlite3", secret="s1").pseudonym("alice@example.com") != stored
+    monkeypatch.setenv(SECRET_ENV, "from-env")
+    env = RequestStore(tmp_path / "c" / "r.sqlite3")
+    assert env.pseudonym("x") == RequestStore(tmp_path / "d" / "r.sqlite3", secret="from-env").pseudonym("x")
+    assert not (tmp_path / "c" / SECRET_FILE).exists()
+
+
+def test_prompt_digest_is_salted(tmp_path):
+    ids = [1, 2, 3]
+
+    def store_digest(secret):
+        s = RequestStore(tmp_path / secret / "r.sqlite3", store_text=True, redact=lambda t: t, encode=list,
+                         secret=secret, flush_interval=0.01)
+        s.put(_tl(1, prompt_text="abc", prompt_token_ids=ids))
+        s.flush()
+        digest = s.get("req-1")["prompt_token_hmac"]
+        s.close()
+        return digest
+
+    a, b = store_digest("k1"), store_digest("k2")
+    assert a != b  # a dictionary of hashed prompts built elsewhere matches nothing here
+    assert hashlib.sha256(json.dumps(ids).encode()).hexdigest() not in (a, b)
+    assert hashlib.sha256(json.dumps(ids, separators=(",", ":")).encode()).hexdigest() not in (a, b)
+    assert store_digest("k1") == a  # but a replay in the same deployment matches
+
+
+def test_logprob_ids_only_where_their_text_needed_no_redaction(tmp_path):
+    def redact(text):
+        return None if text is None else text.replace("secret", "<X>")
+
+    vocab = {1: "all ", 2: "fine", 3: "secret"}
+    lps = [{"id": i, "logprob": -0.5, "top": [[i, -0.5], [9, -3.0]]} for i in (1, 2)]
+    s = RequestStore(tmp_path / "r.sqlite3", store_text=True, redact=redact, flush_interval=0.01)
+    s.put(_tl(1, output_text="all fine", logprobs=lps))  # clean output: the full candidate set (T3)
+    s.put(_tl(2, output_text=None, logprobs=lps))  # no output recorded (aborted): cannot check, so withhold
+    s.flush()
+    assert s.get("req-1")["logprobs"] == lps
+    assert all(e["id"] is None and e["ids_withheld"] for e in s.get("req-2")["logprobs"])
+    s.close()
+    # With a decoder, the ids themselves are judged: they may run past the text that was sent (stop strings).
+    d = RequestStore(tmp_path / "d.sqlite3", store_text=True, redact=redact, flush_interval=0.01,
+                     decode=lambda ids: "".join(vocab[i] for i in ids))
+    spelled = [*lps, {"id": 3, "logprob": -0.1, "top": [[3, -0.1]]}]
+    d.put(_tl(1, output_text="all fine", logprobs=spelled))
+    d.put(_tl(2, output_text=None, logprobs=lps))
+    d.flush()
+    assert all(e["id"] is None for e in d.get("req-1")["logprobs"])
+    assert d.get("req-2")["logprobs"] == lps
+    d.close()
+
+
+def test_stop_strings_are_client_text(tmp_path):
+    sampling = {"max_tokens": 4, "stop": ["my secret"]}
+    s = RequestStore(tmp_path / "r.sqlite3", flush_interval=0.01)
+    s.put(_tl(1, sampling=sampling))
+    s.flush()
+    assert s.get("req-1")["sampling"] == {"max_tokens": 4, "stop": None, "stop_count": 1}
+    s.close()
+    t = RequestStore(tmp_path / "t.sqlite3", store_text=True, redact=lambda x: x and x.replace("secret", "<X>"),
+                     flush_interval=0.01)
+    t.put(_tl(1, sampling=sampling))
+    t.flush()
+    assert t.get("req-1")["sampling"]["stop"] == ["my <X>"]
+    t.close()
+
+
+_SCHEMA_2_REQUESTS = """
+CREATE TABLE requests (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, request_id TEXT NOT NULL, received_at REAL NOT NULL,
+    endpoint TEXT NOT NULL, model TEXT, user TEXT, business_type TEXT, stream INTEGER NOT NULL,
+    status INTEGER NOT NULL, outcome TEXT NOT NULL, finish_reason TEXT, error TEXT, prompt_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL, e2e REAL NOT NULL, ttft REAL, tpot REAL, tokenize REAL NOT NULL,
+    queue REAL NOT NULL, prefill REAL NOT NULL, decode REAL NOT NULL, stream_time REAL NOT NULL, record TEXT NOT NULL,
+    prompt_text TEXT, output_text TEXT, prompt_token_ids TEXT, prompt_token_sha256 TEXT, logprobs TEXT,
+    lane TEXT, client TEXT, region TEXT, degraded INTEGER NOT NULL DEFAULT 0, slo_action TEXT
+);
+"""
+
+
+def test_schema_2_database_is_migrated_and_stays_readable(tmp_path):
+    path = tmp_path / "old.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.executescript(_SCHEMA_2_REQUESTS)
+    body = json.dumps({"timestamps": {}, "token_times": [0.1], "token_sent": [], "sampling": None,
+                       "resources": None, "preemptions": 0})
+    conn.execute(
+        "INSERT INTO requests (request_id, received_at, endpoint, user, stream, status, outcome, prompt_tokens,"
+        " output_tokens, e2e, tokenize, queue, prefill, decode, stream_time, record, prompt_text, output_text,"
+        " prompt_token_sha256, logprobs) VALUES ('old-1', ?, '/v1/completions', 'bob', 0, 200, 'success', 3, 1,"
+        " 0.5, 0.1, 0.1, 0.1, 0.1, 0.1, ?, 'hi <EMAIL_ADDRESS>', 'ok', ?, ?)",
+        (time.time(), body, hashlib.sha256(b"[1,2,3]").hexdigest(),
+         json.dumps([{"id": 7, "logprob": -0.2, "top": [[7, -0.2]]}])))
+    conn.execute("PRAGMA user_version=2")
+    conn.commit()
+    conn.close()
+    s = RequestStore(path, secret="k")
+    assert s.schema_version == SCHEMA_VERSION
+    rec = s.get("old-1")
+    assert rec["user"] == s.pseudonym("bob") and rec["token_times"] == [0.1]
+    assert rec["prompt_text"] == "hi <EMAIL_ADDRESS>"
+    assert rec["prompt_token_hmac"] is None  # an unsalted digest cannot be salted afterwards: dropped
+    assert rec["logprobs"] == [{"id": None, "logprob": -0.2, "top": [[None, -0.2]], "ids_withheld": True}]
+    s.put(_tl(2, user="bob"))
+    s.flush()
+    assert s.get("req-2")["user"] == rec["user"]
+    s.close()
+    # Opening it again migrates nothing twice.
+    again = RequestStore(path, secret="k")
+    assert again.get("old-1")["user"] == s.pseudonym("bob")
+    again.close()
+    assert os.path.exists(path)
+
+
+def test_a_dead_writer_loses_nothing_silently(tmp_path, caplog):
+    s = RequestStore(tmp_path / "r.sqlite3", flush_interval=0.01)
+    real = s._q
+
+    class Broken:  # the writer's next read fails as if something below it broke
+        def put(self, item):
+            real.put(item)
+
+        def get(self, *a, **kw):
+            raise RuntimeError("something below the writer broke")
+
+        get_nowait = get
+
+    s._q = Broken()
+    with caplog.at_level(logging.ERROR, logger="tailguard.store"):
+        accepted = sum(s.put(_tl(i)) for i in range(5))
+        s._thread.join(10)
+        assert not s._thread.is_alive()
+        refused = sum(not s.put(_tl(i)) for i in range(5, 8))
+        lost = s.close(deadline_s=1)
+    assert "writer thread died" in caplog.text
+    assert refused == 3
+    assert s.written + s.failed + s.dropped == 8 and lost == accepted - s.written - s.failed
+
+
+def test_a_record_still_in_memory_reads_like_the_stored_one(tmp_path):
+    s = RequestStore(tmp_path / "r.sqlite3", flush_interval=0.01)
+    tl = _tl(1, user="carol", sampling={"max_tokens": 4, "stop": ["carol's phone"]})
+    live = s.record_of(tl)
+    s.put(tl)
+    s.flush()
+    stored = s.get("req-1")
+    assert live["user"] == stored["user"] == s.pseudonym("carol")
+    assert live["sampling"] == stored["sampling"] == {"max_tokens": 4, "stop": None, "stop_count": 1}
+    assert "carol" not in json.dumps(live)
     s.close()

@@ -135,3 +135,40 @@ def test_incremental_detokenizer_skips_special_tokens(tokenizer):
     deltas = [detok.add(t) for t in ids]
     assert deltas[len(ids) - len(tokenizer.encode(" Next")) - 1] == ""
     assert detok.text == "好的。 Next" == tokenizer.decode(ids)
+
+
+def test_encode_cache_is_bounded_by_bytes_and_evicts_lru(smollm2_path, tokenizer):
+    from tailguard.engine.tokenizer import GGUFTokenizer
+
+    budget = 1 << 20
+    tok = GGUFTokenizer(smollm2_path, cache_bytes=budget)
+    texts = [f"prompt {i}: " + "word " * 8000 for i in range(10)]  # ~40 kB of text, ~8k ids each
+    for t in texts[:3]:
+        tok.encode(t)
+    tok.encode(texts[0])  # texts[0] is now the most recently used
+    hits = tok.cache_hits
+    for t in texts[3:]:
+        tok.encode(t)
+        assert tok.cache_bytes <= budget
+    assert 1 <= len(tok._cache) < 10, "the byte budget, not the 4,096-entry cap, must bound the cache"
+    assert tok.encode(texts[-1]) == tokenizer.encode(texts[-1]) and tok.cache_hits == hits + 1
+    tok.encode(texts[1])  # least recently used: evicted long ago
+    assert tok.cache_hits == hits + 1
+    # An encoding larger than the whole budget is not cached (and evicts nothing).
+    before = dict(tok._cache)
+    huge = "word " * 60000
+    assert tok.encode(huge) == tokenizer.encode(huge)
+    assert huge not in tok._cache and tok._cache.keys() == before.keys()
+    off = GGUFTokenizer(smollm2_path, cache_bytes=0)
+    off.encode(texts[0])
+    off.encode(texts[0])
+    assert off.cache_hits == 0 and off.cache_bytes == 0
+
+
+def test_incremental_detokenizer_continues_a_prompt_tail(tokenizer):
+    tail = tokenizer.encode("用户说：")
+    ids = tokenizer.encode(" 你好 🤖 world")
+    detok = IncrementalDetokenizer(tokenizer, prompt_tail=tail)
+    deltas = [detok.add(t) for t in ids]
+    assert detok.text == "".join(deltas) == tokenizer.decode(tail + ids)[len(tokenizer.decode(tail)):]
+    assert detok.num_tokens == len(ids)

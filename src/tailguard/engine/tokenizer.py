@@ -7,6 +7,7 @@ does. (transformers' GGUF converter drops the digit split, so its ids differ on 
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,12 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 _CONTROL_TOKEN_TYPE = 3
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+
+
+def _cache_cost(text: str, ids: tuple[int, ...]) -> int:
+    """Approximate bytes one cache entry holds: the key string, the id tuple and its int objects."""
+    return sys.getsizeof(text) + sys.getsizeof(ids) + 28 * len(ids)
 
 # Pre-tokenizer regexes known by llama.cpp's ``tokenizer.ggml.pre`` names; unknown names fall back to plain GPT-2.
 _DIGIT_SPLITTING_PRE = {"smollm", "starcoder", "refact", "gpt2-digits"}
@@ -30,9 +37,14 @@ class ChatMessage:
 
 
 class GGUFTokenizer:
-    """Encode/decode plus the chat template; thread-safe, with a small LRU cache of encodings."""
+    """Encode/decode plus the chat template; thread-safe, with an LRU cache of encodings.
 
-    def __init__(self, path: str | Path, cache_size: int = 4096) -> None:
+    The cache is bounded by entries (``cache_size``) and by the bytes its keys and ids hold (``cache_bytes``): prompts
+    reach 16 MB, so an entry count alone would let a few thousand of them hold gigabytes. An encoding larger than the
+    whole budget is not cached. ``cache_size=0`` or ``cache_bytes=0`` turns the cache off.
+    """
+
+    def __init__(self, path: str | Path, cache_size: int = 4096, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         reader = gguf.GGUFReader(str(path))
 
         def field(key: str, default=None):
@@ -71,8 +83,10 @@ class GGUFTokenizer:
         self.stop_token_ids = {self.eos_token_id} | ({im_end} if im_end is not None else set())
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
         self._template = env.from_string(self.chat_template_source) if self.chat_template_source else None
-        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[tuple[int, ...], int]] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_budget = cache_bytes
+        self.cache_bytes = 0  # what the cache holds now
         self._lock = Lock()
         self.cache_hits = 0
 
@@ -83,15 +97,23 @@ class GGUFTokenizer:
             if hit is not None:
                 self._cache.move_to_end(text)
                 self.cache_hits += 1
-                return list(hit)
+                return list(hit[0])
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
-        if self._cache_size:
-            with self._lock:
-                self._cache[text] = tuple(ids)
-                if len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+        if self._cache_size and self._cache_budget:
+            entry = tuple(ids)
+            cost = _cache_cost(text, entry)
+            if cost <= self._cache_budget:
+                with self._lock:
+                    old = self._cache.pop(text, None)
+                    if old is not None:
+                        self.cache_bytes -= old[1]
+                    self._cache[text] = (entry, cost)
+                    self.cache_bytes += cost
+                    while len(self._cache) > self._cache_size or self.cache_bytes > self._cache_budget:
+                        _, (_, dropped) = self._cache.popitem(last=False)
+                        self.cache_bytes -= dropped
         return ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -115,31 +137,26 @@ class GGUFTokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without re-decoding the whole output each step.
+    """Turns a growing list of token ids into text deltas, with ``tokenizers``' ``DecodeStream``.
 
-    Keeps a short window of tokens before the read offset so that multi-token characters (common in Chinese) and
-    byte-level merges decode correctly; a delta that ends in an incomplete UTF-8 sequence is held back.
+    The stream keeps the short window of tokens it needs so that multi-token characters (common in Chinese, emoji)
+    and byte-level merges decode correctly: a token that ends inside a UTF-8 sequence yields nothing until the
+    sequence is complete. Special tokens (e.g. <|im_end|>) carry no visible text.
     """
 
     def __init__(self, tokenizer: GGUFTokenizer, prompt_tail: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_tail or [])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self._stream = decoders.DecodeStream(skip_special_tokens=True)
+        for token_id in prompt_tail or ():  # context only: its text is the prompt's, not ours
+            self._stream.step(tokenizer._tok, token_id)
+        self.num_tokens = 0
         self.text = ""
 
     def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        if token_id in self.tokenizer.special_ids:
-            # Special tokens (e.g. <|im_end|>) carry no visible text.
-            self.prefix_offset = self.read_offset = len(self.ids)
+        """Feed one token; returns the text it completes ("" while a character is still incomplete)."""
+        self.num_tokens += 1
+        delta = self._stream.step(self.tokenizer._tok, token_id)
+        if not delta:
             return ""
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text) :]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            self.text += delta
-            return delta
-        return ""
+        self.text += delta
+        return delta

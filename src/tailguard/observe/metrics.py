@@ -94,10 +94,11 @@ class ServerMetrics:
         self.kv_usage = Gauge("tailguard_kv_cache_usage_ratio", "Share of KV-cache blocks in use (0-1).", m,
                               registry=r)
         self.preemptions = Counter("tailguard_num_preemptions", "Requests preempted by the engine.", m, registry=r)
-        self.store_errors = Counter("tailguard_store_errors", "Request records the store failed to write.", m,
-                                    registry=r)
-        self.store_dropped = Counter("tailguard_store_dropped", "Request records dropped: the store's backlog was full.",
-                                     m, registry=r)
+        self.store_errors = Counter("tailguard_store_failed_records",
+                                    "Request records the store tried to write and SQLite refused.", m, registry=r)
+        self.store_dropped = Counter("tailguard_store_dropped_records",
+                                     "Request records never written: the store's backlog was full, the store was "
+                                     "closed, or its close deadline passed.", m, registry=r)
         self._last_preemptions = 0
         self.admission_limit.labels(model).set(0)
 

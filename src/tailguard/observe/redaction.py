@@ -8,6 +8,9 @@ Two adjustments, both for offline, CJK-mixed text:
 - Regexes run with the ASCII flag (of the ``regex`` module Presidio matches with): Python treats Han characters as word characters, so ``\\b`` never fires between
   "卡号" and "4111..." and a card number glued to Chinese text would slip through.
 - The e-mail recognizer's domain check uses tldextract's bundled suffix list, never a download.
+
+Presidio (which pulls in spaCy) is an optional extra, ``pip install 'tailguard[redaction]'``, needed only for
+``--store-text``: it is imported when a :class:`Redactor` is built, never by importing this module.
 """
 
 from __future__ import annotations
@@ -18,6 +21,26 @@ _ID_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 _ID_CHECK = "10X98765432"
 
 DEFAULT_PHONE_REGIONS = ("CN", "HK", "TW", "SG", "US", "GB", "DE", "FR", "JP", "KR", "IN")
+_REQUIRED = ("presidio_analyzer", "presidio_anonymizer", "tldextract", "regex")
+
+
+class RedactionUnavailable(RuntimeError):
+    """Text storage was asked for, but the redaction extra is not installed."""
+
+
+def check_available() -> None:
+    """Raise :class:`RedactionUnavailable` (with the install command) unless Presidio and its helpers import.
+
+    Call it where ``--store-text`` is parsed, to fail before a model is loaded rather than at server start-up.
+    """
+    import importlib.util
+
+    missing = [name for name in _REQUIRED if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RedactionUnavailable(
+            f"--store-text redacts personal data with Presidio, which is not installed (missing: "
+            f"{', '.join(missing)}); install it with: pip install 'tailguard[redaction]' - or run without "
+            f"--store-text (no text is stored then)")
 
 
 def cn_id_checksum_ok(number: str) -> bool:
@@ -41,7 +64,14 @@ class Redactor:
 
     def __init__(self, phone_regions: tuple[str, ...] = DEFAULT_PHONE_REGIONS) -> None:
         self.phone_regions = phone_regions
-        _ = self._recognizers  # import and build now, not on the first request
+        check_available()
+        try:
+            _ = self._recognizers  # import and build now, not on the first request
+            _ = self._anonymizer
+        except ImportError as exc:  # a partial or broken install
+            raise RedactionUnavailable(
+                f"--store-text needs Presidio, which failed to import ({exc}); reinstall it with: "
+                f"pip install 'tailguard[redaction]'") from exc
 
     @cached_property
     def _recognizers(self) -> list:
