@@ -10,6 +10,7 @@ against the script to well under a millisecond.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,8 +22,15 @@ from tailguard.bench.fakeserver import FakeScript, plan
 class ScriptedTransport(_Transport):
     name = "scripted"
 
-    def __init__(self, script: FakeScript, packet: int = 37, by_index: bool = False) -> None:
+    def __init__(self, script: FakeScript, packet: int = 37, by_index: bool = False,
+                 latency: Callable[[int], tuple[float, float]] | None = None,
+                 fail: Callable[[int], str | None] | None = None) -> None:
         self.script = script
+        # latency(index) -> (ttft, gap): a known TTFT and a known gap between every two chunks of measured request
+        # ``index`` (no jitter), so that tests can check the bench against figures they computed themselves
+        self.latency = latency
+        # fail(index) -> None, "429" (refused), "cut" (the stream stops halfway, no [DONE]) or "timeout"
+        self.fail = fail
         self.packet = packet  # split every response into reads of this many bytes (all at their event's time)
         # by_index: the script's randomness follows the request's index, not its run-unique ID, so that two runs
         # of one configuration see exactly the same stream
@@ -45,11 +53,24 @@ class ScriptedTransport(_Transport):
         key = rid.rsplit("-", 1)[-1] if self.by_index else rid
         ttft, chunks, finish = plan(self.script, key, int(req["max_tokens"]), len(prompt.split()),
                                     bool(req.get("ignore_eos")))
+        if self.latency is not None and res.index >= 0:
+            ttft, gap = self.latency(res.index)
+            chunks = [(0.0 if i == 0 else gap, k) for i, (_, k) in enumerate(chunks)]
         self.planned[rid] = (ttft, chunks, finish)
         res.sent = res.intended
         res.headers_at = res.intended
-        res.status = 200
         res.server_request_id = rid
+        failure = self.fail(res.index) if self.fail is not None and res.index >= 0 else None
+        if failure == "429":
+            res.status = 429
+            res.error = "HTTP 429: too many requests"
+            res.end = res.intended + 0.001
+            return
+        if failure == "timeout":
+            raise TimeoutError
+        if failure == "cut":
+            chunks = chunks[: len(chunks) // 2]
+        res.status = 200
         parser = SSEParser(res, chat)
         t = res.intended + ttft
         base = {"id": rid, "object": "chat.completion.chunk", "model": req["model"]}
@@ -72,6 +93,9 @@ class ScriptedTransport(_Transport):
                 choice["finish_reason"] = finish
             feed({**base, "choices": [choice]}, t)
         end = t + 0.0001
+        if failure == "cut":  # what the real transports conclude when the stream ends without [DONE]
+            res.error, res.end = "stream ended without [DONE]", end
+            return
         if chat:
             feed({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}, end)
         if req.get("stream_options", {}).get("include_usage"):

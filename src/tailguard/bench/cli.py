@@ -38,6 +38,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--header", action="append", default=[], metavar="NAME:VALUE", help="extra header (repeatable)")
     t.add_argument("--http-client", choices=["aiohttp", "httpx"], default="aiohttp")
     t.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    t.add_argument("--failures-as-timeout", action="store_true",
+                   help="put failed, cut-off and refused requests into the TTFT/E2E percentiles at --timeout "
+                        "(default: percentiles of completed requests, with the failures counted beside them)")
 
     ld = p.add_argument_group("load")
     mode = ld.add_mutually_exclusive_group()
@@ -272,7 +275,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         continuous_usage=args.continuous_usage, temperature=args.temperature, profiles=tuple(profiles),
         seed=args.seed, bootstrap=args.bootstrap, http_client=args.http_client, join=args.join,
         join_max=args.join_max, tokenizer=args.tokenizer, probe=args.probe, output_dir=args.output_dir,
-        progress=not args.quiet, label=args.label,
+        progress=not args.quiet, label=args.label, failures_as_timeout=args.failures_as_timeout,
     )
 
 
@@ -452,6 +455,7 @@ def print_summary(results: dict, console=None) -> None:
     for q in ("P50", "P90", "P95", "P99", "P99.9"):
         t.add_column(f"{q} ms", justify="right")
     t.add_column("P99 95% CI", justify="right")
+    t.add_column("failed excl.", justify="right")
     names = {"ttft": "TTFT", "itl": "ITL", "tpot": "TPOT", "e2e": "E2E"}
     for k, label in names.items():
         d = results["metrics"].get(k) or {}
@@ -461,8 +465,14 @@ def print_summary(results: dict, console=None) -> None:
         cells = [_ms((pc.get(q) or {}).get("value"), 2) for q in ("p50", "p90", "p95", "p99", "p99.9")]
         ci = (pc.get("p99") or {}).get("ci")
         cells.append(f"{_ms(ci[0], 1)}–{_ms(ci[1], 1)}" if ci else "–")
+        cells.append(str(d.get("excluded_failures", 0)))
         t.add_row(label, str(d["count"]), _ms(d.get("mean"), 2), *cells)
     console.print(t)
+    pf = s.get("percentile_failures") or {}
+    if pf.get("failed"):
+        console.print(f"[yellow]{pf['note']}[/]")
+    else:
+        console.print("[dim]no request failed: every measured request is in the percentiles[/]")
     r = s["requests"]
     console.print(f"{r['completed']}/{r['measured']} requests completed ({r['warmup']} warm-up excluded, "
                   f"{r['failed']} failed) in {s['duration_s']:.2f} s: [bold]{(tp['requests_per_s'] or 0):.2f} "

@@ -78,6 +78,7 @@ class BenchConfig:
     output_dir: str | None = None
     progress: bool = True
     label: str | None = None
+    failures_as_timeout: bool = False  # failed requests enter TTFT/E2E percentiles at ``timeout``
 
     def path(self) -> str:
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
@@ -263,7 +264,8 @@ def _by_language(ms) -> dict:
         rows = [m for m in ms if m.lang == lang and m.ok]
         if not rows:
             continue
-        d: dict[str, Any] = {"requests": len(rows)}
+        d: dict[str, Any] = {"requests": len(rows),
+                             "failed_excluded": sum(1 for m in ms if m.lang == lang and not m.ok)}
         for name in ("ttft", "e2e"):
             v = [getattr(m, name) for m in rows if getattr(m, name) is not None]
             d[f"{name}_p50_s"] = float(np.percentile(v, 50)) if v else None
@@ -283,7 +285,8 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
             join_info: dict, run_id: str) -> dict:
     from tailguard import __version__
 
-    agg = aggregate(ms, reps=cfg.bootstrap, seed=cfg.seed)
+    agg = aggregate(ms, reps=cfg.bootstrap, seed=cfg.seed,
+                    failures_at=cfg.timeout if cfg.failures_as_timeout else None)
     stages = stage_report(agg.measured)
     pairs = [(m, r) for m, r in zip(ms, outcome.results) if not m.warmup]
     terr = timing_error(pairs)
@@ -293,7 +296,10 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
     s = agg.summary
     if s["requests"]["failed"]:
         kinds = ", ".join(f"{k} x{v}" for k, v in s["errors_by_kind"].items())
-        warnings.append(f"{s['requests']['failed']} of {s['requests']['measured']} requests failed ({kinds})")
+        warnings.append(f"{s['requests']['failed']} of {s['requests']['measured']} requests failed ({kinds}); "
+                        + ("they are left out of the percentiles (--failures-as-timeout puts them in the tail) "
+                           if not cfg.failures_as_timeout else "they enter TTFT/E2E at the request timeout ")
+                        + "and count as SLO misses")
     if plan.mode == "open" and plan.offsets is not None and len(plan.offsets) > 1 and s["throughput"]["requests_per_s"]:
         offered = arrivals.achieved_rate(np.asarray(plan.offsets[: s["requests"]["sent"]]))
         s["throughput"]["offered_requests_per_s"] = offered
