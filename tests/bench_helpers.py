@@ -63,7 +63,8 @@ class ScriptedTransport(_Transport):
         failure = self.fail(res.index) if self.fail is not None and res.index >= 0 else None
         if failure == "429":
             res.status = 429
-            res.error = "HTTP 429: too many requests"
+            # like a careless server, echo the credential back: the bench must keep it out of its outputs
+            res.error = f"HTTP 429: too many requests for {headers.get('Authorization', 'anonymous')}"
             res.end = res.intended + 0.001
             return
         if failure == "timeout":

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from tailguard.bench.redact import redact_url, scrub, secret_values
+
 __all__ = ["add_bench_parser", "run_bench"]
 
 EXIT_USAGE = 2
@@ -178,7 +180,7 @@ def _check_url(url: str | None) -> str:
                          "http://127.0.0.1:8000)")
     u = urlparse(url)
     if u.scheme not in ("http", "https") or not u.netloc:
-        raise UsageError(f"--url must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
+        raise UsageError(f"--url must be an http(s) URL such as http://127.0.0.1:8000, got {redact_url(url)!r}")
     # a URL given with the API path (as people paste it) is cut back to the base
     base = url.rstrip("/")
     for suffix in ("/v1/chat/completions", "/v1/completions", "/v1"):
@@ -198,8 +200,9 @@ def _discover_model(url: str, headers: dict[str, str], timeout: float = 10.0) ->
         if r.status_code == 200 and data and data[0].get("id"):
             return str(data[0]["id"])
     except (httpx.HTTPError, ValueError, AttributeError) as exc:
-        raise UsageError(f"--model not given and {url}/v1/models could not be read ({exc}); pass --model") from None
-    raise UsageError(f"--model not given and {url}/v1/models lists no model; pass --model")
+        raise UsageError(f"--model not given and {redact_url(url)}/v1/models could not be read "
+                         f"({scrub(str(exc), secret_values(None, headers, url))}); pass --model") from None
+    raise UsageError(f"--model not given and {redact_url(url)}/v1/models lists no model; pass --model")
 
 
 def config_from_args(args: argparse.Namespace) -> Any:

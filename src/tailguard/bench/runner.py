@@ -20,6 +20,7 @@ from tailguard.bench.client import Endpoint, make_transport
 from tailguard.bench.loadgen import LoadOutcome, LoadPlan, RequestOptions, probe, run_load
 from tailguard.bench.metrics import aggregate, local_output_counts, request_metrics
 from tailguard.bench.profiles import evaluate, golden_rules, load_profiles, slowest
+from tailguard.bench.redact import command_line, redact_url, scrub, secret_values
 from tailguard.bench.results import SCHEMA, samples
 from tailguard.bench.stages import fetch_records, split_request, stage_report, timing_error
 from tailguard.bench.tokens import load_tokenizer, tokenization_cost
@@ -195,8 +196,9 @@ async def execute(cfg: BenchConfig, workload=None, tokenizer=None, plan: LoadPla
                                      lang=s0.lang)
             caps = await probe(transport, ep, opts, probe_spec)
             if not caps.get("ok"):
-                raise ConnectionError(f"the server at {ep.full_url} did not answer the probe request: "
-                                      f"{caps.get('error')}")
+                hidden = secret_values(cfg.api_key, cfg.headers, cfg.url)
+                raise ConnectionError(f"the server at {redact_url(ep.full_url)} did not answer the probe request: "
+                                      f"{scrub(str(caps.get('error')), hidden)}")
         total = plan.num_requests if plan.mode == "closed" else (
             min(len(plan.offsets), plan.num_requests or len(plan.offsets)) if plan.duration is None else None)
         show = display if display is not None else (cfg.progress and sys.stderr.isatty())
@@ -347,10 +349,11 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
         "run": {
             "id": run_id, "label": cfg.label,
             "started_at": datetime.fromtimestamp(outcome.started_unix, UTC).isoformat(),
-            "target": {"url": cfg.url, "model": cfg.model, "endpoint": cfg.path(), "stream": cfg.stream},
+            "target": {"url": redact_url(cfg.url), "model": cfg.model, "endpoint": cfg.path(), "stream": cfg.stream},
             "load": load, "workload": workload.describe(), "seed": cfg.seed,
-            "options": {k: v for k, v in asdict(cfg).items() if k not in ("api_key", "headers")},
-            "capabilities": caps, "join": join_info, "command": " ".join(sys.argv),
+            "options": {k: (redact_url(v) if k == "url" else v) for k, v in asdict(cfg).items()
+                        if k not in ("api_key", "headers")},
+            "capabilities": caps, "join": join_info, "command": command_line(sys.argv),
         },
         "summary": s,
         "metrics": agg.metrics,
@@ -366,6 +369,12 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
         "warnings": warnings,
         "samples": samples(agg.measured, cfg.seed),
     }
+    # no secret in any output, even one a server echoed back in an error message
+    hidden = secret_values(cfg.api_key, cfg.headers, cfg.url)
+    if hidden:
+        results = scrub(results, hidden)
+        for m in ms:
+            m.error = scrub(m.error, hidden)
     if isinstance(workload, TraceWorkload):
         results["run"]["workload"]["attribution"] = ("Azure LLM inference trace 2023, CC-BY 4.0, Patel et al., "
                                                      "Splitwise (ISCA 2024)")
