@@ -3,8 +3,9 @@
 ``ScriptedTransport`` answers each request with the SSE bytes the fake server would send, and hands them to the
 bench's own SSE parser stamped with the *scripted* times (intended send + TTFT + gaps) instead of the clock. The
 whole measurement path (parser, tokens per chunk, ITL with zero gaps, TPOT, percentiles, bootstrap, verdicts,
-outputs) then runs exactly as in a real run, without the machine's scheduling noise, so its figures can be checked
-against the script to well under a millisecond.
+outputs) then runs exactly as in a real run, without the machine's scheduling noise. Tests give it known latencies
+(``latency``) and work out the expected figures themselves, rather than reading back what the transport planned, and
+make it fail chosen requests (``fail``: a 429, a cut stream, a timeout).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from typing import Any
-
-import numpy as np
 
 from tailguard.bench.client import RequestResult, SSEParser, _Transport
 from tailguard.bench.fakeserver import FakeScript, plan
@@ -104,17 +103,6 @@ class ScriptedTransport(_Transport):
                                                    "total_tokens": done + len(prompt.split())}}, end)
         feed("[DONE]", end)
         res.end = end
-
-
-def scripted_truth(transport: ScriptedTransport) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The script's own TTFT, ITL (every gap, k-1 zeros per k-token chunk) and E2E-before-tail, per request."""
-    ttft, itl, decode = [], [], []
-    for t0, chunks, _ in transport.planned.values():
-        ttft.append(t0)
-        gaps = [g for g, _ in chunks[1:]]
-        itl.extend(gaps + [0.0] * sum(k - 1 for _, k in chunks))
-        decode.append(t0 + sum(gaps))
-    return np.asarray(ttft), np.asarray(itl), np.asarray(decode)
 
 
 def bench_config(url: str = "http://127.0.0.1:9", **kw: Any):

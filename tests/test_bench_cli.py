@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,14 +34,12 @@ def fake_cli_server():
 
 def test_cli_run_writes_results_csv_and_report(fake_cli_server, tmp_path):
     out = tmp_path / "run"
-    t = time.monotonic()
     # --model is left out: the bench asks /v1/models
     p = subprocess.run([*TAILGUARD, "bench", "--url", fake_cli_server, "--rate", "50", "--num-requests", "40",
                         "--input-tokens", "32", "--output-tokens", "8", "--langs", "en,zh", "--warmup-requests", "4",
                         "--tokenizer", "approx", "--bootstrap", "200", "--seed", "3", "--output-dir", str(out)],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "160"})
     assert p.returncode == 0, p.stderr
-    assert time.monotonic() - t < 60
     assert "Traceback" not in p.stderr
     for name in ("TTFT", "ITL", "TPOT", "E2E", "SLO verdicts", "req/s", "report.html"):
         assert name in p.stdout
