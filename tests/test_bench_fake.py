@@ -119,3 +119,32 @@ def test_unreachable_server_is_a_clear_connection_error():
     with pytest.raises(ConnectionError, match="did not answer the probe"):
         asyncio.run(execute(bench_config("http://127.0.0.1:9", concurrency=1, num_requests=1, timeout=5),
                             display=False))
+
+
+def _raw_exchange(url: str, data: bytes) -> bytes:
+    import socket
+
+    host, port = url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_fake_server_http_pipelining_chunked_bodies_and_bad_requests():
+    body = b'{"model":"fake","prompt":"one two three","max_tokens":3,"stream":false}'
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    with FakeServerProcess(FakeScript(ttft=0.001, itl=0.001, max_lifetime=60)) as srv:
+        # three requests in one write: answered in order on one connection; the last asks to close it
+        out = _raw_exchange(srv.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+                            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                            b"X-Request-ID: piped-1\r\n\r\n" + chunked +
+                            b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert out.count(b"HTTP/1.1 200 OK") == 3
+        first, second, third = out.index(b'"fake"'), out.index(b'"text_completion"'), out.index(b'"status":"ok"')
+        assert first < second < third
+        assert b'"completion_tokens": 3' in out or b'"completion_tokens":3' in out
+        bad = _raw_exchange(srv.url, b"NOT HTTP AT ALL\r\n\r\n")
+        assert bad.startswith(b"HTTP/1.1 400 ") and b"malformed HTTP request" in bad
