@@ -329,7 +329,8 @@ def _cmd_run(args: argparse.Namespace, sweep: bool) -> int:
                 if not args.quiet:
                     verdict = "[green]pass[/]" if s["pass"] else "[red]fail[/]"
                     console.print(f"  rate {s['rate']:8.2f} req/s: {verdict}  E2E P99 {_ms(s['e2e_p99_s'])} ms  "
-                                  f"TTFT P99 {_ms(s['ttft_p99_s'])} ms  achieved {s['achieved_rps'] or 0:.2f} req/s")
+                                  f"TTFT P99 {_ms(s['ttft_p99_s'])} ms  achieved {s['achieved_rps'] or 0:.2f} req/s  "
+                                  f"failed {s['failed']}")
 
             if not args.quiet:
                 console.print(f"sweep against the {prof} profile, {cfg.num_requests or cfg.duration} "

@@ -102,8 +102,11 @@ def cdf_figure(results: dict, compare: dict | None = None, names=("A", "B")):
                                        font={"color": "#c00", "size": 11}, row=r, col=c)
             fig.update_xaxes(title_text="ms", row=r, col=c)
     fig.update_yaxes(range=[0, 1.01])
+    failed = ", ".join(f"{label} {int(((res.get('summary') or {}).get('requests') or {}).get('failed') or 0)}"
+                       for label, res in runs)
     fig.update_layout(height=620, margin={"t": 40, "b": 40}, showlegend=bool(compare),
-                      title_text="Latency CDFs (red dotted lines: SLO thresholds)")
+                      title_text="Latency CDFs of completed requests (red dotted lines: SLO thresholds; failed "
+                                 f"requests not shown: {failed})")
     return fig
 
 
