@@ -39,6 +39,9 @@ profiles:
   - name: median
     objectives:
       - {metric: e2e, percentile: 50, threshold: 450ms}
+  - name: p95
+    objectives:
+      - {metric: e2e, percentile: 95, threshold: 2s}
 """
 
 
@@ -68,6 +71,9 @@ def test_failed_requests_are_slo_misses_and_counted_beside_the_percentiles(tmp_p
     assert check["status"] == "fail" and check["failed_in_scope"] == FAILED and check["value_s"] is None
     assert tail["pass"] is False
     assert median["checks"][0]["status"] == "pass" and median["pass"] is True
+    # P95 of 200 lies between the last completed request and the first failed one: a miss, with no made-up value
+    p95 = res["slo"]["p95"]["checks"][0]
+    assert p95["status"] == "fail" and p95["value_s"] is None and p95["headroom"] is None
     # goodput: a failed request is never good, and stays in the denominator
     assert tail["good_requests"] == N - FAILED and tail["failed_requests"] == FAILED
     assert tail["goodput_ratio"] == pytest.approx((N - FAILED) / N)
@@ -80,7 +86,7 @@ def test_a_run_where_every_request_fails_fails_its_objectives_rather_than_having
     cfg = bench_config(concurrency=2, num_requests=20, timeout=5.0, profiles=(str(yml),))
     res, _ = asyncio.run(execute(cfg, transport=tr, display=False))
     assert res["metrics"]["e2e"]["count"] == 0 and res["metrics"]["e2e"]["excluded_failures"] == 20
-    for name in ("tail", "median"):
+    for name in ("tail", "median", "p95"):
         assert res["slo"][name]["checks"][0]["status"] == "fail" and res["slo"][name]["pass"] is False
 
 

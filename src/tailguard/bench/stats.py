@@ -130,9 +130,13 @@ def with_misses(values, clusters, misses: int) -> tuple[list[float], list | None
     return vals, list(clusters) + list(range(first, first + misses))
 
 
+# No latency comes near this; a percentile interpolated even a sliver of the way towards a ``MISS`` lands above it.
+_MISSED_ABOVE = 1e100
+
+
 def missed(x: float | None) -> bool:
-    """True when a percentile landed on a failed request (no latency: the request never finished)."""
-    return x is not None and x >= MISS / 2
+    """True when a percentile landed on (or between a completed request and) a failed one: it has no latency."""
+    return x is not None and x >= _MISSED_ABOVE
 
 
 def _f(x) -> float | None:
