@@ -3,16 +3,16 @@
 ``ScriptedTransport`` answers each request with the SSE bytes the fake server would send, and hands them to the
 bench's own SSE parser stamped with the *scripted* times (intended send + TTFT + gaps) instead of the clock. The
 whole measurement path (parser, tokens per chunk, ITL with zero gaps, TPOT, percentiles, bootstrap, verdicts,
-outputs) then runs exactly as in a real run, without the machine's scheduling noise, so its figures can be checked
-against the script to well under a millisecond.
+outputs) then runs exactly as in a real run, without the machine's scheduling noise. Tests give it known latencies
+(``latency``) and work out the expected figures themselves, rather than reading back what the transport planned, and
+make it fail chosen requests (``fail``: a 429, a cut stream, a timeout).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
-
-import numpy as np
 
 from tailguard.bench.client import RequestResult, SSEParser, _Transport
 from tailguard.bench.fakeserver import FakeScript, plan
@@ -21,8 +21,15 @@ from tailguard.bench.fakeserver import FakeScript, plan
 class ScriptedTransport(_Transport):
     name = "scripted"
 
-    def __init__(self, script: FakeScript, packet: int = 37, by_index: bool = False) -> None:
+    def __init__(self, script: FakeScript, packet: int = 37, by_index: bool = False,
+                 latency: Callable[[int], tuple[float, float]] | None = None,
+                 fail: Callable[[int], str | None] | None = None) -> None:
         self.script = script
+        # latency(index) -> (ttft, gap): a known TTFT and a known gap between every two chunks of measured request
+        # ``index`` (no jitter), so that tests can check the bench against figures they computed themselves
+        self.latency = latency
+        # fail(index) -> None, "429" (refused), "cut" (the stream stops halfway, no [DONE]) or "timeout"
+        self.fail = fail
         self.packet = packet  # split every response into reads of this many bytes (all at their event's time)
         # by_index: the script's randomness follows the request's index, not its run-unique ID, so that two runs
         # of one configuration see exactly the same stream
@@ -45,11 +52,25 @@ class ScriptedTransport(_Transport):
         key = rid.rsplit("-", 1)[-1] if self.by_index else rid
         ttft, chunks, finish = plan(self.script, key, int(req["max_tokens"]), len(prompt.split()),
                                     bool(req.get("ignore_eos")))
+        if self.latency is not None and res.index >= 0:
+            ttft, gap = self.latency(res.index)
+            chunks = [(0.0 if i == 0 else gap, k) for i, (_, k) in enumerate(chunks)]
         self.planned[rid] = (ttft, chunks, finish)
         res.sent = res.intended
         res.headers_at = res.intended
-        res.status = 200
         res.server_request_id = rid
+        failure = self.fail(res.index) if self.fail is not None and res.index >= 0 else None
+        if failure == "429":
+            res.status = 429
+            # like a careless server, echo the credential back: the bench must keep it out of its outputs
+            res.error = f"HTTP 429: too many requests for {headers.get('Authorization', 'anonymous')}"
+            res.end = res.intended + 0.001
+            return
+        if failure == "timeout":
+            raise TimeoutError
+        if failure == "cut":
+            chunks = chunks[: len(chunks) // 2]
+        res.status = 200
         parser = SSEParser(res, chat)
         t = res.intended + ttft
         base = {"id": rid, "object": "chat.completion.chunk", "model": req["model"]}
@@ -72,6 +93,9 @@ class ScriptedTransport(_Transport):
                 choice["finish_reason"] = finish
             feed({**base, "choices": [choice]}, t)
         end = t + 0.0001
+        if failure == "cut":  # what the real transports conclude when the stream ends without [DONE]
+            res.error, res.end = "stream ended without [DONE]", end
+            return
         if chat:
             feed({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}, end)
         if req.get("stream_options", {}).get("include_usage"):
@@ -79,17 +103,6 @@ class ScriptedTransport(_Transport):
                                                    "total_tokens": done + len(prompt.split())}}, end)
         feed("[DONE]", end)
         res.end = end
-
-
-def scripted_truth(transport: ScriptedTransport) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The script's own TTFT, ITL (every gap, k-1 zeros per k-token chunk) and E2E-before-tail, per request."""
-    ttft, itl, decode = [], [], []
-    for t0, chunks, _ in transport.planned.values():
-        ttft.append(t0)
-        gaps = [g for g, _ in chunks[1:]]
-        itl.extend(gaps + [0.0] * sum(k - 1 for _, k in chunks))
-        decode.append(t0 + sum(gaps))
-    return np.asarray(ttft), np.asarray(itl), np.asarray(decode)
 
 
 def bench_config(url: str = "http://127.0.0.1:9", **kw: Any):

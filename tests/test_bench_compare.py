@@ -26,12 +26,15 @@ def _run(script: FakeScript, tmp_path=None, name: str = "", by_index: bool = Tru
     return res
 
 
-def test_identical_runs_pass_the_gate():
-    a, b = _run(BASE), _run(BASE)
+def test_a_real_but_small_regression_passes_the_gate_and_a_lower_bar_catches_it():
+    # +1.2 ms TTFT (+4%) on the same jitter draws: statistically clear, but below the default 5% bar
+    a, b = _run(BASE), _run(dataclasses.replace(BASE, ttft=0.0312))
     cmp = compare(a, b, reps=300)
+    ttft50 = next(r for r in cmp["rows"] if r["metric"] == "ttft" and r["percentile"] == 50)
+    assert ttft50["significant"] and ttft50["delta"] > 0 and not ttft50["regression"]
     assert cmp["gate"]["pass"] and cmp["gate"]["reasons"] == []
-    for row in cmp["rows"]:
-        assert row["delta"] == 0 and not row["significant"] and not row["regression"]
+    strict = compare(a, b, GateRules(min_rel=0.01, min_abs=0.0001), reps=300)
+    assert not strict["gate"]["pass"] and strict["gate"]["reasons"][0].startswith("TTFT P50 regressed")
 
 
 def test_two_runs_of_one_configuration_with_fresh_randomness_pass():

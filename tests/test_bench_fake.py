@@ -61,21 +61,24 @@ def test_client_figures_match_the_servers_own_timestamps(fake, monkeypatch):
     assert res["tokens"]["chunks"]["multi_token"] == 120
     assert all(m.chunk_tokens == [1, 1, 1, 1, 3, 1, 1, 1, 1, 1] for m in ms)
     assert res["metrics"]["itl"]["count"] == len(itl_true) == 120 * 11
-    # Medians only, with a generous margin: on a quiet machine they agree to a fraction of a millisecond (see
-    # benchmarks/bench_capacity.py), but here two processes share two busy cores, and a stalled wake-up of the
-    # bench is real latency it must report. The 1 ms agreement of every percentile with the script is proven
+    # Medians only, each within a wide margin relative to its own scale (a fifth of the scripted TTFT or E2E, one
+    # whole scripted gap for ITL): on a quiet machine they agree to a fraction of a millisecond (that is measured in
+    # benchmarks/bench_capacity.py, not asserted here), but two processes share busy cores, and a stalled wake-up of
+    # the bench is real latency it must report. Exact agreement of every percentile with known latencies is proven
     # without the scheduler's noise in test_bench_metrics.py (the same parser and metrics, scripted times).
+    scale = {"ttft": 0.2 * SCRIPT.ttft, "itl": SCRIPT.itl, "e2e": 0.2 * float(np.median(e2e_true))}
     for name, truth in (("ttft", ttft_true), ("itl", itl_true), ("e2e", e2e_true)):
         reported = res["metrics"][name]["percentiles"]["p50"]["value"]
-        assert abs(reported - np.percentile(truth, 50)) <= 0.005, (name, reported, np.percentile(truth, 50))
+        median = float(np.median(truth))
+        assert abs(reported - median) <= scale[name], (name, reported, median)
         if name != "itl":  # the client never sees a token before the server sent it (gaps can shrink, though)
-            assert reported >= np.percentile(truth, 50) - 0.0005
+            assert reported >= median - 0.02 * median
     # and the server kept to its script (a sanity check of the yardstick itself)
-    assert abs(np.median(ttft_true) - np.median(script_ttft)) < 0.005
+    assert abs(np.median(ttft_true) - np.median(script_ttft)) < 0.2 * SCRIPT.ttft
     # the timing-error section compares the same two clocks via the fetched records
     te = res["timing_error"]
     assert te["requests"] == 120 and te["itl_abs_error_s"]["gaps"] == 120 * 11
-    assert te["itl_abs_error_s"]["p50"] < 0.005
+    assert te["itl_abs_error_s"]["p50"] < SCRIPT.itl
 
 
 def test_stage_join_with_the_fake_timeline_adds_up(fake):
@@ -108,6 +111,7 @@ def test_failures_are_counted_not_raised():
     s = res["summary"]
     assert s["requests"]["failed"] == 5 and s["error_rate"] == pytest.approx(0.25)
     assert s["errors_by_kind"] == {"HTTP 500": 5}
+    assert res["metrics"]["e2e"]["count"] == 15 and res["metrics"]["e2e"]["excluded_failures"] == 5
     assert res["slo"]["baseline"]["pass"] is False  # errors above 0.5%
 
 
@@ -115,3 +119,32 @@ def test_unreachable_server_is_a_clear_connection_error():
     with pytest.raises(ConnectionError, match="did not answer the probe"):
         asyncio.run(execute(bench_config("http://127.0.0.1:9", concurrency=1, num_requests=1, timeout=5),
                             display=False))
+
+
+def _raw_exchange(url: str, data: bytes) -> bytes:
+    import socket
+
+    host, port = url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_fake_server_http_pipelining_chunked_bodies_and_bad_requests():
+    body = b'{"model":"fake","prompt":"one two three","max_tokens":3,"stream":false}'
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    with FakeServerProcess(FakeScript(ttft=0.001, itl=0.001, max_lifetime=60)) as srv:
+        # three requests in one write: answered in order on one connection; the last asks to close it
+        out = _raw_exchange(srv.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+                            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                            b"X-Request-ID: piped-1\r\n\r\n" + chunked +
+                            b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert out.count(b"HTTP/1.1 200 OK") == 3
+        first, second, third = out.index(b'"fake"'), out.index(b'"text_completion"'), out.index(b'"status":"ok"')
+        assert first < second < third
+        assert b'"completion_tokens": 3' in out or b'"completion_tokens":3' in out
+        bad = _raw_exchange(srv.url, b"NOT HTTP AT ALL\r\n\r\n")
+        assert bad.startswith(b"HTTP/1.1 400 ") and b"malformed HTTP request" in bad

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from tailguard.bench.redact import redact_url, scrub, secret_values
+
 __all__ = ["add_bench_parser", "run_bench"]
 
 EXIT_USAGE = 2
@@ -38,6 +40,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--header", action="append", default=[], metavar="NAME:VALUE", help="extra header (repeatable)")
     t.add_argument("--http-client", choices=["aiohttp", "httpx"], default="aiohttp")
     t.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    t.add_argument("--failures-as-timeout", action="store_true",
+                   help="put failed, cut-off and refused requests into the TTFT/E2E percentiles at --timeout "
+                        "(default: percentiles of completed requests, with the failures counted beside them)")
 
     ld = p.add_argument_group("load")
     mode = ld.add_mutually_exclusive_group()
@@ -175,7 +180,7 @@ def _check_url(url: str | None) -> str:
                          "http://127.0.0.1:8000)")
     u = urlparse(url)
     if u.scheme not in ("http", "https") or not u.netloc:
-        raise UsageError(f"--url must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
+        raise UsageError(f"--url must be an http(s) URL such as http://127.0.0.1:8000, got {redact_url(url)!r}")
     # a URL given with the API path (as people paste it) is cut back to the base
     base = url.rstrip("/")
     for suffix in ("/v1/chat/completions", "/v1/completions", "/v1"):
@@ -195,8 +200,9 @@ def _discover_model(url: str, headers: dict[str, str], timeout: float = 10.0) ->
         if r.status_code == 200 and data and data[0].get("id"):
             return str(data[0]["id"])
     except (httpx.HTTPError, ValueError, AttributeError) as exc:
-        raise UsageError(f"--model not given and {url}/v1/models could not be read ({exc}); pass --model") from None
-    raise UsageError(f"--model not given and {url}/v1/models lists no model; pass --model")
+        raise UsageError(f"--model not given and {redact_url(url)}/v1/models could not be read "
+                         f"({scrub(str(exc), secret_values(None, headers, url))}); pass --model") from None
+    raise UsageError(f"--model not given and {redact_url(url)}/v1/models lists no model; pass --model")
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -272,7 +278,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         continuous_usage=args.continuous_usage, temperature=args.temperature, profiles=tuple(profiles),
         seed=args.seed, bootstrap=args.bootstrap, http_client=args.http_client, join=args.join,
         join_max=args.join_max, tokenizer=args.tokenizer, probe=args.probe, output_dir=args.output_dir,
-        progress=not args.quiet, label=args.label,
+        progress=not args.quiet, label=args.label, failures_as_timeout=args.failures_as_timeout,
     )
 
 
@@ -323,7 +329,8 @@ def _cmd_run(args: argparse.Namespace, sweep: bool) -> int:
                 if not args.quiet:
                     verdict = "[green]pass[/]" if s["pass"] else "[red]fail[/]"
                     console.print(f"  rate {s['rate']:8.2f} req/s: {verdict}  E2E P99 {_ms(s['e2e_p99_s'])} ms  "
-                                  f"TTFT P99 {_ms(s['ttft_p99_s'])} ms  achieved {s['achieved_rps'] or 0:.2f} req/s")
+                                  f"TTFT P99 {_ms(s['ttft_p99_s'])} ms  achieved {s['achieved_rps'] or 0:.2f} req/s  "
+                                  f"failed {s['failed']}")
 
             if not args.quiet:
                 console.print(f"sweep against the {prof} profile, {cfg.num_requests or cfg.duration} "
@@ -452,6 +459,7 @@ def print_summary(results: dict, console=None) -> None:
     for q in ("P50", "P90", "P95", "P99", "P99.9"):
         t.add_column(f"{q} ms", justify="right")
     t.add_column("P99 95% CI", justify="right")
+    t.add_column("failed excl.", justify="right")
     names = {"ttft": "TTFT", "itl": "ITL", "tpot": "TPOT", "e2e": "E2E"}
     for k, label in names.items():
         d = results["metrics"].get(k) or {}
@@ -461,8 +469,14 @@ def print_summary(results: dict, console=None) -> None:
         cells = [_ms((pc.get(q) or {}).get("value"), 2) for q in ("p50", "p90", "p95", "p99", "p99.9")]
         ci = (pc.get("p99") or {}).get("ci")
         cells.append(f"{_ms(ci[0], 1)}–{_ms(ci[1], 1)}" if ci else "–")
+        cells.append(str(d.get("excluded_failures", 0)))
         t.add_row(label, str(d["count"]), _ms(d.get("mean"), 2), *cells)
     console.print(t)
+    pf = s.get("percentile_failures") or {}
+    if pf.get("failed"):
+        console.print(f"[yellow]{pf['note']}[/]")
+    else:
+        console.print("[dim]no request failed: every measured request is in the percentiles[/]")
     r = s["requests"]
     console.print(f"{r['completed']}/{r['measured']} requests completed ({r['warmup']} warm-up excluded, "
                   f"{r['failed']} failed) in {s['duration_s']:.2f} s: [bold]{(tp['requests_per_s'] or 0):.2f} "

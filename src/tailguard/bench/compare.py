@@ -33,7 +33,15 @@ def _vals(res: dict, metric: str):
     if metric == "itl":
         itl = s.get("itl") or {}
         return [v for v in itl.get("values") or []], itl.get("request")
-    return [v for v in s.get(metric) or [] if v is not None], None
+    vals = [v for v in s.get(metric) or [] if v is not None]
+    pf = (res.get("summary") or {}).get("percentile_failures") or {}
+    if metric in ("ttft", "e2e") and pf.get("policy") == "failures_at_timeout" and pf.get("timeout_s") is not None:
+        vals += [pf["timeout_s"]] * int(pf.get("failed") or 0)  # the run put its failures in the tail: so do we
+    return vals, None
+
+
+def _failed(res: dict) -> int:
+    return int((res.get("summary") or {}).get("requests", {}).get("failed") or 0)
 
 
 def compare(a: dict, b: dict, rules: GateRules | None = None, reps: int = 1000, seed: int = 0,
@@ -81,6 +89,9 @@ def compare(a: dict, b: dict, rules: GateRules | None = None, reps: int = 1000, 
         "rows": rows,
         "throughput": through,
         "error_rate": {"a": ea, "b": eb},
+        "failed": {"a": _failed(a), "b": _failed(b),
+                   "policy": {"a": ((a["summary"].get("percentile_failures") or {}).get("policy") or "success_only"),
+                              "b": ((b["summary"].get("percentile_failures") or {}).get("policy") or "success_only")}},
         "slo_a": {k: v.get("pass") for k, v in (a.get("slo") or {}).items()},
         "slo_b": slo_b,
         "gate": {"pass": not reasons, "reasons": reasons},
@@ -106,6 +117,7 @@ def print_compare(cmp: dict, console=None) -> None:
                   "–" if not ci else f"[{ci[0] * 1e3:+.2f}, {ci[1] * 1e3:+.2f}]",
                   "–" if d["p_value"] is None else f"{d['p_value']:.3f}", mark)
     console.print(t)
+    console.print(_failed_line(cmp))
     for k, v in cmp["throughput"].items():
         if v["a"] is not None and v["b"] is not None:
             console.print(f"{k}: {v['a']:.2f} -> {v['b']:.2f} ({(v['rel'] or 0) * 100:+.1f}%)")
@@ -116,6 +128,16 @@ def print_compare(cmp: dict, console=None) -> None:
         console.print("[red bold]gate: FAIL[/]")
         for r in g["reasons"]:
             console.print(f"  - {r}")
+
+
+def _failed_line(cmp: dict) -> str:
+    f = cmp.get("failed") or {}
+    parts = []
+    for k in ("a", "b"):
+        n = f.get(k, 0)
+        at_timeout = (f.get("policy") or {}).get(k) == "failures_at_timeout"
+        parts.append(f"{k.upper()} {n}" + (" (in TTFT/E2E at the timeout)" if at_timeout and n else ""))
+    return "failed requests left out of these percentiles (each an SLO miss): " + ", ".join(parts)
 
 
 def write_compare_html(cmp: dict, a: dict, b: dict, path: Path) -> Path:
@@ -154,7 +176,7 @@ def write_compare_html(cmp: dict, a: dict, b: dict, path: Path) -> Path:
     body = (f"<h1>tailguard bench compare</h1><p class=muted>A = {e(str(cmp['a']))}<br>B = {e(str(cmp['b']))}</p>"
             + gate + "<table><tr><th class=l>metric</th><th>pct</th><th>A ms</th><th>B ms</th><th>delta ms</th>"
             "<th>rel</th><th>95% CI ms</th><th>p</th><th></th></tr>" + "".join(rows) + "</table>"
-            + fig.to_html(full_html=False, include_plotlyjs=False, div_id="fig-compare")
+            + f"<p class=muted>{e(_failed_line(cmp))}</p>" + fig.to_html(full_html=False, include_plotlyjs=False, div_id="fig-compare")
             + cdf_figure(a, b, ("A", "B")).to_html(full_html=False, include_plotlyjs=False, div_id="fig-cdf"))
     doc = ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>tailguard bench compare</title>"
            f"<style>{CSS}</style><script>{plotly.offline.get_plotlyjs()}</script></head><body>{body}</body></html>")

@@ -1,9 +1,9 @@
 """A fast, scripted, OpenAI-compatible fake server: the bench's test target and its capacity yardstick.
 
-It speaks just enough HTTP/1.1 (keep-alive, chunked SSE) over raw asyncio protocols (uvloop when present) to be much
-faster than any real server, so that a bench run against it measures the bench. Every timing is scripted: time to
-first token, inter-chunk gaps, uniform jitter, chunks that carry several tokens, errors. Each response is paced
-against absolute deadlines from the moment the request was parsed, so waits do not accumulate drift, and the server
+It speaks HTTP/1.1 (keep-alive, pipelining, chunked SSE) over raw asyncio protocols (uvloop when present), with
+``httptools`` parsing the requests, to be much faster than any real server, so that a bench run against it measures
+the bench. Every timing is scripted: time to first token, inter-chunk gaps, uniform jitter, chunks that carry several
+tokens, errors. Each response is paced against absolute deadlines from the moment the request was parsed, so waits do not accumulate drift, and the server
 records when each chunk was actually handed to the socket (``time.perf_counter()``, the same system-wide monotonic
 clock as the bench's when both run on one machine). Those records are served in tailguard's own format at
 ``GET /v1/requests/{id}``, and the final SSE chunk carries a ``tailguard`` stage object, so the stage join can be
@@ -25,8 +25,11 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import httptools
 
 
 @dataclass
@@ -166,13 +169,20 @@ class _Server:
 
 
 class _Conn(asyncio.Protocol):
+    """One client connection. ``httptools`` (llhttp, the parser uvicorn uses) parses the requests; they are answered
+    one after another, in order, as HTTP/1.1 requires of pipelined requests."""
+
     def __init__(self, server: _Server) -> None:
         self.server = server
-        self.buf = bytearray()
+        self.parser = httptools.HttpRequestParser(self)
+        self.pending: deque[tuple[str, str, dict[str, str], bytes, float, bool]] = deque()
         self.transport: asyncio.Transport | None = None
         self.busy = False
         self.closed = False
         self.loop = asyncio.get_running_loop()
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
@@ -181,28 +191,41 @@ class _Conn(asyncio.Protocol):
         self.closed = True
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self._respond(400, b'{"error":{"message":"malformed HTTP request"}}', extra="Connection: close\r\n")
+            if self.transport is not None:
+                self.transport.close()
+            return
         if not self.busy:
             self._next()
 
+    # --- httptools callbacks (called from inside feed_data)
+
+    def on_message_begin(self) -> None:
+        self._url, self._headers, self._body = b"", {}, []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1").strip()
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.pending.append((self.parser.get_method().decode("latin-1"), self._url.decode("latin-1"),
+                             self._headers, b"".join(self._body), time.perf_counter(),
+                             self.parser.should_keep_alive()))
+
     def _next(self) -> None:
-        end = self.buf.find(b"\r\n\r\n")
-        if end < 0:
+        if not self.pending or self.closed:
             return
-        at = time.perf_counter()
-        head = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
-        method, target, _ = (head[0].split(" ") + ["", ""])[:3]
-        headers = {}
-        for line in head[1:]:
-            k, _, v = line.partition(":")
-            headers[k.strip().lower()] = v.strip()
-        length = int(headers.get("content-length", "0") or 0)
-        if len(self.buf) < end + 4 + length:
-            return
-        body = bytes(self.buf[end + 4 : end + 4 + length])
-        del self.buf[: end + 4 + length]
+        method, target, headers, body, at, keep_alive = self.pending.popleft()
         self.busy = True
-        self.loop.create_task(self._handle(method, target, headers, body, at))
+        self.loop.create_task(self._handle(method, target, headers, body, at, keep_alive))
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.closed:
@@ -213,16 +236,17 @@ class _Conn(asyncio.Protocol):
                 f"Content-Length: {len(body)}\r\n{extra}\r\n")
         self._write(head.encode() + body)
 
-    async def _handle(self, method: str, target: str, headers: dict, body: bytes, at: float) -> None:
+    async def _handle(self, method: str, target: str, headers: dict, body: bytes, at: float,
+                      keep_alive: bool) -> None:
         try:
             await self._dispatch(method, target.split("?")[0], headers, body, at)
         except Exception as exc:  # a bug in the fake must show, not hang the client
             self._respond(500, json.dumps({"error": {"message": repr(exc)}}).encode())
         finally:
             self.busy = False
-            if headers.get("connection", "").lower() == "close" and self.transport is not None:
+            if not keep_alive and self.transport is not None:
                 self.transport.close()
-            elif self.buf and not self.closed:
+            else:
                 self._next()
 
     async def _dispatch(self, method: str, path: str, headers: dict, body: bytes, at: float) -> None:

@@ -175,7 +175,12 @@ def local_output_counts(results: list[RequestResult], tokenizer, batch: int = 51
     return out
 
 
-def aggregate(all_metrics: list[RequestMetrics], reps: int = 1000, seed: int = 0) -> Aggregates:
+def aggregate(all_metrics: list[RequestMetrics], reps: int = 1000, seed: int = 0,
+              failures_at: float | None = None) -> Aggregates:
+    """Run-wide figures. Percentiles are of completed requests only (as GuideLLM and AIPerf report them); every
+    table says how many failed requests it leaves out (``excluded``). With ``failures_at`` (the request timeout,
+    ``--failures-as-timeout``), each failed request enters TTFT and E2E at that value instead, in the tail where
+    it belongs; ITL and TPOT have no value for a request that never finished, so they stay success-only."""
     measured = [m for m in all_metrics if not m.warmup]
     ok = [m for m in measured if m.ok]
     errors = [m for m in measured if not m.ok]
@@ -205,17 +210,30 @@ def aggregate(all_metrics: list[RequestMetrics], reps: int = 1000, seed: int = 0
     for m in ok:
         itl_vals.extend(m.itl)
         itl_owner.extend([m.index] * len(m.itl))
+    filled = [failures_at] * len(errors) if failures_at is not None else []
     metrics = {
-        "ttft": describe([m.ttft for m in ok], reps=reps, seed=seed),
+        "ttft": describe([m.ttft for m in ok] + filled, reps=reps, seed=seed),
         "itl": describe(itl_vals, itl_owner, reps=reps, seed=seed + 1),
         "tpot": describe([m.tpot for m in ok if m.tpot is not None], reps=reps, seed=seed + 2),
-        "e2e": describe([m.e2e for m in ok], reps=reps, seed=seed + 3),
+        "e2e": describe([m.e2e for m in ok] + filled, reps=reps, seed=seed + 3),
         "ttfb": describe([m.ttfb for m in ok if m.ttfb is not None], reps=0),
         "send_lag": describe([m.send_lag for m in measured], reps=0),
     }
     for name in ("ttft", "itl", "tpot", "e2e", "ttfb", "send_lag"):
         metrics[name]["unit"] = "s"
+        at_timeout = name in ("ttft", "e2e") and failures_at is not None
+        metrics[name]["excluded_failures"] = 0 if name == "send_lag" or at_timeout else len(errors)
+        metrics[name]["failures_at_timeout"] = len(errors) if at_timeout else 0
     metrics["itl"]["note"] = "every gap between content chunks; a chunk of k tokens adds k-1 zero gaps"
+    summary["percentile_failures"] = {
+        "failed": len(errors),
+        "policy": "success_only" if failures_at is None else "failures_at_timeout",
+        "timeout_s": failures_at,
+        "note": (f"{len(errors)} failed, cut-off or refused requests are left out of every percentile (each still "
+                 "counts as an SLO miss in verdicts and goodput)" if failures_at is None else
+                 f"{len(errors)} failed requests enter TTFT and E2E at the request timeout ({failures_at:g} s); "
+                 "ITL and TPOT leave them out; each counts as an SLO miss in verdicts and goodput"),
+    }
     return Aggregates(measured, window, summary, metrics, token_report(ok))
 
 

@@ -15,7 +15,9 @@ the user waits for it) and say so. Custom profiles come from YAML (see ``load_pr
 
 A verdict compares the point estimate with the threshold and says whether the bootstrap CI agrees: "pass" with the
 whole CI under the threshold is certain; a CI that straddles it is "uncertain" (more requests would settle it).
-Goodput: completed requests per second that met every per-request bound of the profile.
+Goodput: completed requests per second that met every per-request bound of the profile. A failed, cut-off or
+refused (429) request is a miss everywhere: it enters each percentile objective in its scope above any threshold, and
+it is never good for goodput (while still counting in goodput's denominator).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from tailguard.bench.metrics import RequestMetrics
-from tailguard.bench.stats import Bootstrap
+from tailguard.bench.stats import Bootstrap, missed, with_misses
 
 METRICS = ("ttft", "itl", "tpot", "e2e")
 
@@ -315,10 +317,12 @@ def evaluate(p: SLOProfile, measured: list[RequestMetrics], window: float, reps:
     unlabelled = all(not m.business_type for m in measured)
     checks: list[dict] = []
     for o in p.objectives:
-        rows = [m for m in ok if _in_scope(m, o.business_types, o.all_if_unlabelled, unlabelled)]
-        vals, owner = _values(rows, o.metric)
+        rows = [m for m in measured if _in_scope(m, o.business_types, o.all_if_unlabelled, unlabelled)]
+        good_rows = [m for m in rows if m.ok]
+        # a failed, cut-off or refused request in scope is a miss of the objective, not a request that never was
+        vals, owner = with_misses(*_values(good_rows, o.metric), len(rows) - len(good_rows))
         c = {"objective": o.describe(), "metric": o.metric, "percentile": o.percentile, "threshold_s": o.threshold,
-             "requests": len(rows)}
+             "requests": len(rows), "failed_in_scope": len(rows) - len(good_rows)}
         if not vals:
             c.update(status="n/a", value_s=None, ci_s=None, note="no requests in scope")
             checks.append(c)
@@ -328,9 +332,12 @@ def evaluate(p: SLOProfile, measured: list[RequestMetrics], window: float, reps:
         ci = bs.ci(o.percentile)
         passed = v <= o.threshold
         certain = ci is not None and (ci[1] <= o.threshold if passed else ci[0] > o.threshold)
-        c.update(status="pass" if passed else "fail", value_s=v, ci_s=list(ci) if ci else None,
-                 certain=bool(certain), headroom=(o.threshold - v) / o.threshold)
-        if not certain:
+        c.update(status="pass" if passed else "fail", value_s=None if missed(v) else v,
+                 ci_s=[None if missed(x) else x for x in ci] if ci else None, certain=bool(certain),
+                 headroom=None if missed(v) else (o.threshold - v) / o.threshold)
+        if missed(v):
+            c["note"] = f"P{o.percentile:g} falls on failed requests ({c['failed_in_scope']} in scope count as misses)"
+        elif not certain:
             c["note"] = "the threshold lies inside the confidence interval: more requests would settle it"
         checks.append(c)
     if p.max_error_rate is not None:
@@ -363,6 +370,7 @@ def evaluate(p: SLOProfile, measured: list[RequestMetrics], window: float, reps:
         "goodput_rps": good / window if window and window > 0 else None,
         "goodput_ratio": good / len(measured) if measured else None,
         "good_requests": good,
+        "failed_requests": len(measured) - len(ok),  # each one a miss: never good, always in the denominator
     }
 
 

@@ -102,8 +102,11 @@ def cdf_figure(results: dict, compare: dict | None = None, names=("A", "B")):
                                        font={"color": "#c00", "size": 11}, row=r, col=c)
             fig.update_xaxes(title_text="ms", row=r, col=c)
     fig.update_yaxes(range=[0, 1.01])
+    failed = ", ".join(f"{label} {int(((res.get('summary') or {}).get('requests') or {}).get('failed') or 0)}"
+                       for label, res in runs)
     fig.update_layout(height=620, margin={"t": 40, "b": 40}, showlegend=bool(compare),
-                      title_text="Latency CDFs (red dotted lines: SLO thresholds)")
+                      title_text="Latency CDFs of completed requests (red dotted lines: SLO thresholds; failed "
+                                 f"requests not shown: {failed})")
     return fig
 
 
@@ -259,6 +262,8 @@ def verdict_table(slo: dict) -> str:
             st = c["status"]
             if "value_s" in c:
                 val = _ms(c.get("value_s"))
+                if c.get("value_s") is None and c.get("failed_in_scope"):
+                    val = "failed"  # the percentile lands on failed requests: no latency to show
                 ci = c.get("ci_s")
                 ci_s = f"[{_ms(ci[0])}, {_ms(ci[1])}]" if ci else "–"
                 thr = _ms(c["threshold_s"])
@@ -270,6 +275,8 @@ def verdict_table(slo: dict) -> str:
                 thr = "–" if c.get("threshold") is None else f"{c['threshold'] * 100:g}%"
                 unit = ""
             cert = "" if st == "n/a" else ("" if c.get("certain", True) else " (uncertain)")
+            if c.get("failed_in_scope"):
+                cert += f" <span class=muted>({c['failed_in_scope']} failed counted as misses)</span>"
             rows.append(f"<tr><td class=l>{_e(c['objective'])}</td><td>{val} {unit}</td><td>{ci_s}</td>"
                         f"<td>{thr} {unit}</td><td class={st if st != 'n/a' else 'na'}>{st}{cert}</td>"
                         f"<td class='l muted'>{_e(c.get('note', ''))}</td></tr>")
@@ -291,9 +298,12 @@ def metrics_table(metrics: dict) -> str:
             ci = p.get("ci")
             ci_s = f" <span class=muted>[{_ms(ci[0])}, {_ms(ci[1])}]</span>" if ci else ""
             cells.append(f"<td>{_ms(p.get('value'), 2)}{ci_s}</td>")
+        excl = d.get("excluded_failures", 0)
+        at_to = d.get("failures_at_timeout", 0)
         rows.append(f"<tr><td class=l>{METRIC_NAMES[k]}</td><td>{d['count']}</td><td>{_ms(d.get('mean'), 2)}</td>"
-                    + "".join(cells) + "</tr>")
-    return f"<table><tr><th class=l>metric</th><th>n</th><th>mean ms</th>{head}</tr>{''.join(rows)}</table>"
+                    + "".join(cells) + f"<td>{excl}{f' ({at_to} at timeout)' if at_to else ''}</td></tr>")
+    return (f"<table><tr><th class=l>metric</th><th>n</th><th>mean ms</th>{head}<th>failed excluded</th></tr>"
+            f"{''.join(rows)}</table>")
 
 
 def _kv_table(d: dict) -> str:
@@ -320,7 +330,10 @@ def write_report(results: dict, path: str | Path) -> Path:
         f"error rate {(s['error_rate'] or 0) * 100:.2f}%.</p>")
     for w in results.get("warnings") or []:
         parts.append(f"<div class=warn>{_e(w)}</div>")
-    parts.append("<h2>Latency percentiles</h2>" + metrics_table(results["metrics"]) +
+    pf = s.get("percentile_failures") or {}
+    failures_note = (f"<div class=warn>{_e(pf['note'])}</div>" if pf.get("failed") else
+                     "<p class=muted>No request failed: every measured request is in the percentiles.</p>")
+    parts.append("<h2>Latency percentiles</h2>" + metrics_table(results["metrics"]) + failures_note +
                  "<p class=muted>Measured at the client from each request's intended send time (no coordinated "
                  "omission). ITL counts every gap; a chunk of k tokens adds k-1 zero gaps. CIs: bootstrap over "
                  "requests.</p>")
@@ -383,7 +396,8 @@ def write_report(results: dict, path: str | Path) -> Path:
         rows = []
         for lang, d in bl.items():
             c = tc.get(lang, {})
-            rows.append(f"<tr><td class=l>{_e(lang)}</td><td>{d['requests']}</td><td>{_ms(d['ttft_p50_s'])}</td>"
+            rows.append(f"<tr><td class=l>{_e(lang)}</td><td>{d['requests']}</td>"
+                        f"<td>{d.get('failed_excluded', 0)}</td><td>{_ms(d['ttft_p50_s'])}</td>"
                         f"<td>{_ms(d['ttft_p99_s'])}</td><td>{_ms(d['e2e_p99_s'])}</td>"
                         f"<td>{(d.get('prompt_tokens_mean') or 0):.0f}</td>"
                         f"<td>{c.get('encode_us_per_request_p50', 0):.1f}</td>"
@@ -391,6 +405,7 @@ def write_report(results: dict, path: str | Path) -> Path:
                         f"<td>{c.get('per_char_cost_vs_en', float('nan')):.2f}</td>"
                         f"<td>{_ms(d.get('server_tokenize_p50_s'), 3)}</td></tr>")
         parts.append("<h2>By language and tokenization cost (L1)</h2><table><tr><th class=l>lang</th><th>n</th>"
+                     "<th>failed excluded</th>"
                      "<th>TTFT P50 ms</th><th>TTFT P99 ms</th><th>E2E P99 ms</th><th>prompt tokens</th>"
                      "<th>local encode µs/prompt</th><th>tokens/char</th><th>cost per char vs en</th>"
                      "<th>server tokenize P50 ms</th></tr>" + "".join(rows) + "</table><p class=muted>"

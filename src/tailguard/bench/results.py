@@ -2,9 +2,11 @@
 
 Schema (keys are only ever added, never renamed or removed within v1; times are seconds):
 
-``schema``, ``tool``, ``run`` (target, load, workload, seed, options, capabilities), ``summary`` (requests, duration,
-error rate, throughput), ``metrics`` (ttft, itl, tpot, e2e, ttfb, send_lag: count, mean, std, min, max and
-``percentiles`` p50/p90/p95/p99/p99.9 each with ``value``, ``ci`` [lo, hi] and ``samples_beyond``), ``tokens``,
+``schema``, ``tool``, ``run`` (target, load, workload, seed, options, capabilities; ``command`` with its secrets
+masked), ``summary`` (requests, duration, error rate, throughput, ``percentile_failures``: how many failed requests
+the percentiles leave out, or put at the timeout), ``metrics`` (ttft, itl, tpot, e2e, ttfb, send_lag: count, mean,
+std, min, max, ``excluded_failures``, ``failures_at_timeout`` and ``percentiles`` p50/p90/p95/p99/p99.9 each with
+``value``, ``ci`` [lo, hi] and ``samples_beyond``), ``tokens``,
 ``stages``, ``timing_error``, ``slo`` (one verdict per profile, with goodput), ``advisories`` (golden rules),
 ``slowest``, ``by_language``, ``tokenization_cost`` (L1), ``bench_health``, ``warnings``, ``sweep`` (when swept) and
 ``samples`` (raw per-request values that ``tailguard bench compare`` resamples).

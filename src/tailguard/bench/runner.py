@@ -20,6 +20,7 @@ from tailguard.bench.client import Endpoint, make_transport
 from tailguard.bench.loadgen import LoadOutcome, LoadPlan, RequestOptions, probe, run_load
 from tailguard.bench.metrics import aggregate, local_output_counts, request_metrics
 from tailguard.bench.profiles import evaluate, golden_rules, load_profiles, slowest
+from tailguard.bench.redact import command_line, redact_url, scrub, secret_values
 from tailguard.bench.results import SCHEMA, samples
 from tailguard.bench.stages import fetch_records, split_request, stage_report, timing_error
 from tailguard.bench.tokens import load_tokenizer, tokenization_cost
@@ -78,6 +79,7 @@ class BenchConfig:
     output_dir: str | None = None
     progress: bool = True
     label: str | None = None
+    failures_as_timeout: bool = False  # failed requests enter TTFT/E2E percentiles at ``timeout``
 
     def path(self) -> str:
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
@@ -194,8 +196,9 @@ async def execute(cfg: BenchConfig, workload=None, tokenizer=None, plan: LoadPla
                                      lang=s0.lang)
             caps = await probe(transport, ep, opts, probe_spec)
             if not caps.get("ok"):
-                raise ConnectionError(f"the server at {ep.full_url} did not answer the probe request: "
-                                      f"{caps.get('error')}")
+                hidden = secret_values(cfg.api_key, cfg.headers, cfg.url)
+                raise ConnectionError(f"the server at {redact_url(ep.full_url)} did not answer the probe request: "
+                                      f"{scrub(str(caps.get('error')), hidden)}")
         total = plan.num_requests if plan.mode == "closed" else (
             min(len(plan.offsets), plan.num_requests or len(plan.offsets)) if plan.duration is None else None)
         show = display if display is not None else (cfg.progress and sys.stderr.isatty())
@@ -263,7 +266,8 @@ def _by_language(ms) -> dict:
         rows = [m for m in ms if m.lang == lang and m.ok]
         if not rows:
             continue
-        d: dict[str, Any] = {"requests": len(rows)}
+        d: dict[str, Any] = {"requests": len(rows),
+                             "failed_excluded": sum(1 for m in ms if m.lang == lang and not m.ok)}
         for name in ("ttft", "e2e"):
             v = [getattr(m, name) for m in rows if getattr(m, name) is not None]
             d[f"{name}_p50_s"] = float(np.percentile(v, 50)) if v else None
@@ -283,7 +287,8 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
             join_info: dict, run_id: str) -> dict:
     from tailguard import __version__
 
-    agg = aggregate(ms, reps=cfg.bootstrap, seed=cfg.seed)
+    agg = aggregate(ms, reps=cfg.bootstrap, seed=cfg.seed,
+                    failures_at=cfg.timeout if cfg.failures_as_timeout else None)
     stages = stage_report(agg.measured)
     pairs = [(m, r) for m, r in zip(ms, outcome.results) if not m.warmup]
     terr = timing_error(pairs)
@@ -293,7 +298,10 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
     s = agg.summary
     if s["requests"]["failed"]:
         kinds = ", ".join(f"{k} x{v}" for k, v in s["errors_by_kind"].items())
-        warnings.append(f"{s['requests']['failed']} of {s['requests']['measured']} requests failed ({kinds})")
+        warnings.append(f"{s['requests']['failed']} of {s['requests']['measured']} requests failed ({kinds}); "
+                        + ("they are left out of the percentiles (--failures-as-timeout puts them in the tail) "
+                           if not cfg.failures_as_timeout else "they enter TTFT/E2E at the request timeout ")
+                        + "and count as SLO misses")
     if plan.mode == "open" and plan.offsets is not None and len(plan.offsets) > 1 and s["throughput"]["requests_per_s"]:
         offered = arrivals.achieved_rate(np.asarray(plan.offsets[: s["requests"]["sent"]]))
         s["throughput"]["offered_requests_per_s"] = offered
@@ -341,10 +349,11 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
         "run": {
             "id": run_id, "label": cfg.label,
             "started_at": datetime.fromtimestamp(outcome.started_unix, UTC).isoformat(),
-            "target": {"url": cfg.url, "model": cfg.model, "endpoint": cfg.path(), "stream": cfg.stream},
+            "target": {"url": redact_url(cfg.url), "model": cfg.model, "endpoint": cfg.path(), "stream": cfg.stream},
             "load": load, "workload": workload.describe(), "seed": cfg.seed,
-            "options": {k: v for k, v in asdict(cfg).items() if k not in ("api_key", "headers")},
-            "capabilities": caps, "join": join_info, "command": " ".join(sys.argv),
+            "options": {k: (redact_url(v) if k == "url" else v) for k, v in asdict(cfg).items()
+                        if k not in ("api_key", "headers")},
+            "capabilities": caps, "join": join_info, "command": command_line(sys.argv),
         },
         "summary": s,
         "metrics": agg.metrics,
@@ -360,6 +369,12 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
         "warnings": warnings,
         "samples": samples(agg.measured, cfg.seed),
     }
+    # no secret in any output, even one a server echoed back in an error message
+    hidden = secret_values(cfg.api_key, cfg.headers, cfg.url)
+    if hidden:
+        results = scrub(results, hidden)
+        for m in ms:
+            m.error = scrub(m.error, hidden)
     if isinstance(workload, TraceWorkload):
         results["run"]["workload"]["attribution"] = ("Azure LLM inference trace 2023, CC-BY 4.0, Patel et al., "
                                                      "Splitwise (ISCA 2024)")

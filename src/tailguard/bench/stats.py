@@ -116,6 +116,29 @@ def diff_test(a_values, b_values, q: float, a_clusters=None, b_clusters=None, re
     return out
 
 
+# A failed request in an SLO verdict: a value above every threshold (finite, so that the bootstrap's interpolation
+# between order statistics stays defined; ``math.inf`` would give inf - inf = nan there).
+MISS = 1e300
+
+
+def with_misses(values, clusters, misses: int) -> tuple[list[float], list | None]:
+    """``values`` plus ``misses`` failed requests, each a miss of any threshold (``MISS``) in its own cluster."""
+    vals = list(values) + [MISS] * misses
+    if clusters is None:
+        return vals, None
+    first = max((int(c) for c in clusters), default=-1) + 1
+    return vals, list(clusters) + list(range(first, first + misses))
+
+
+# No latency comes near this; a percentile interpolated even a sliver of the way towards a ``MISS`` lands above it.
+_MISSED_ABOVE = 1e100
+
+
+def missed(x: float | None) -> bool:
+    """True when a percentile landed on (or between a completed request and) a failed one: it has no latency."""
+    return x is not None and x >= _MISSED_ABOVE
+
+
 def _f(x) -> float | None:
     if x is None:
         return None
