@@ -54,6 +54,7 @@ class Metric(StrEnum):
     ITL = "itl"  # each gap between consecutive tokens
     TPOT = "tpot"  # (e2e - ttft) / (output tokens - 1), per request
     E2E = "e2e"  # arrival -> last byte
+    E2E_PER_TOKEN = "e2e_per_token"  # e2e / output tokens, per request: E2E that does not grow with the answer
     QUEUE_WAIT = "queue_wait"  # admitted -> first scheduled
     TOKENIZE = "tokenize"
     PREFILL = "prefill"
@@ -64,7 +65,8 @@ class Metric(StrEnum):
 
 
 LATENCY_METRICS: frozenset[Metric] = frozenset(
-    {Metric.TTFT, Metric.ITL, Metric.TPOT, Metric.E2E, Metric.QUEUE_WAIT, Metric.TOKENIZE, Metric.PREFILL}
+    {Metric.TTFT, Metric.ITL, Metric.TPOT, Metric.E2E, Metric.E2E_PER_TOKEN, Metric.QUEUE_WAIT, Metric.TOKENIZE,
+     Metric.PREFILL}
 )
 RATE_METRICS: frozenset[Metric] = frozenset({Metric.ERROR_RATE, Metric.DEGRADATION_RATE, Metric.SHED_RATE})
 
