@@ -41,12 +41,16 @@ TEST_SLO: dict[str, Any] = {
     "offpeak_window_s": 1.0,
     "eval_interval_s": 3600.0,  # the tests evaluate by hand, on their fake clock
     "peak": {"mode": "never"},
-    "tiers": {"yellow": 0.3, "orange": 0.6, "red": 0.9, "clear_ratio": 0.7, "clear_after": 2, "min_samples": 5},
+    # One judged metric (E2E, the shorthand) so that a test controls the tier with one number; no dwell, so that
+    # the tier follows each phase at once.
+    "tiers": {"yellow": 0.3, "orange": 0.6, "red": 0.9, "clear_ratio": 0.7, "clear_after": 2, "min_samples": 5,
+              "min_dwell_s": 0},
     "golden_rules": {"min_samples": 5},
     "objective_min_samples": 5,
     "actions": {
         "shed": {"non_core_business_types": ["batch"], "status": 429, "retry_after_s": 7},
-        "degrade": {"template": "Busy: a short answer for now.", "probe_every": 2},
+        # The template is opt-in (the default truncates); the server tests cover it with a text they can spot.
+        "degrade": {"mode": "template", "template": "Busy: a short answer for now.", "probe_every": 2},
     },
 }
 

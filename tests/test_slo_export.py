@@ -40,8 +40,11 @@ def _rules(tmp_path, custom: bool) -> tuple[str, str]:
     assert main(args) == 0
     doc = yaml.safe_load((d / "rules.yml").read_text())
     alerts = {r["alert"]: r for g in doc["groups"] for r in g["rules"] if "alert" in r}
-    assert f"> {'1.5' if custom else '1.8'}\n" in alerts["TailguardLatencyYellow"]["expr"]
-    assert f"> {'2.4' if custom else '2.7'} and on()" in alerts["TailguardLatencyRed"]["expr"]  # hysteresis
+    # custom: the one-metric shorthand (E2E); default: TTFT or TPOT
+    yellow = "e2e_latency_seconds:p99_5m > 1.5\n" if custom else "ttft_seconds:p99_5m > 1.8 or"
+    assert yellow in alerts["TailguardLatencyYellow"]["expr"]
+    red_held = "> 2.4 and on()" if custom else "ttft_seconds:p99_5m > 2.7 or"  # hysteresis
+    assert red_held in alerts["TailguardLatencyRed"]["expr"]
     burn = [r for g in doc["groups"] for r in g["rules"] if r.get("alert") == "TailguardErrorBudgetBurn"]
     assert {r["labels"]["burn_factor"] for r in burn} == {"14.4", "6", "3", "1"}
     if custom:

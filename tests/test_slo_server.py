@@ -14,6 +14,7 @@ import pytest
 
 from tailguard.engine.fake import FakeEngine, FakeTiming
 from tailguard.serving.server import ThreadedServer
+from tailguard.slo.config import DegradeConfig
 from tests.serving_helpers import make_config, settle
 from tests.slo_helpers import FakeClock, WebhookReceiver, burst, chat, slo_config, slo_server
 
@@ -126,6 +127,32 @@ def test_tiers_and_actions_end_to_end(tmp_path):
     if promtool:  # the combined exposition must stay valid
         out = subprocess.run([promtool, "check", "metrics"], input=metrics.encode(), capture_output=True, timeout=30)
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_red_truncates_by_default_and_the_answer_says_so(tmp_path):
+    """The default red action is one a user would accept unread: a real answer, capped at max_tokens, that a client
+    can tell from a full one. The canned template is opt-in."""
+    clock = FakeClock()
+    engine = FakeEngine(FakeTiming(ttft=0.01, itl=0.0))
+    slo = slo_config()
+    slo.actions.degrade = DegradeConfig()  # the shipped default, not the helper's template
+    assert slo.actions.degrade.mode == "truncate" and slo.actions.degrade.max_tokens == 64
+    with slo_server(tmp_path, clock, slo, engine) as server:
+        assert _phase(server, clock, engine, 1.0) == "red"
+        engine.timing.ttft = 0.01
+        body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"x-business-type": "chat"},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["usage"]["completion_tokens"] == 64 and out["choices"][0]["finish_reason"] == "length"
+        assert r.headers["x-tailguard-degraded"].startswith("truncate; tier=red; action=")
+        settle(server)
+        rec = server.state.store.get(r.headers["x-request-id"])
+        assert rec["degraded"] is True and rec["output_tokens"] == 64
+        assert rec["slo_action"]["mode"] == "truncate"
+        degrade = next(x for x in server.state.slo.alerts(limit=None) if x["name"] == "degrade")
+        assert degrade["details"]["mode"] == "truncate" and degrade["details"]["max_tokens"] == 64
 
 
 def test_dry_run_changes_nothing_but_the_record(tmp_path):

@@ -1,30 +1,35 @@
-"""SLO profiles (requirement S1), their verdicts, goodput, and the golden-rule advisories (S5).
+"""SLO verdicts of a bench run (requirement S1), goodput, and the golden-rule advisories (S5).
 
-Built in, from the seed:
+The profiles are the live monitor's (:mod:`tailguard.slo.profiles`): one model, one set of built-ins, one YAML file
+for ``tailguard serve`` and ``tailguard bench``. Built in, from the seed:
 
 * ``baseline``: E2E P50 <= 450 ms, P95 <= 1.2 s, P99 <= 2 s; errors < 0.5%.
-* ``advanced``: baseline, plus TTFT P99 <= 350 ms (mobile <= 300 ms, VIP <= 200 ms, for requests whose business
-  type is ``mobile`` or ``vip``); long-context decay: P99 E2E of prompts >= 64K tokens at most 40% above that of
-  prompts < 8K; degraded answers < 2% (where the server marks them).
+* ``advanced``: baseline, plus TTFT P99 <= 350 ms (mobile clients <= 300 ms and the VIP lane <= 200 ms, which a
+  bench run cannot tell apart: not judged here); long-context decay: P99 E2E of prompts >= 64K tokens at most 40%
+  above that of prompts < 8K; degraded answers < 2% (where the server marks them; a run counts as peak time).
 * ``strict``: advanced, plus finance Q&A E2E P99 <= 1.5 s and medical report generation E2E P95 <= 3 s (for
   requests of business type ``finance`` / ``medical``; a run with no business types is held to the finance bound
   as a whole).
 
 The seed does not say which latency its baseline percentiles are of; we read them as E2E (the request's latency as
-the user waits for it) and say so. Custom profiles come from YAML (see ``load_profiles``).
+the user waits for it) and say so. The bench judges TTFT, ITL, TPOT and E2E objectives that select on business
+type only, the error and degradation rates and the long-context decay; it names the objectives it cannot judge.
+Custom profiles come from YAML (see ``load_profiles``): the monitor's shape, or the bench's own shape
+(:func:`profile_from_dict`), read into the same model.
 
 A verdict compares the point estimate with the threshold and says whether the bootstrap CI agrees: "pass" with the
 whole CI under the threshold is certain; a CI that straddles it is "uncertain" (more requests would settle it).
-Goodput: completed requests per second that met every per-request bound of the profile. A failed, cut-off or
-refused (429) request is a miss everywhere: it enters each percentile objective in its scope above any threshold, and
-it is never good for goodput (while still counting in goodput's denominator).
+Goodput: completed requests per second that met every per-request bound of the profile (its ``request_bounds``,
+or by default each judged metric's highest-percentile threshold per business type). A failed, cut-off or refused
+(429) request is a miss everywhere: it enters each percentile objective in its scope above any threshold, and it is
+never good for goodput (while still counting in goodput's denominator).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,102 +37,84 @@ import numpy as np
 
 from tailguard.bench.metrics import RequestMetrics
 from tailguard.bench.stats import Bootstrap, missed, with_misses
+from tailguard.slo.profiles import (
+    BUILTIN_PROFILES,
+    Metric,
+    Objective,
+    RequestBound,
+    Selector,
+    SLOProfile,
+    get_profile,
+    parse_profiles,
+)
+
+__all__ = [
+    "BUILTIN",
+    "METRICS",
+    "Objective",
+    "RequestBound",
+    "SLOProfile",
+    "bench_bounds",
+    "describe",
+    "evaluate",
+    "from_monitor_profile",
+    "golden_rules",
+    "judged_objectives",
+    "load_profiles",
+    "meets_bounds",
+    "parse_seconds",
+    "profile_from_dict",
+    "slowest",
+]
 
 METRICS = ("ttft", "itl", "tpot", "e2e")
 
-
-@dataclass
-class Objective:
-    metric: str  # ttft | itl | tpot | e2e
-    percentile: float
-    threshold: float  # seconds
-    label: str = ""
-    business_types: tuple[str, ...] = ()  # only requests of these business types; () = all
-    all_if_unlabelled: bool = False  # no request has a business type: apply to the whole run
-
-    def describe(self) -> str:
-        scope = f" [{'/'.join(self.business_types)}]" if self.business_types else ""
-        return self.label or f"{self.metric.upper()} P{self.percentile:g} <= {_fmt_s(self.threshold)}{scope}"
-
-
-@dataclass
-class RequestBound:
-    """A per-request bound for goodput: ``metric <= threshold`` (optionally only for some business types)."""
-
-    metric: str
-    threshold: float
-    business_types: tuple[str, ...] = ()
-    all_if_unlabelled: bool = False
-
-
-@dataclass
-class LongContextRule:
-    long_min_tokens: int = 65536
-    short_max_tokens: int = 8192
-    max_increase: float = 0.40  # P99 of long at most 40% above P99 of short
-    metric: str = "e2e"
-
-
-@dataclass
-class SLOProfile:
-    name: str
-    description: str = ""
-    objectives: list[Objective] = field(default_factory=list)
-    max_error_rate: float | None = None
-    request_bounds: list[RequestBound] = field(default_factory=list)
-    long_context: LongContextRule | None = None
-    max_degraded_rate: float | None = None
-
-    def to_dict(self) -> dict:
-        return {
-            "name": self.name, "description": self.description, "max_error_rate": self.max_error_rate,
-            "objectives": [{"metric": o.metric, "percentile": o.percentile, "threshold_s": o.threshold,
-                            "business_types": list(o.business_types), "label": o.describe()} for o in self.objectives],
-            "request_bounds": [{"metric": b.metric, "threshold_s": b.threshold,
-                                "business_types": list(b.business_types)} for b in self.request_bounds],
-            "long_context": None if self.long_context is None else vars(self.long_context),
-            "max_degraded_rate": self.max_degraded_rate,
-        }
+# The bench's built-in names (its default --profiles); every built-in of the monitor is accepted by name too.
+BUILTIN: dict[str, Callable[[], SLOProfile]] = {
+    name: (lambda name=name: get_profile(name)) for name in ("baseline", "advanced", "strict")
+}
 
 
 def _fmt_s(x: float) -> str:
     return f"{x * 1e3:g} ms" if x < 1 else f"{x:g} s"
 
 
-def _baseline() -> SLOProfile:
-    return SLOProfile(
-        "baseline", "seed baseline: E2E P50 <= 450 ms, P95 <= 1.2 s, P99 <= 2 s, errors < 0.5%",
-        objectives=[Objective("e2e", 50, 0.45), Objective("e2e", 95, 1.2), Objective("e2e", 99, 2.0)],
-        max_error_rate=0.005, request_bounds=[RequestBound("e2e", 2.0)],
-    )
+def describe(p: SLOProfile, o: Objective) -> str:
+    """A bench check's name, e.g. ``E2E P99 <= 2 s [finance]``."""
+    if o.name:
+        return o.name
+    bts = p.business_types_of(o)
+    scope = f" [{'/'.join(bts)}]" if bts else ""
+    return f"{o.metric.value.upper()} P{o.percentile:g} <= {_fmt_s(o.threshold)}{scope}"
 
 
-def _advanced() -> SLOProfile:
-    p = _baseline()
-    p.name = "advanced"
-    p.description = ("seed advanced: baseline + TTFT <= 350 ms (mobile 300 ms, VIP 200 ms), long-context decay "
-                     "<= 40% at 64K, degraded answers < 2%")
-    p.objectives += [Objective("ttft", 99, 0.35), Objective("ttft", 99, 0.30, business_types=("mobile",)),
-                     Objective("ttft", 99, 0.20, business_types=("vip",))]
-    p.request_bounds += [RequestBound("ttft", 0.35), RequestBound("ttft", 0.30, ("mobile",)),
-                         RequestBound("ttft", 0.20, ("vip",))]
-    p.long_context = LongContextRule()
-    p.max_degraded_rate = 0.02
-    return p
+def judged_objectives(p: SLOProfile) -> tuple[list[Objective], list[str]]:
+    """The latency objectives the bench judges percentile by percentile (TTFT, ITL, TPOT, E2E, selecting on
+    business type only), and the labels of the objectives it cannot judge at all."""
+    judged, skipped = [], []
+    for o in p.objectives:
+        if o.metric is Metric.ERROR_RATE and o.where.is_empty:
+            continue  # max_error_rate
+        if o.metric is Metric.DEGRADATION_RATE and p.selects_on_business_types_only(o, ignore_peak=True):
+            continue  # max_degraded_rate: a load test is peak time
+        if o.metric is Metric.LONG_CONTEXT_DECAY and o.where.is_empty and o.of.value in METRICS:
+            continue  # long_context
+        if o.is_latency and o.metric.value in METRICS and p.selects_on_business_types_only(o):
+            judged.append(o)
+        else:
+            skipped.append(o.label)
+    return judged, skipped
 
 
-def _strict() -> SLOProfile:
-    p = _advanced()
-    p.name = "strict"
-    p.description = ("seed strict scenarios: advanced + finance Q&A E2E P99 <= 1.5 s, medical report generation "
-                     "E2E P95 <= 3 s")
-    p.objectives += [Objective("e2e", 99, 1.5, "finance Q&A: E2E P99 <= 1.5 s", ("finance",), True),
-                     Objective("e2e", 95, 3.0, "medical reports: E2E P95 <= 3 s", ("medical",))]
-    p.request_bounds += [RequestBound("e2e", 1.5, ("finance",), True)]
-    return p
+def from_monitor_profile(mp: SLOProfile) -> SLOProfile:
+    """The profile itself, once checked that the bench can judge something in it (there is one profile model)."""
+    judged, _ = judged_objectives(mp)
+    if not judged and mp.max_error_rate is None:
+        _, skipped = judged_objectives(mp)
+        raise ValueError(f"profile {mp.name!r}: none of its objectives can be judged by the bench "
+                         f"({', '.join(skipped)})")
+    return mp
 
-
-BUILTIN = {"baseline": _baseline, "advanced": _advanced, "strict": _strict}
 
 _UNIT = re.compile(r"^\s*([0-9.]+)\s*(ms|s|us|µs)?\s*$")
 
@@ -159,7 +146,8 @@ def _bt(d: dict) -> tuple[str, ...]:
 
 
 def profile_from_dict(d: dict) -> SLOProfile:
-    """One profile from a mapping (the YAML shape below); ``extends`` starts from a built-in.
+    """One profile from the bench's own YAML shape, read into the shared model; ``extends`` starts from a built-in
+    and an objective with the label of an inherited one replaces it.
 
     ::
 
@@ -170,23 +158,33 @@ def profile_from_dict(d: dict) -> SLOProfile:
         objectives:
           - {metric: ttft, percentile: 99, threshold: 500ms}
           - {metric: e2e, percentile: 95, threshold: 1.5s, business_types: [vip]}
-        request_bounds:              # per-request bounds that define goodput
+        request_bounds:              # per-request bounds that define goodput (default: from the objectives)
           - {metric: e2e, threshold: 2s}
         long_context: {long_min_tokens: 32768, short_max_tokens: 4096, max_increase: 0.5}
     """
     if "name" not in d:
         raise ValueError("a profile needs a name")
-    base = d.get("extends")
-    if base:
-        if base not in BUILTIN:
-            raise ValueError(f"extends: unknown built-in profile {base!r}")
-        p = BUILTIN[base]()
-        p.name = str(d["name"])
-    else:
-        p = SLOProfile(str(d["name"]))
-    p.description = str(d.get("description", p.description))
+    base_name = d.get("extends")
+    objs: dict[str, Objective] = {}
+    description, bounds = "", None
+    if base_name:
+        if base_name not in BUILTIN and base_name not in BUILTIN_PROFILES:
+            raise ValueError(f"extends: unknown built-in profile {base_name!r}")
+        base = get_profile(str(base_name))
+        objs = {o.label: o for o in base.objectives}
+        description, bounds = base.description, base.request_bounds
+
+    def put(o: Objective) -> None:
+        objs[o.label] = o
+
+    def drop(metric: Metric) -> None:
+        for label in [k for k, o in objs.items() if o.metric is metric]:
+            del objs[label]
+
     if "max_error_rate" in d:
-        p.max_error_rate = None if d["max_error_rate"] is None else float(d["max_error_rate"])
+        drop(Metric.ERROR_RATE)
+        if d["max_error_rate"] is not None:
+            put(Objective(metric=Metric.ERROR_RATE, threshold=float(d["max_error_rate"]), comparison="<"))
     for o in d.get("objectives", ()) or ():
         metric = str(o.get("metric", "")).lower()
         if metric not in METRICS:
@@ -194,56 +192,34 @@ def profile_from_dict(d: dict) -> SLOProfile:
         pct = float(str(o.get("percentile", o.get("p", ""))).lstrip("pP") or "nan")
         if not 0 < pct < 100:
             raise ValueError(f"objective percentile must be in (0, 100): {o}")
-        p.objectives.append(Objective(metric, pct, _threshold(o), str(o.get("label", "")), _bt(o),
-                                      bool(o.get("all_if_unlabelled", False))))
-    for b in d.get("request_bounds", ()) or ():
-        metric = str(b.get("metric", "")).lower()
-        if metric not in METRICS:
-            raise ValueError(f"request bound metric must be one of {', '.join(METRICS)}: {b}")
-        p.request_bounds.append(RequestBound(metric, _threshold(b), _bt(b), bool(b.get("all_if_unlabelled", False))))
+        put(Objective(metric=Metric(metric), percentile=pct, threshold=_threshold(o),
+                      where=Selector(business_types=tuple(b.lower() for b in _bt(o))),
+                      name=str(o["label"]) if o.get("label") else None,
+                      all_if_unlabelled=bool(o.get("all_if_unlabelled", False))))
+    if d.get("request_bounds"):
+        derived = bounds if bounds is not None else (get_profile(str(base_name)).goodput_bounds() if base_name
+                                                     else ())
+        extra = []
+        for b in d["request_bounds"]:
+            metric = str(b.get("metric", "")).lower()
+            if metric not in METRICS:
+                raise ValueError(f"request bound metric must be one of {', '.join(METRICS)}: {b}")
+            extra.append(RequestBound(metric=Metric(metric), threshold=_threshold(b), business_types=_bt(b),
+                                      all_if_unlabelled=bool(b.get("all_if_unlabelled", False))))
+        bounds = (*derived, *extra)
     if d.get("long_context"):
-        p.long_context = LongContextRule(**d["long_context"])
+        lc = dict(d["long_context"])
+        drop(Metric.LONG_CONTEXT_DECAY)
+        put(Objective(metric=Metric.LONG_CONTEXT_DECAY, percentile=99, threshold=lc.pop("max_increase", 0.40),
+                      of=Metric(lc.pop("metric", "e2e")), **lc))
     if "max_degraded_rate" in d:
-        p.max_degraded_rate = d["max_degraded_rate"]
-    if not p.objectives and p.max_error_rate is None:
-        raise ValueError(f"profile {p.name!r} has no objectives")
-    return p
-
-
-def from_monitor_profile(mp) -> SLOProfile:
-    """The bench's view of a live monitor profile (``tailguard.slo.profiles.SLOProfile``, the YAML that
-    ``tailguard serve`` reads), so one profiles file serves both. The bench judges TTFT, ITL, TPOT and E2E by
-    business type; objectives on other metrics or on lanes, clients, regions or peak hours are named in the
-    description as not judged here. Goodput bounds: per metric and scope, the threshold of its highest percentile."""
-    from tailguard.slo.profiles import LATENCY_METRICS, Metric
-
-    p = SLOProfile(mp.name, mp.description)
-    skipped: list[str] = []
-    top: dict[tuple[str, tuple[str, ...]], tuple[float, float]] = {}
-    for o in mp.objectives:
-        bts = tuple(b.lower() for b in (o.where.business_types or mp.applies_to.business_types))
-        if any(sel.lanes or sel.clients or sel.regions or sel.peak_only or sel.min_input_tokens is not None
-               or sel.max_input_tokens is not None for sel in (o.where, mp.applies_to)):
-            skipped.append(o.label)
-        elif o.metric in LATENCY_METRICS and o.metric.value in METRICS and o.percentile is not None:
-            p.objectives.append(Objective(o.metric.value, o.percentile, o.threshold, business_types=bts))
-            key = (o.metric.value, bts)
-            if key not in top or o.percentile > top[key][0]:
-                top[key] = (o.percentile, o.threshold)
-        elif o.metric is Metric.ERROR_RATE:
-            p.max_error_rate = o.threshold
-        elif o.metric is Metric.DEGRADATION_RATE:
-            p.max_degraded_rate = o.threshold
-        elif o.metric is Metric.LONG_CONTEXT_DECAY and o.of.value in METRICS:
-            p.long_context = LongContextRule(o.long_min_tokens, o.short_max_tokens, o.threshold, o.of.value)
-        else:
-            skipped.append(o.label)
-    p.request_bounds = [RequestBound(metric, threshold, bts) for (metric, bts), (_, threshold) in top.items()]
-    if skipped:
-        p.description = f"{p.description} (not judged by the bench: {', '.join(skipped)})".strip()
-    if not p.objectives and p.max_error_rate is None:
-        raise ValueError(f"profile {p.name!r}: none of its objectives can be judged by the bench ({', '.join(skipped)})")
-    return p
+        drop(Metric.DEGRADATION_RATE)
+        if d["max_degraded_rate"] is not None:
+            put(Objective(metric=Metric.DEGRADATION_RATE, threshold=float(d["max_degraded_rate"]), comparison="<"))
+    if not objs:
+        raise ValueError(f"profile {d['name']!r} has no objectives")
+    return SLOProfile(name=str(d["name"]), description=str(d.get("description", description)),
+                      objectives=tuple(objs.values()), request_bounds=bounds)
 
 
 def _is_monitor_format(doc: Any) -> bool:
@@ -257,18 +233,18 @@ def load_profiles(names: list[str]) -> list[SLOProfile]:
     (``profiles: {name: {...}}``, see docs/slo.md), so that one file serves ``serve`` and ``bench``."""
     out: list[SLOProfile] = []
     for n in names:
-        if n in BUILTIN:
-            out.append(BUILTIN[n]())
-            continue
         path = Path(n)
         if not path.is_file():
-            raise ValueError(f"unknown SLO profile {n!r}: use {', '.join(BUILTIN)} or a YAML file")
+            try:
+                out.append(get_profile(n))
+            except KeyError:
+                raise ValueError(f"unknown SLO profile {n!r}: use {', '.join(BUILTIN_PROFILES)} or a YAML "
+                                 "file") from None
+            continue
         import yaml
 
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
         if _is_monitor_format(doc):
-            from tailguard.slo.profiles import parse_profiles
-
             out.extend(from_monitor_profile(mp) for mp in parse_profiles(doc, str(path)).values())
             continue
         items = doc.get("profiles") if isinstance(doc, dict) and "profiles" in doc else [doc]
@@ -299,13 +275,19 @@ def _values(rows: list[RequestMetrics], metric: str) -> tuple[list[float], list[
     return [getattr(m, metric) for m in rows if getattr(m, metric) is not None], None
 
 
-def meets_bounds(m: RequestMetrics, p: SLOProfile, unlabelled_run: bool) -> bool:
+def bench_bounds(p: SLOProfile) -> tuple[RequestBound, ...]:
+    """The per-request bounds of goodput, on the metrics a bench request carries."""
+    return tuple(b for b in p.goodput_bounds(judged_objectives(p)[0]) if b.metric.value in METRICS)
+
+
+def meets_bounds(m: RequestMetrics, p: SLOProfile, unlabelled_run: bool,
+                 bounds: tuple[RequestBound, ...] | None = None) -> bool:
     if not m.ok:
         return False
-    for b in p.request_bounds:
-        if not _in_scope(m, b.business_types, b.all_if_unlabelled, unlabelled_run):
+    for b in bench_bounds(p) if bounds is None else bounds:
+        if not _in_scope(m, tuple(x.lower() for x in b.business_types), b.all_if_unlabelled, unlabelled_run):
             continue
-        v = (max(m.itl) if m.itl else 0.0) if b.metric == "itl" else getattr(m, b.metric)
+        v = (max(m.itl) if m.itl else 0.0) if b.metric is Metric.ITL else getattr(m, b.metric.value)
         if v is None or v > b.threshold:
             return False
     return True
@@ -316,13 +298,15 @@ def evaluate(p: SLOProfile, measured: list[RequestMetrics], window: float, reps:
     ok = [m for m in measured if m.ok]
     unlabelled = all(not m.business_type for m in measured)
     checks: list[dict] = []
-    for o in p.objectives:
-        rows = [m for m in measured if _in_scope(m, o.business_types, o.all_if_unlabelled, unlabelled)]
+    judged, not_judged = judged_objectives(p)
+    for o in judged:
+        assert o.percentile is not None  # a latency objective
+        rows = [m for m in measured if _in_scope(m, p.business_types_of(o), o.all_if_unlabelled, unlabelled)]
         good_rows = [m for m in rows if m.ok]
         # a failed, cut-off or refused request in scope is a miss of the objective, not a request that never was
-        vals, owner = with_misses(*_values(good_rows, o.metric), len(rows) - len(good_rows))
-        c = {"objective": o.describe(), "metric": o.metric, "percentile": o.percentile, "threshold_s": o.threshold,
-             "requests": len(rows), "failed_in_scope": len(rows) - len(good_rows)}
+        vals, owner = with_misses(*_values(good_rows, o.metric.value), len(rows) - len(good_rows))
+        c = {"objective": describe(p, o), "metric": o.metric.value, "percentile": o.percentile,
+             "threshold_s": o.threshold, "requests": len(rows), "failed_in_scope": len(rows) - len(good_rows)}
         if not vals:
             c.update(status="n/a", value_s=None, ci_s=None, note="no requests in scope")
             checks.append(c)
@@ -359,11 +343,16 @@ def evaluate(p: SLOProfile, measured: list[RequestMetrics], window: float, reps:
             rate = degraded / len(ok) if ok else 0.0
             checks.append({"objective": f"degraded answers < {p.max_degraded_rate * 100:g}%", "metric": "degraded",
                            "value": rate, "status": "pass" if rate < p.max_degraded_rate else "fail"})
-    good = sum(1 for m in ok if meets_bounds(m, p, unlabelled))
+    bounds = bench_bounds(p)
+    good = sum(1 for m in ok if meets_bounds(m, p, unlabelled, bounds))
     statuses = [c["status"] for c in checks]
+    description = p.description
+    if not_judged:  # said, not silently dropped
+        description = f"{description} (not judged by the bench: {', '.join(not_judged)})".strip()
     return {
         "profile": p.name,
-        "description": p.description,
+        "description": description,
+        "not_judged": not_judged,
         "pass": "fail" not in statuses and "pass" in statuses,
         "evaluated": sum(1 for s in statuses if s != "n/a"),
         "checks": checks,
@@ -384,21 +373,24 @@ def _wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, c - h), min(1.0, c + h)
 
 
-def _long_context(rule: LongContextRule, ok: list[RequestMetrics]) -> dict:
+def _long_context(rule: Objective, ok: list[RequestMetrics]) -> dict:
+    """A long_context_decay objective: P(long) / P(short) - 1 <= threshold."""
+
     def toks(m: RequestMetrics) -> int:
         return m.prompt_tokens or m.prompt_tokens_local or m.prompt_tokens_target or 0
 
-    long_v = [getattr(m, rule.metric) for m in ok if toks(m) >= rule.long_min_tokens]
-    short_v = [getattr(m, rule.metric) for m in ok if 0 < toks(m) < rule.short_max_tokens]
-    c = {"objective": f"long-context decay: P99 {rule.metric.upper()} at >= {rule.long_min_tokens // 1024}K tokens "
-                      f"<= {1 + rule.max_increase:g} x P99 below {rule.short_max_tokens // 1024}K",
-         "metric": "long_context_decay", "threshold": rule.max_increase}
+    metric, pct, max_increase = rule.of.value, rule.percentile or 99.0, rule.threshold
+    long_v = [v for m in ok if toks(m) >= rule.long_min_tokens and (v := getattr(m, metric)) is not None]
+    short_v = [v for m in ok if 0 < toks(m) < rule.short_max_tokens and (v := getattr(m, metric)) is not None]
+    c = {"objective": f"long-context decay: P{pct:g} {metric.upper()} at >= {rule.long_min_tokens // 1024}K tokens "
+                      f"<= {1 + max_increase:g} x P{pct:g} below {rule.short_max_tokens // 1024}K",
+         "metric": "long_context_decay", "threshold": max_increase}
     if not long_v or not short_v:
         c.update(status="n/a", note=f"needs prompts both >= {rule.long_min_tokens} and < {rule.short_max_tokens} "
                                     "tokens in one run (use --workload long and a mixed length spread)")
         return c
-    inc = float(np.percentile(long_v, 99)) / float(np.percentile(short_v, 99)) - 1
-    c.update(value=inc, status="pass" if inc <= rule.max_increase else "fail", requests=len(long_v) + len(short_v))
+    inc = float(np.percentile(long_v, pct)) / float(np.percentile(short_v, pct)) - 1
+    c.update(value=inc, status="pass" if inc <= max_increase else "fail", requests=len(long_v) + len(short_v))
     return c
 
 

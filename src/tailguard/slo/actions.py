@@ -5,13 +5,16 @@
   (``replicas_delta_pct`` negative) when the monitor is back to green.
 - **orange** (and above) -> shed: :meth:`ActionEngine.shed_for` answers with the refusal (status, ``Retry-After``)
   for non-core business types and lanes (protected lanes never); the server answers 429 or 503.
-- **red** -> degrade: :meth:`ActionEngine.degradation_for` returns the configured template for traffic of the red
-  scope; the server answers with it and marks the response and the record degraded.
+- **red** -> degrade: :meth:`ActionEngine.degradation_for` returns a :class:`Degradation` for traffic of the red
+  scope (shedding goes on, since red implies orange). By default it says "truncate: cap max_tokens at N"; a canned
+  template answer only where ``degrade.mode: template`` asks for one. The server applies it and marks the response
+  and the record degraded.
 
 Every action is undone when its tier clears. In dry-run mode nothing changes (no hook call, no shedding, no
-degradation); only the records say what would have happened. Every alert and action becomes a record (a dict, see
-:class:`RecordLog`) handed to the sinks (the server's request store persists them) and is counted in Prometheus
-metrics (:class:`SLOMetrics`).
+degradation); only the records say what would have happened. Every alert and action becomes one typed
+:class:`SLORecord`, built by :meth:`SLORecord.start` / :meth:`SLORecord.end` only; :class:`RecordLog` hands its dict
+form to the sinks (the server's request store persists them). Everything is counted in Prometheus metrics
+(:class:`SLOMetrics`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -36,7 +39,7 @@ from tailguard.slo.profiles import Selector
 
 log = logging.getLogger("tailguard.slo")
 
-__all__ = ["ActionEngine", "Degradation", "HookRunner", "RecordLog", "RecordSink", "SLOMetrics", "new_id"]
+__all__ = ["ActionEngine", "Degradation", "HookRunner", "RecordLog", "RecordSink", "SLOMetrics", "SLORecord", "new_id"]
 
 RecordSink = Callable[[dict[str, Any]], None]
 
@@ -45,13 +48,58 @@ def new_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
+RecordKind = Literal["alert", "action", "hook", "advisory", "objective"]
+
+
+@dataclass(frozen=True, slots=True)
+class SLORecord:
+    """One alert, action, hook call, advisory or objective change: the monitor's only record type.
+
+    Records are events. ``start`` opens one (an alert raised, an action started); ``end`` closes it with a second
+    record that repeats its ``id`` and ``started_at`` and sets ``ended_at``. ``figures`` are the numbers that
+    triggered it, ``details`` what was done; ``alert_id`` links an action to the alert that caused it.
+    """
+
+    id: str
+    kind: RecordKind
+    name: str
+    event: str
+    scope: str
+    tier: str | None
+    at: float
+    started_at: float | None
+    ended_at: float | None
+    figures: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    dry_run: bool = False
+    alert_id: str | None = None
+
+    @classmethod
+    def start(cls, kind: RecordKind, name: str, event: str, scope: str, tier: str | None, at: float, *,
+              figures: dict[str, Any] | None = None, details: dict[str, Any] | None = None, dry_run: bool = False,
+              alert_id: str | None = None, started_at: float | None = None) -> SLORecord:
+        return cls(new_id(), kind, name, event, scope, tier, at, at if started_at is None else started_at, None,
+                   dict(figures or {}), dict(details or {}), dry_run, alert_id)
+
+    def end(self, event: str, at: float, *, tier: str | None = None, figures: dict[str, Any] | None = None,
+            details: dict[str, Any] | None = None, dry_run: bool | None = None) -> SLORecord:
+        """The record that closes this one: same id, kind, name, scope, start and alert."""
+        return replace(self, event=event, at=at, ended_at=at, tier=self.tier if tier is None else tier,
+                       figures=dict(figures or {}), details=dict(details or {}),
+                       dry_run=self.dry_run if dry_run is None else dry_run)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready form the sinks, the store and ``GET /v1/alerts`` carry."""
+        return {"id": self.id, "kind": self.kind, "name": self.name, "event": self.event, "scope": self.scope,
+                "tier": self.tier, "at": self.at, "started_at": self.started_at, "ended_at": self.ended_at,
+                "figures": self.figures, "details": self.details, "dry_run": self.dry_run, "alert_id": self.alert_id}
+
+
 class RecordLog:
     """Keeps the last ``max_records`` alert/action records and hands each new one to every sink.
 
-    A record is a flat JSON-ready dict: ``id``, ``kind`` (alert | action | hook | advisory | objective), ``name``,
-    ``event``, ``scope``, ``tier``, ``at`` (unix seconds), ``started_at``, ``ended_at``, ``figures`` (the numbers
-    that triggered it), ``details`` and ``dry_run``. Records are events: an alert that clears produces a second
-    record with the same ``id`` and ``ended_at`` set. A sink that raises is logged and skipped, never propagated.
+    Records are :class:`SLORecord`; the log keeps and hands out their dict form (``SLORecord.to_dict``). A sink
+    that raises is logged and skipped, never propagated.
     """
 
     def __init__(self, max_records: int = 1000, sinks: list[RecordSink] | None = None) -> None:
@@ -60,7 +108,8 @@ class RecordLog:
         self._lock = threading.Lock()
         self.sink_errors = 0
 
-    def emit(self, record: dict[str, Any]) -> dict[str, Any]:
+    def emit(self, rec: SLORecord) -> dict[str, Any]:
+        record = rec.to_dict()
         with self._lock:
             self._records.append(record)
             sinks = list(self._sinks)
@@ -120,15 +169,44 @@ class SLOMetrics:
 
 @dataclass(frozen=True)
 class Degradation:
-    """What the server does for a request while red holds its scope."""
+    """The decision for one request while red holds its scope: what the server must do, and what it must say.
 
-    mode: str  # "template": answer with ``template``; "truncate": serve with at most ``max_tokens``
+    ``mode`` is ``"truncate"`` (the default: serve the request, with at most ``max_tokens`` output tokens) or
+    ``"template"`` (opt-in: answer with ``template`` and no model call). The server applies :meth:`cap` to the
+    request's max_tokens, stores :meth:`slo_action` in the request's record, and shows the degradation in the
+    response body (see docs/slo.md, "What a degraded answer looks like").
+    """
+
+    mode: Literal["truncate", "template"]
     template: str
     max_tokens: int
     scope: str
     tier: str
     action_id: str
     reason: str
+
+    @property
+    def truncates(self) -> bool:
+        return self.mode == "truncate"
+
+    @property
+    def answers_with_template(self) -> bool:
+        return self.mode == "template"
+
+    def cap(self, requested_max_tokens: int) -> int:
+        """The max_tokens to serve with: the request's own, capped while truncating."""
+        return min(requested_max_tokens, self.max_tokens) if self.truncates else requested_max_tokens
+
+    def describe(self) -> str:
+        return f"truncate to {self.max_tokens} tokens" if self.truncates else "answer with the template"
+
+    def slo_action(self) -> dict[str, Any]:
+        """The record of this decision for the request (``Timeline.slo_action``)."""
+        out: dict[str, Any] = {"action": "degrade", "mode": self.mode, "tier": self.tier, "scope": self.scope,
+                               "action_id": self.action_id, "reason": self.reason}
+        if self.truncates:
+            out["max_tokens"] = self.max_tokens
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -251,9 +329,9 @@ class ActionEngine:
         self.metrics = metrics
         self.hooks = hooks or HookRunner(cfg.scale_out, inline=cfg.inline_hooks)
         self.dry_run = cfg.dry_run
-        self.scale_out: dict[str, Any] | None = None  # the "started" record while in effect
-        self.shed: dict[str, Any] | None = None
-        self.degrade: dict[str, dict[str, Any]] = {}  # scope -> "started" record
+        self.scale_out: SLORecord | None = None  # the "started" record while in effect
+        self.shed: SLORecord | None = None
+        self.degrade: dict[str, SLORecord] = {}  # scope -> "started" record
         # Per-request fast path state (rebuilt on change; read without a lock: plain attribute swaps).
         self._shed_on = False
         self._shed_info: dict[str, Any] | None = None
@@ -292,41 +370,36 @@ class ActionEngine:
         return None
 
     # --- records -----------------------------------------------------------------------------------------------------
-    def _record(self, name: str, event: str, now: float, scope: str, tier: int, figures: dict[str, Any],
-                details: dict[str, Any], rec_id: str | None = None, started_at: float | None = None,
-                alert_id: str | None = None) -> dict[str, Any]:
-        rec = {
-            "id": rec_id or new_id(), "kind": "action", "name": name, "event": event, "scope": scope,
-            "tier": TIERS[tier], "at": now, "started_at": started_at if started_at is not None else now,
-            "ended_at": now if event == "undone" else None, "figures": figures, "details": details,
-            "dry_run": self.dry_run, "alert_id": alert_id,
-        }
+    def _start(self, name: str, now: float, scope: str, tier: int, figures: dict[str, Any],
+               details: dict[str, Any], alert_id: str | None) -> SLORecord:
+        return SLORecord.start("action", name, "started", scope, TIERS[tier], now, figures=figures, details=details,
+                               dry_run=self.dry_run, alert_id=alert_id)
+
+    def _emit(self, rec: SLORecord) -> SLORecord:
         self.records.emit(rec)
         if self.metrics is not None:
-            self.metrics.actions.labels(name, event, "1" if self.dry_run else "0").inc()
-            self.metrics.action_active.labels(name, scope).set(
-                1 if event == "started" and not self.dry_run else 0)
+            self.metrics.actions.labels(rec.name, rec.event, "1" if self.dry_run else "0").inc()
+            self.metrics.action_active.labels(rec.name, rec.scope).set(
+                1 if rec.event == "started" and not self.dry_run else 0)
         return rec
 
-    def _hook(self, action_rec: dict[str, Any], delta_pct: float, now: float) -> str:
+    def _hook(self, action_rec: SLORecord, delta_pct: float, now: float) -> str:
         if self.dry_run:
             return "dry_run"
         if not self.hooks.configured:
             return "no_hook_configured"
         payload = {
             "source": "tailguard", "action": "scale_out" if delta_pct > 0 else "scale_in",
-            "replicas_delta_pct": delta_pct, "reason": f"tier {action_rec['tier']} in scope {action_rec['scope']}",
-            "action_id": action_rec["id"], "alert_id": action_rec.get("alert_id"), "at": now,
-            "figures": action_rec["figures"],
+            "replicas_delta_pct": delta_pct, "reason": f"tier {action_rec.tier} in scope {action_rec.scope}",
+            "action_id": action_rec.id, "alert_id": action_rec.alert_id, "at": now,
+            "figures": action_rec.figures,
         }
 
         def done(res: dict[str, Any]) -> None:
-            self.records.emit({
-                "id": new_id(), "kind": "hook", "name": payload["action"], "event": "ok" if res.get("ok") else "failed",
-                "scope": action_rec["scope"], "tier": action_rec["tier"], "at": self.clock(),
-                "started_at": now, "ended_at": self.clock(), "figures": {}, "details": {**res, "ref": action_rec["id"]},
-                "dry_run": False, "alert_id": action_rec.get("alert_id"),
-            })
+            t = self.clock()
+            self.records.emit(SLORecord(
+                new_id(), "hook", payload["action"], "ok" if res.get("ok") else "failed", action_rec.scope,
+                action_rec.tier, t, now, t, {}, {**res, "ref": action_rec.id}, False, action_rec.alert_id))
             if self.metrics is not None:
                 self.metrics.hook_calls.labels(res.get("target", "?"), "ok" if res.get("ok") else "failed").inc()
 
@@ -336,51 +409,46 @@ class ActionEngine:
     # --- tiers -> actions --------------------------------------------------------------------------------------------
     def reconcile(self, tiers: Mapping[str, int], figures: Mapping[str, dict[str, Any]],
                   alert_ids: Mapping[tuple[str, int], str], now: float) -> list[dict[str, Any]]:
-        """Bring the actions in line with the tiers; returns the records emitted."""
-        out: list[dict[str, Any]] = []
+        """Bring the actions in line with the tiers; returns the records emitted (dict form)."""
+        out: list[SLORecord] = []
         top_scope = max(tiers, key=lambda s: tiers[s]) if tiers else "all"
         top = tiers.get(top_scope, 0)
         figs_top = dict(figures.get(top_scope, {}))
         so = self.cfg.scale_out
         # yellow and above: scale out, once per escalation from green
         if top >= 1 and self.scale_out is None:
-            rec = self._record("scale_out", "started", now, top_scope, top, figs_top,
-                               {"replicas_delta_pct": so.replicas_pct},
-                               alert_id=alert_ids.get((top_scope, 1)))
-            rec["details"]["hook"] = self._hook(rec, so.replicas_pct, now)
-            self.scale_out = rec
+            rec = self._start("scale_out", now, top_scope, top, figs_top, {"replicas_delta_pct": so.replicas_pct},
+                              alert_ids.get((top_scope, 1)))
+            self.scale_out = self._emit(rec)
+            # After the record, so that it precedes the hook's own record; its details dict is shared, not copied.
+            rec.details["hook"] = self._hook(rec, so.replicas_pct, now)
             out.append(rec)
         elif top == 0 and self.scale_out is not None:
-            start = self.scale_out
-            rec = self._record("scale_out", "undone", now, start["scope"], 0, figs_top,
-                               {"replicas_delta_pct": -so.replicas_pct if so.undo else 0},
-                               rec_id=start["id"], started_at=start["started_at"], alert_id=start.get("alert_id"))
-            rec["details"]["hook"] = self._hook(rec, -so.replicas_pct, now) if so.undo else "undo_disabled"
+            rec = self.scale_out.end("undone", now, tier=TIERS[0], figures=figs_top,
+                                     details={"replicas_delta_pct": -so.replicas_pct if so.undo else 0})
             self.scale_out = None
-            out.append(rec)
+            out.append(self._emit(rec))
+            rec.details["hook"] = self._hook(rec, -so.replicas_pct, now) if so.undo else "undo_disabled"
         # orange and above: shed non-core traffic
         if self.cfg.shed.enabled:
             if top >= 2 and self.shed is None:
                 sc = self.cfg.shed
-                rec = self._record("shed", "started", now, top_scope, top, figs_top, {
+                rec = self._start("shed", now, top_scope, top, figs_top, {
                     "non_core_business_types": sc.non_core_business_types, "non_core_lanes": sc.non_core_lanes,
                     "protected_lanes": sc.protected_lanes, "status": sc.status, "retry_after_s": sc.retry_after_s,
-                }, alert_id=alert_ids.get((top_scope, 2)))
-                self.shed = rec
+                }, alert_ids.get((top_scope, 2)))
+                self.shed = self._emit(rec)
                 self._shed_on = not self.dry_run
                 self._shed_info = None if self.dry_run else {
-                    "action": "shed", "status": sc.status, "retry_after_s": sc.retry_after_s, "tier": rec["tier"],
-                    "scope": top_scope, "action_id": rec["id"],
+                    "action": "shed", "mode": "shed", "status": sc.status, "retry_after_s": sc.retry_after_s,
+                    "tier": rec.tier, "scope": top_scope, "action_id": rec.id,
                 }
                 out.append(rec)
             elif top < 2 and self.shed is not None:
-                start = self.shed
                 self._shed_on = False
                 self._shed_info = None
-                rec = self._record("shed", "undone", now, start["scope"], top, figs_top, {}, rec_id=start["id"],
-                                   started_at=start["started_at"], alert_id=start.get("alert_id"))
+                out.append(self._emit(self.shed.end("undone", now, tier=TIERS[top], figures=figs_top)))
                 self.shed = None
-                out.append(rec)
         # red: degrade the red scope's traffic
         if self.cfg.degrade.enabled:
             changed = False
@@ -388,22 +456,19 @@ class ActionEngine:
                 figs = dict(figures.get(scope, {}))
                 if lv >= 3 and scope not in self.degrade:
                     dc = self.cfg.degrade
-                    rec = self._record("degrade", "started", now, scope, lv, figs, {
-                        "mode": dc.mode, "max_tokens": dc.max_tokens, "template": dc.template,
-                        "protected_lanes": dc.protected_lanes,
-                    }, alert_id=alert_ids.get((scope, 3)))
-                    self.degrade[scope] = rec
+                    details: dict[str, Any] = {"mode": dc.mode, "protected_lanes": dc.protected_lanes}
+                    details.update({"max_tokens": dc.max_tokens} if dc.mode == "truncate" else {"template": dc.template})
+                    rec = self._start("degrade", now, scope, lv, figs, details, alert_ids.get((scope, 3)))
+                    self.degrade[scope] = self._emit(rec)
                     changed = True
                     out.append(rec)
                 elif lv < 3 and scope in self.degrade:
                     start = self.degrade.pop(scope)
-                    rec = self._record("degrade", "undone", now, scope, lv, figs, {}, rec_id=start["id"],
-                                       started_at=start["started_at"], alert_id=start.get("alert_id"))
+                    out.append(self._emit(start.end("undone", now, tier=TIERS[lv], figures=figs)))
                     changed = True
-                    out.append(rec)
             if changed:
                 self._rebuild_degrade()
-        return out
+        return [r.to_dict() for r in out]
 
     def _rebuild_degrade(self) -> None:
         self._affected = 0  # probes count from the start of each degradation
@@ -414,18 +479,19 @@ class ActionEngine:
         self._degrade_scopes = tuple(
             (self.scopes.get(scope, Selector()),
              Degradation(mode=dc.mode, template=dc.template, max_tokens=dc.max_tokens, scope=scope, tier="red",
-                         action_id=rec["id"],
-                         reason=f"red: {rec['figures'].get('tier_metric', 'latency')} = "
-                                f"{_fmt(rec['figures'].get('tier_value'))} over {rec['scope']}"))
+                         action_id=rec.id,
+                         reason=f"red: {rec.figures.get('tier_metric', 'latency')} = "
+                                f"{_fmt(rec.figures.get('tier_value'))} over {rec.scope}"))
             for scope, rec in self.degrade.items()
         )
 
     def active(self) -> dict[str, Any]:
+        """The actions in effect (their "started" records, dict form)."""
         return {
             "dry_run": self.dry_run,
-            "scale_out": self.scale_out,
-            "shed": self.shed,
-            "degrade": dict(self.degrade),
+            "scale_out": self.scale_out.to_dict() if self.scale_out else None,
+            "shed": self.shed.to_dict() if self.shed else None,
+            "degrade": {scope: r.to_dict() for scope, r in self.degrade.items()},
             "shedding": self._shed_on,
             "degrading": [d.scope for _, d in self._degrade_scopes],
         }

@@ -87,8 +87,8 @@ def _cmd_profiles(args: argparse.Namespace) -> int:
         if not p.applies_to.is_empty:
             print(f"  applies to: {p.applies_to.model_dump(exclude_defaults=True)}")
     if cfg is not None:
-        print(f"config {args.config}: valid (profiles {', '.join(cfg.profiles)}; tiers yellow {cfg.tiers.yellow} s, "
-              f"orange {cfg.tiers.orange} s, red {cfg.tiers.red} s)")
+        print(f"config {args.config}: valid (profiles {', '.join(cfg.profiles)}; tiers yellow / orange / red: "
+              f"{cfg.tiers.describe()}; red action: {cfg.actions.degrade.mode})")
     return 0
 
 

@@ -5,13 +5,19 @@ Every figure the seed gives is a default here; all are configurable. Example::
     slo:
       profiles: [baseline, advanced]
       profiles_file: my-profiles.yaml
-      tiers: {yellow: 1.8, orange: 2.5, red: 3.0, clear_ratio: 0.9, min_samples: 50}
+      tiers:
+        judge:
+          - {metric: ttft, percentile: 99, yellow: 1.8, orange: 2.5, red: 3.0}
+          - {metric: tpot, percentile: 99, yellow: 0.25, orange: 0.4, red: 0.6}
+        clear_ratio: 0.9
+        min_samples: 50
+        min_dwell_s: 60
       peak: {mode: configured, hours: ["09:00-12:00", "19:00-22:00"], timezone: Asia/Shanghai}
       actions:
         dry_run: false
         scale_out: {webhook_url: http://autoscaler:8080/scale, replicas_pct: 10}
         shed: {non_core_business_types: [batch], non_core_lanes: [batch], status: 429, retry_after_s: 30}
-        degrade: {template: "High load: a short answer follows.", max_tokens: 64}
+        degrade: {mode: truncate, max_tokens: 64}
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ __all__ = [
     "ScaleOutConfig",
     "ScopeConfig",
     "ShedConfig",
+    "TierMetric",
     "TierPolicy",
     "load_monitor_config",
 ]
@@ -44,35 +51,126 @@ class _M(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class TierPolicy(_M):
-    """Tiered alerts (S3) on one percentile of one latency metric.
+# Legacy shorthand: ``tiers: {metric: e2e, yellow: 1.8, orange: 2.5, red: 3.0}`` judges one metric (E2E unless
+# ``metric`` says otherwise, as before judged metrics were configurable).
+_SHORTHAND = ("metric", "percentile", "yellow", "orange", "red")
+_SHORTHAND_DEFAULTS = {"metric": "e2e", "percentile": 99.0, "yellow": 1.8, "orange": 2.5, "red": 3.0}
+TIER_METRICS = (Metric.TTFT, Metric.TPOT, Metric.E2E, Metric.E2E_PER_TOKEN, Metric.ITL, Metric.QUEUE_WAIT)
 
-    A tier is raised when the value exceeds its threshold for ``raise_after`` consecutive evaluations, and cleared
-    when the value falls to ``clear_ratio`` x its threshold or below for ``clear_after`` consecutive evaluations
-    (hysteresis: with the defaults yellow rises above 1.8 s and clears at 1.62 s). Evaluations with fewer than
-    ``min_samples`` values in the window change nothing.
+
+class TierMetric(_M):
+    """One metric a tier judges, at one percentile, with its own yellow/orange/red thresholds (seconds).
+
+    ``skip_degraded``: leave requests an action changed (a truncated answer) out of this metric's judgement, so
+    that an action cannot clear its own tier by lowering the metric it is judged on. ``None`` (the default) skips
+    them for ``e2e`` only: truncation shortens E2E directly, while TTFT and TPOT move only with the load.
     """
 
-    metric: Metric = Metric.E2E
+    metric: Metric
     percentile: float = Field(default=99.0, gt=0, lt=100)
-    yellow: float = Field(default=1.8, gt=0)
-    orange: float = Field(default=2.5, gt=0)
-    red: float = Field(default=3.0, gt=0)
-    clear_ratio: float = Field(default=0.9, gt=0, le=1)
-    raise_after: int = Field(default=1, ge=1)
-    clear_after: int = Field(default=3, ge=1)
-    min_samples: int = Field(default=50, ge=1)
+    yellow: float = Field(gt=0)
+    orange: float = Field(gt=0)
+    red: float = Field(gt=0)
+    skip_degraded: bool | None = None
 
     @model_validator(mode="after")
-    def _ordered(self) -> TierPolicy:
+    def _ordered(self) -> TierMetric:
         if not self.yellow < self.orange < self.red:
             raise ValueError(f"tier thresholds must rise: yellow {self.yellow} < orange {self.orange} < red {self.red}")
-        if self.metric not in (Metric.E2E, Metric.TTFT, Metric.ITL, Metric.QUEUE_WAIT, Metric.TPOT):
-            raise ValueError(f"tiers need a latency metric, not {self.metric.value}")
+        if self.metric not in TIER_METRICS:
+            raise ValueError(f"tiers need a latency metric ({', '.join(m.value for m in TIER_METRICS)}), "
+                             f"not {self.metric.value}")
         return self
 
     def threshold(self, level: int) -> float:
         return (self.yellow, self.orange, self.red)[level - 1]
+
+    @property
+    def excludes_degraded(self) -> bool:
+        return self.metric is Metric.E2E if self.skip_degraded is None else self.skip_degraded
+
+    @property
+    def label(self) -> str:
+        return f"{self.metric.value} p{self.percentile:g}"
+
+
+def _default_judge() -> list[TierMetric]:
+    # The seed's 1.8 / 2.5 / 3 s, read as the wait before an answer starts (TTFT), which does not grow with
+    # max_tokens; and the pace of the answer once it flows (TPOT): 0.6 s per token is under 2 tokens/s.
+    return [
+        TierMetric(metric=Metric.TTFT, percentile=99, yellow=1.8, orange=2.5, red=3.0),
+        TierMetric(metric=Metric.TPOT, percentile=99, yellow=0.25, orange=0.4, red=0.6),
+    ]
+
+
+class TierPolicy(_M):
+    """Tiered alerts (S3). Each metric in ``judge`` has its own thresholds; the scope's tier is the worst of them.
+
+    By default the tiers judge TTFT P99 (1.8 / 2.5 / 3 s) and TPOT P99 (0.25 / 0.4 / 0.6 s per token): neither
+    grows with the length of an answer, so a healthy server that writes long answers stays green. E2E
+    (``metric: e2e``) or E2E per output token (``e2e_per_token``) can be judged instead or as well.
+
+    A tier is raised when a value exceeds its threshold for ``raise_after`` consecutive evaluations, and cleared
+    when the value falls to ``clear_ratio`` x its threshold or below for ``clear_after`` consecutive evaluations
+    (hysteresis), and not before it has held ``min_dwell_s`` (damping: an action that relieves the load must not
+    switch itself off and on every few seconds). An evaluation with fewer than ``min_samples`` values changes
+    nothing, except that a tier whose evidence has aged out of the window (no evaluation with enough samples has
+    supported it for a whole window length) clears: a tier never holds on no evidence.
+    """
+
+    judge: list[TierMetric] = Field(default_factory=_default_judge, min_length=1)
+    clear_ratio: float = Field(default=0.9, gt=0, le=1)
+    raise_after: int = Field(default=1, ge=1)
+    clear_after: int = Field(default=3, ge=1)
+    min_samples: int = Field(default=50, ge=1)
+    min_dwell_s: float = Field(default=60.0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(k in data for k in _SHORTHAND):
+            if "judge" in data:
+                raise ValueError(f"give either 'judge' or the one-metric shorthand ({', '.join(_SHORTHAND)}), "
+                                 "not both")
+            data = dict(data)
+            one = {k: data.pop(k) if k in data else _SHORTHAND_DEFAULTS[k] for k in _SHORTHAND}
+            data["judge"] = [one]
+        return data
+
+    @model_validator(mode="after")
+    def _distinct(self) -> TierPolicy:
+        labels = [j.label for j in self.judge]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"judged metrics repeat: {labels}")
+        return self
+
+    # The first judged metric, for callers that know only one (rules export, CLI summary).
+    @property
+    def metric(self) -> Metric:
+        return self.judge[0].metric
+
+    @property
+    def percentile(self) -> float:
+        return self.judge[0].percentile
+
+    @property
+    def yellow(self) -> float:
+        return self.judge[0].yellow
+
+    @property
+    def orange(self) -> float:
+        return self.judge[0].orange
+
+    @property
+    def red(self) -> float:
+        return self.judge[0].red
+
+    def threshold(self, level: int) -> float:
+        return self.judge[0].threshold(level)
+
+    def describe(self) -> str:
+        return "; ".join(f"{j.metric.value} P{j.percentile:g} {j.yellow:g} / {j.orange:g} / {j.red:g} s"
+                         for j in self.judge)
 
 
 class ScopeConfig(_M):
@@ -171,22 +269,25 @@ class ShedConfig(_M):
 
 
 class DegradeConfig(_M):
-    """Red: answer the affected traffic (the red scope's, minus protected lanes) with a degradation template.
+    """Red: degrade the affected traffic (the red scope's, minus protected lanes). Shedding goes on meanwhile (red
+    implies orange), so non-core traffic is refused first.
 
-    ``mode: template`` answers with ``template`` and no model call; ``mode: truncate`` serves the request with at
-    most ``max_tokens`` output tokens. Either way the response and the record are marked degraded.
+    ``mode: truncate`` (the default) serves the request with at most ``max_tokens`` output tokens: a real, shorter
+    answer that a client can tell from a full one (``finish_reason: "length"`` when the cap cut it, and a
+    ``tailguard.degraded`` field). ``mode: template`` (opt-in) answers with ``template`` and no model call. Either
+    way the response and the record are marked degraded.
     """
 
     enabled: bool = True
-    mode: Literal["template", "truncate"] = "template"
+    mode: Literal["truncate", "template"] = "truncate"
     template: str = (
         "The service is under unusually heavy load and cannot give a full answer right now. "
         "Please retry in a minute."
     )
     max_tokens: int = Field(default=64, ge=1)
     protected_lanes: list[str] = Field(default_factory=list)
-    # Serve every n-th affected request normally (0: none). Without these probes a fully degraded scope sends no
-    # traffic to the engine, its window empties, and red could only ever clear by ageing out of the window.
+    # Serve every n-th affected request normally (0: none). These probes are the undisturbed answers a tier judged
+    # on E2E reads (truncated ones are left out); under a template nothing else reaches the engine at all.
     probe_every: int = Field(default=10, ge=0)
 
 

@@ -104,12 +104,18 @@ function render(s) {
   const ev = s.evaluation || {scopes: {}, profiles: {}, advisories: {}, hotspots: {}};
   const scopeRows = [];
   for (const [name, v] of Object.entries(ev.scopes)) {
-    const th = v.thresholds;
-    for (const m of ["e2e", "ttft", "itl", "queue_wait"]) {
-      const x = v[m] || {};
-      const p99cls = m === v.tier_metric.split(" ")[0] && x.p99 != null && x.p99 > th.yellow ? "breach" : "";
+    // Every judged metric shows its thresholds; those outside the core four (TPOT, E2E per token) get a row.
+    const judged = {};
+    for (const j of (v.judged || [])) judged[j.metric] = j;
+    const metrics = ["e2e", "ttft", "itl", "queue_wait"];
+    for (const m of Object.keys(judged)) if (!metrics.includes(m)) metrics.push(m);
+    for (const m of metrics) {
+      const j = judged[m];
+      const x = v[m] || (j ? {n: j.samples, p99: j.value} : {});
+      const th = j ? j.thresholds : null;
+      const p99cls = th && x.p99 != null && x.p99 > th.yellow ? "breach" : "";
       scopeRows.push([name + " " + m, x.n, fmtS(x.p50), fmtS(x.p95), {text: fmtS(x.p99), cls: p99cls},
-                      m === v.tier_metric.split(" ")[0] ? fmtS(th.yellow) + " / " + fmtS(th.orange) + " / " + fmtS(th.red) : ""]);
+                      th ? fmtS(th.yellow) + " / " + fmtS(th.orange) + " / " + fmtS(th.red) : ""]);
     }
     scopeRows.push([name + " requests", v.total, "errors " + fmtP(v.error_rate), "shed " + fmtP(v.shed_rate),
                     "degraded " + fmtP(v.degradation_rate), {text: v.tier.toUpperCase(), cls: v.tier === "green" ? "ok" : "breach"}]);

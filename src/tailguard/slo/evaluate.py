@@ -17,7 +17,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailguard.slo.config import TIERS, GoldenRulesConfig, HotspotConfig, MonitorConfig, TierPolicy
+from tailguard.slo.config import (
+    TIERS,
+    GoldenRulesConfig,
+    HotspotConfig,
+    MonitorConfig,
+    TierMetric,
+    TierPolicy,
+)
 from tailguard.slo.profiles import RATE_METRICS, Metric, Objective, Selector, SLOProfile
 from tailguard.slo.windows import STAGES, SlidingWindows, WindowStats
 
@@ -64,37 +71,47 @@ class Transition:
     value: float | None
     threshold: float
     samples: int
+    metric: str = ""  # the judged metric behind it, e.g. "ttft p99"
+    reason: str = ""  # raised: "above_threshold"; cleared: "recovered" | "evidence_aged_out"
 
     @property
     def tier(self) -> str:
         return TIERS[self.level]
 
 
-class TierTracker:
-    """Tiers of one scope with hysteresis. Levels 1-3 nest: red implies orange implies yellow."""
+class _Judge:
+    """Hysteresis of one judged metric: which levels its own readings hold up."""
 
-    def __init__(self, scope: str, policy: TierPolicy) -> None:
-        self.scope = scope
-        self.policy = policy
+    def __init__(self, spec: TierMetric) -> None:
+        self.spec = spec
         self.active = [False, False, False, False]  # index 0 unused (green)
+        self.value: float | None = None
+        self.samples = 0
         self._above = [0, 0, 0, 0]
         self._below = [0, 0, 0, 0]
-        self.last_value: float | None = None
-        self.last_samples = 0
+        # When an evaluation with enough samples last kept each level from clearing (value above its clear line).
+        self._evidence_at: list[float | None] = [None, None, None, None]
+        self.aged_out = [False, False, False, False]  # the last clear of a level was for want of evidence
 
-    @property
-    def tier(self) -> int:
-        return max((lv for lv in (1, 2, 3) if self.active[lv]), default=0)
-
-    def step(self, value: float | None, samples: int) -> list[Transition]:
-        """Feed one evaluation; returns the transitions it caused (raises low to high, clears high to low)."""
-        p = self.policy
-        self.last_value, self.last_samples = value, samples
+    def step(self, value: float | None, samples: int, p: TierPolicy, now: float | None,
+             window_s: float | None) -> None:
+        self.value, self.samples = value, samples
         if value is None or samples < p.min_samples:
-            return []  # too little data to judge: hold the current tier
-        out: list[Transition] = []
+            # Too little data to judge: hold, but never beyond the evidence. Once no evaluation with enough samples
+            # has supported a level for a whole window, the requests that raised it have left the window.
+            if now is None or window_s is None:
+                return
+            for lv in (3, 2, 1):
+                at = self._evidence_at[lv]
+                if self.active[lv] and not any(self.active[lv + 1:]) and (at is None or now - at >= window_s):
+                    self.active[lv] = False
+                    self.aged_out[lv] = True
+                    self._above[lv] = self._below[lv] = 0
+            return
         for lv in (1, 2, 3):
-            thr = p.threshold(lv)
+            thr = self.spec.threshold(lv)
+            if value > thr * p.clear_ratio:
+                self._evidence_at[lv] = now
             if value > thr:
                 self._above[lv] += 1
                 self._below[lv] = 0
@@ -107,14 +124,81 @@ class TierTracker:
         for lv in (1, 2, 3):
             if not self.active[lv] and self._above[lv] >= p.raise_after:
                 for low in range(1, lv + 1):  # a jump straight to red raises yellow and orange too
-                    if not self.active[low]:
-                        self.active[low] = True
-                        out.append(Transition(self.scope, low, "raised", value, p.threshold(low), samples))
+                    self.active[low] = True
+                    self._evidence_at[low] = now
         for lv in (3, 2, 1):
-            if self.active[lv] and self._below[lv] >= p.clear_after and not any(self.active[lv + 1 : 4]):
+            if self.active[lv] and self._below[lv] >= p.clear_after and not any(self.active[lv + 1:]):
                 self.active[lv] = False
-                out.append(Transition(self.scope, lv, "cleared", value, p.threshold(lv), samples))
+                self.aged_out[lv] = False
+
+    def ratio(self, level: int) -> float:
+        """How far the last reading is from this level's threshold (1.0: at it); -1 without a reading."""
+        return -1.0 if self.value is None else self.value / self.spec.threshold(level)
+
+
+class TierTracker:
+    """Tiers of one scope. Each judged metric keeps its own hysteresis; the scope's tier is the worst of them,
+    damped: a raised level holds at least ``min_dwell_s``. Levels 1-3 nest: red implies orange implies yellow."""
+
+    def __init__(self, scope: str, policy: TierPolicy) -> None:
+        self.scope = scope
+        self.policy = policy
+        self.judges = [_Judge(j) for j in policy.judge]
+        self.active = [False, False, False, False]  # index 0 unused (green)
+        self.raised_at: list[float | None] = [None, None, None, None]
+        self.last_value: float | None = None
+        self.last_samples = 0
+
+    @property
+    def tier(self) -> int:
+        return max((lv for lv in (1, 2, 3) if self.active[lv]), default=0)
+
+    def worst(self, level: int = 1) -> _Judge:
+        """The judged metric nearest to (or furthest above) the level's threshold: the one that decides."""
+        return max(self.judges, key=lambda j: (j.active[level], j.ratio(level)))
+
+    def step(self, value: float | None, samples: int, now: float | None = None,
+             window_s: float | None = None) -> list[Transition]:
+        """Feed one evaluation with the same reading for every judged metric (one-metric policies)."""
+        return self.step_all([(value, samples)] * len(self.judges), now, window_s)
+
+    def step_all(self, readings: list[tuple[float | None, int]], now: float | None = None,
+                 window_s: float | None = None) -> list[Transition]:
+        """Feed one evaluation: ``(value, samples)`` per judged metric, in ``policy.judge`` order. ``now`` and
+        ``window_s`` enable ageing and dwell. Returns the transitions (raises low to high, clears high to low)."""
+        p = self.policy
+        for j, (value, samples) in zip(self.judges, readings, strict=True):
+            j.step(value, samples, p, now, window_s)
+        w = self.worst()
+        self.last_value, self.last_samples = w.value, w.samples
+        out: list[Transition] = []
+        for lv in (1, 2, 3):
+            if not self.active[lv] and any(j.active[lv] for j in self.judges):
+                self.active[lv] = True
+                self.raised_at[lv] = now
+                j = self.worst(lv)
+                out.append(Transition(self.scope, lv, "raised", j.value, j.spec.threshold(lv), j.samples,
+                                      j.spec.label, "above_threshold"))
+        for lv in (3, 2, 1):
+            if not self.active[lv] or any(j.active[lv] for j in self.judges) or any(self.active[lv + 1:]):
+                continue
+            at = self.raised_at[lv]
+            if now is not None and at is not None and now - at < p.min_dwell_s:
+                continue  # damped: the level holds its minimum dwell
+            self.active[lv] = False
+            j = self.worst(lv)
+            aged = any(x.aged_out[lv] for x in self.judges)
+            out.append(Transition(self.scope, lv, "cleared", j.value, j.spec.threshold(lv), j.samples,
+                                  j.spec.label, "evidence_aged_out" if aged else "recovered"))
         return out
+
+    def view(self) -> list[dict[str, Any]]:
+        """Each judged metric's last reading, thresholds and own tier (JSON-ready)."""
+        return [{"metric": j.spec.metric.value, "percentile": j.spec.percentile, "label": j.spec.label,
+                 "value": j.value, "samples": j.samples, "enough_samples": j.samples >= self.policy.min_samples,
+                 "thresholds": {"yellow": j.spec.yellow, "orange": j.spec.orange, "red": j.spec.red},
+                 "skips_degraded": j.spec.excludes_degraded,
+                 "tier": TIERS[max((lv for lv in (1, 2, 3) if j.active[lv]), default=0)]} for j in self.judges]
 
 
 def golden_ratios(stats: WindowStats, metric: str) -> dict[str, float | None]:
@@ -234,10 +318,6 @@ class Evaluation:
         }
 
 
-def _pct(q: float | None) -> str:
-    return f"p{q:g}"
-
-
 class Evaluator:
     """Computes an :class:`Evaluation` from the windows; keeps tier, advisory and objective state between calls."""
 
@@ -320,15 +400,27 @@ class Evaluator:
             st = self.w.query(sel, window_s, now, peak=peak)
             cache[sel] = st
             pol = tracker.policy
-            value = st.quantile(pol.metric.value, pol.percentile / 100)
-            ev.transitions += tracker.step(value, st.n(pol.metric.value))
+            clean: WindowStats | None = None
+            readings: list[tuple[float | None, int]] = []
+            for j in pol.judge:
+                src = st
+                if j.excludes_degraded:  # judged on the answers no action changed (see TierMetric.skip_degraded)
+                    if clean is None:
+                        clean = self.w.query(sel, window_s, now, peak=peak, exclude_degraded=True,
+                                             metrics=[x.metric.value for x in pol.judge if x.excludes_degraded])
+                    src = clean
+                m = j.metric.value
+                readings.append((src.quantile(m, j.percentile / 100), src.n(m)))
+            ev.transitions += tracker.step_all(readings, now, st.window_s)
+            w = tracker.worst(max(1, tracker.tier))
             view = st.summary()
             view.update({
                 "tier": TIERS[tracker.tier], "tier_level": tracker.tier,
-                "tier_metric": f"{pol.metric.value} {_pct(pol.percentile)}", "tier_value": value,
-                "thresholds": {"yellow": pol.yellow, "orange": pol.orange, "red": pol.red},
-                "clear_ratio": pol.clear_ratio, "min_samples": pol.min_samples,
-                "enough_samples": st.n(pol.metric.value) >= pol.min_samples,
+                # The deciding judged metric (the worst against its thresholds); "judged" lists them all.
+                "tier_metric": w.spec.label, "tier_value": w.value, "samples": w.samples,
+                "thresholds": {"yellow": w.spec.yellow, "orange": w.spec.orange, "red": w.spec.red},
+                "judged": tracker.view(), "clear_ratio": pol.clear_ratio, "min_samples": pol.min_samples,
+                "min_dwell_s": pol.min_dwell_s, "enough_samples": w.samples >= pol.min_samples,
             })
             ev.scopes[name] = view
             adv_view, changes = self.advisors[name].step(st)

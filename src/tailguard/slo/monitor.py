@@ -29,15 +29,16 @@ from tailguard.slo.actions import (
     ActionEngine,
     Degradation,
     HookRunner,
+    RecordKind,
     RecordLog,
     RecordSink,
     SLOMetrics,
-    new_id,
+    SLORecord,
 )
 from tailguard.slo.config import TIERS, MonitorConfig
 from tailguard.slo.evaluate import Evaluation, Evaluator
 from tailguard.slo.profiles import LATENCY_METRICS, Metric, SLOProfile, get_profile, load_profiles
-from tailguard.slo.windows import CORE_METRICS, PeakDetector, SlidingWindows
+from tailguard.slo.windows import CORE_METRICS, OPTIONAL_METRICS, PeakDetector, SlidingWindows
 
 __all__ = ["SLOMonitor"]
 
@@ -77,8 +78,8 @@ class SLOMonitor:
                     if sel.max_input_tokens is not None:
                         edges.add(sel.max_input_tokens)
         for sc in cfg.scopes:
-            needed.add((sc.tiers or cfg.tiers).metric.value)
-        metrics = [m for m in (*CORE_METRICS, "tpot", "tokenize", "prefill") if m in needed]
+            needed |= {j.metric.value for j in (sc.tiers or cfg.tiers).judge}
+        metrics = [m for m in (*CORE_METRICS, *OPTIONAL_METRICS) if m in needed]
         self.peak = PeakDetector(
             mode=cfg.peak.mode, hours=cfg.peak.hours, timezone=cfg.peak.timezone,
             enter_ratio=cfg.peak.enter_ratio, exit_ratio=cfg.peak.exit_ratio, min_rps=cfg.peak.min_rps,
@@ -95,9 +96,9 @@ class SLOMonitor:
         self.metrics = SLOMetrics(registry)
         scopes = {s.name: s.where for s in cfg.scopes}
         self.actions = ActionEngine(cfg.actions, scopes, self.records, self.metrics, hooks, clock=clock)
-        self._alerts: dict[tuple[str, int], dict[str, Any]] = {}  # active alert records by (scope, level)
-        self._advisories: dict[tuple[str, str], dict[str, Any]] = {}
-        self._objectives: dict[tuple[str, str], dict[str, Any]] = {}
+        self._alerts: dict[tuple[str, int], SLORecord] = {}  # active alert records by (scope, level)
+        self._advisories: dict[tuple[str, str], SLORecord] = {}
+        self._objectives: dict[tuple[str, str], SLORecord] = {}
         self.last: Evaluation | None = None
         self.history: deque[dict[str, Any]] = deque(maxlen=history)  # compact time series for the dashboard
         self._eval_lock = threading.RLock()  # snapshot() calls alerts() under it
@@ -144,7 +145,7 @@ class SLOMonitor:
             self._emit_alerts(ev, now)
             tiers = {name: v["tier_level"] for name, v in ev.scopes.items()}
             figures = {name: self._figures(v, ev) for name, v in ev.scopes.items()}
-            alert_ids = {k: r["id"] for k, r in self._alerts.items()}
+            alert_ids = {k: r.id for k, r in self._alerts.items()}
             self.actions.reconcile(tiers, figures, alert_ids, now)
             ev.duration_s = time.perf_counter() - t0
             self._export(ev)
@@ -165,7 +166,8 @@ class SLOMonitor:
     def _figures(scope_view: dict[str, Any], ev: Evaluation) -> dict[str, Any]:
         return {
             "tier_metric": scope_view["tier_metric"], "tier_value": scope_view["tier_value"],
-            "thresholds": scope_view["thresholds"], "samples": scope_view["e2e"]["n"],
+            "thresholds": scope_view["thresholds"], "samples": scope_view["samples"],
+            "judged": [{k: j[k] for k in ("label", "value", "samples", "tier")} for j in scope_view["judged"]],
             "requests": scope_view["total"], "error_rate": scope_view["error_rate"],
             "e2e": {k: scope_view["e2e"][k] for k in ("p50", "p95", "p99")},
             "ttft": {k: scope_view["ttft"][k] for k in ("p50", "p95", "p99")},
@@ -178,20 +180,20 @@ class SLOMonitor:
             k = (tr.scope, tr.level)
             figs = self._figures(ev.scopes[tr.scope], ev)
             figs["threshold"] = tr.threshold
+            why = {"metric": tr.metric, "reason": tr.reason}
             if tr.event == "raised":
-                rec = {"id": new_id(), "kind": "alert", "name": f"tier_{tr.tier}", "event": "raised",
-                       "scope": tr.scope, "tier": tr.tier, "at": now, "started_at": now, "ended_at": None,
-                       "figures": figs, "details": {}, "dry_run": dry, "alert_id": None}
+                rec = SLORecord.start("alert", f"tier_{tr.tier}", "raised", tr.scope, tr.tier, now, figures=figs,
+                                      details=why, dry_run=dry)
                 self._alerts[k] = rec
                 self.metrics.alerts.labels(tr.scope, tr.tier).inc()
                 self.metrics.alert_active.labels(tr.scope, tr.tier).set(1)
             else:
                 start = self._alerts.pop(k, None)
-                rec = {"id": start["id"] if start else new_id(), "kind": "alert", "name": f"tier_{tr.tier}",
-                       "event": "cleared", "scope": tr.scope, "tier": tr.tier, "at": now,
-                       "started_at": start["started_at"] if start else None, "ended_at": now, "figures": figs,
-                       "details": {"raised_figures": start["figures"] if start else None}, "dry_run": dry,
-                       "alert_id": None}
+                if start is None:  # cannot happen with a tracker that raised it; keep the record anyway
+                    start = SLORecord.start("alert", f"tier_{tr.tier}", "raised", tr.scope, tr.tier, now,
+                                            dry_run=dry)
+                rec = start.end("cleared", now, figures=figs, details={"raised_figures": start.figures, **why},
+                                dry_run=dry)
                 self.metrics.alert_active.labels(tr.scope, tr.tier).set(0)
             self.records.emit(rec)
         for scope, rule, event, figs in ev.advisory_changes:
@@ -200,15 +202,17 @@ class SLOMonitor:
         for prof, label, event, figs in ev.objective_changes:
             self._emit_change(self._objectives, "objective", prof, label, event, figs, now, dry, {})
 
-    def _emit_change(self, active: dict[tuple[str, str], dict[str, Any]], kind: str, scope: str, name: str,
+    def _emit_change(self, active: dict[tuple[str, str], SLORecord], kind: RecordKind, scope: str, name: str,
                      event: str, figs: dict[str, Any], now: float, dry: bool, details: dict[str, Any]) -> None:
         """One advisory or objective record: "raised" opens it in ``active``, "cleared" closes it with its id."""
         k = (scope, name)
         start = active.pop(k, None) if event == "cleared" else None
-        rec = {"id": start["id"] if start else new_id(), "kind": kind, "name": name, "event": event,
-               "scope": scope, "tier": None, "at": now, "started_at": start["started_at"] if start else now,
-               "ended_at": now if event == "cleared" else None, "figures": figs, "details": details, "dry_run": dry,
-               "alert_id": None}
+        if start is not None:
+            rec = start.end(event, now, figures=figs, details=details, dry_run=dry)
+        else:
+            rec = SLORecord.start(kind, name, event, scope, None, now, figures=figs, details=details, dry_run=dry)
+            if event == "cleared":
+                rec = rec.end(event, now, figures=figs, details=details)
         if event == "raised":
             active[k] = rec
         self.records.emit(rec)
@@ -245,7 +249,7 @@ class SLOMonitor:
 
     def _active(self) -> list[dict]:
         act = self.actions.active()
-        recs = [*self._alerts.values(), *self._advisories.values(), *self._objectives.values()]
+        recs = [r.to_dict() for r in (*self._alerts.values(), *self._advisories.values(), *self._objectives.values())]
         recs += [r for r in (act["scale_out"], act["shed"], *act["degrade"].values()) if r]
         return sorted(recs, key=lambda r: r["at"])
 

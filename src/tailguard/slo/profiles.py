@@ -4,8 +4,13 @@ A profile is a list of :class:`Objective`. Each objective names a metric (``ttft
 none for rate metrics), a threshold in seconds (latencies) or as a ratio (rates, decay), and optionally a ``where``
 selector that narrows the traffic it applies to (a lane, a client class, long-context requests, peak hours).
 
-The seed's profiles are built in (:data:`BUILTIN_PROFILES`): ``baseline``, ``advanced``, ``strict-finance`` and
-``strict-medical``. Custom profiles come from YAML through :func:`load_profiles`; they may extend a built-in one.
+The seed's profiles are built in (:data:`BUILTIN_PROFILES`): ``baseline``, ``advanced`` (baseline plus the
+advanced objectives), ``strict`` (advanced plus both strict scenarios), ``strict-finance`` and ``strict-medical``.
+Custom profiles come from YAML through :func:`load_profiles`; they may extend a built-in one.
+
+This is the one profile model of tailguard: the live monitor judges it over its windows, and ``tailguard bench``
+judges it over a run (:mod:`tailguard.bench.profiles`). Two fields matter to the bench only: an objective's
+``all_if_unlabelled`` and a profile's ``request_bounds`` (the per-request bounds that define goodput).
 
 YAML shape::
 
@@ -37,6 +42,7 @@ __all__ = [
     "Metric",
     "Objective",
     "ProfileError",
+    "RequestBound",
     "Selector",
     "SLOProfile",
     "builtin_profiles",
@@ -54,6 +60,7 @@ class Metric(StrEnum):
     ITL = "itl"  # each gap between consecutive tokens
     TPOT = "tpot"  # (e2e - ttft) / (output tokens - 1), per request
     E2E = "e2e"  # arrival -> last byte
+    E2E_PER_TOKEN = "e2e_per_token"  # e2e / output tokens, per request: E2E that does not grow with the answer
     QUEUE_WAIT = "queue_wait"  # admitted -> first scheduled
     TOKENIZE = "tokenize"
     PREFILL = "prefill"
@@ -64,7 +71,8 @@ class Metric(StrEnum):
 
 
 LATENCY_METRICS: frozenset[Metric] = frozenset(
-    {Metric.TTFT, Metric.ITL, Metric.TPOT, Metric.E2E, Metric.QUEUE_WAIT, Metric.TOKENIZE, Metric.PREFILL}
+    {Metric.TTFT, Metric.ITL, Metric.TPOT, Metric.E2E, Metric.E2E_PER_TOKEN, Metric.QUEUE_WAIT, Metric.TOKENIZE,
+     Metric.PREFILL}
 )
 RATE_METRICS: frozenset[Metric] = frozenset({Metric.ERROR_RATE, Metric.DEGRADATION_RATE, Metric.SHED_RATE})
 
@@ -165,6 +173,9 @@ class Objective(BaseModel):
     short_max_tokens: int = Field(default=8192, ge=1)
     name: str | None = None
     description: str = ""
+    # Bench only: a run in which no request has a business type is held to this objective as a whole (the seed's
+    # finance bound, say, for a run that is all finance Q&A but not labelled so). The live monitor ignores it.
+    all_if_unlabelled: bool = False
 
     @field_validator("threshold", mode="before")
     @classmethod
@@ -245,8 +256,40 @@ class Objective(BaseModel):
         return f"{target} ({self.label})" if not self.where.is_empty else target
 
 
+class RequestBound(BaseModel):
+    """A per-request bound that defines goodput (bench): ``metric <= threshold`` for the requests of
+    ``business_types`` (all when empty; all when no request has a business type and ``all_if_unlabelled``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    metric: Metric
+    threshold: float = Field(ge=0)
+    business_types: tuple[str, ...] = ()
+    all_if_unlabelled: bool = False
+
+    @field_validator("threshold", mode="before")
+    @classmethod
+    def _quantity(cls, v: Any) -> Any:
+        return _parse_quantity(v)
+
+    @field_validator("business_types", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return (v,) if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _latency(self) -> RequestBound:
+        if self.metric not in LATENCY_METRICS:
+            raise ValueError(f"a request bound needs a latency metric, not {self.metric.value!r}")
+        return self
+
+
 class SLOProfile(BaseModel):
-    """A named set of objectives, applied to the traffic its ``applies_to`` selector matches."""
+    """A named set of objectives, applied to the traffic its ``applies_to`` selector matches.
+
+    ``request_bounds``: the per-request bounds that define goodput in ``tailguard bench``; None derives them from
+    the latency objectives (per metric and business types, the threshold of the highest percentile).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -254,6 +297,7 @@ class SLOProfile(BaseModel):
     description: str = ""
     applies_to: Selector = Selector()
     objectives: tuple[Objective, ...] = Field(min_length=1)
+    request_bounds: tuple[RequestBound, ...] | None = None
 
     @model_validator(mode="after")
     def _unique_labels(self) -> SLOProfile:
@@ -275,6 +319,57 @@ class SLOProfile(BaseModel):
     def latency_objectives(self) -> list[Objective]:
         return [o for o in self.objectives if o.is_latency]
 
+    def _first(self, metric: Metric) -> Objective | None:
+        return next((o for o in self.objectives if o.metric is metric and o.where.is_empty), None)
+
+    @property
+    def max_error_rate(self) -> float | None:
+        """The error-rate objective's limit over all of the profile's traffic, if it has one."""
+        o = self._first(Metric.ERROR_RATE)
+        return None if o is None else o.threshold
+
+    @property
+    def max_degraded_rate(self) -> float | None:
+        """The degradation-rate limit (at peak or always), if the profile has one."""
+        o = next((o for o in self.objectives if o.metric is Metric.DEGRADATION_RATE
+                  and o.where.model_copy(update={"peak_only": False}).is_empty), None)
+        return None if o is None else o.threshold
+
+    @property
+    def long_context(self) -> Objective | None:
+        """The long-context decay objective, if any."""
+        return self._first(Metric.LONG_CONTEXT_DECAY)
+
+    def selects_on_business_types_only(self, o: Objective, ignore_peak: bool = False) -> bool:
+        """True when neither the objective nor the profile narrows the traffic by anything but business type."""
+        for sel in (o.where, self.applies_to):
+            rest = sel.model_copy(update={"business_types": (), **({"peak_only": False} if ignore_peak else {})})
+            if not rest.is_empty:
+                return False
+        return True
+
+    def business_types_of(self, o: Objective) -> tuple[str, ...]:
+        """The business types an objective applies to: its own ``where``, else the profile's ``applies_to``."""
+        return tuple(b.lower() for b in (o.where.business_types or self.applies_to.business_types))
+
+    def goodput_bounds(self, judged: Iterable[Objective] | None = None) -> tuple[RequestBound, ...]:
+        """``request_bounds``, or, when not given, per latency metric and business types the threshold of the
+        highest-percentile objective among ``judged`` (by default the latency objectives that select on business
+        types only: a bound is checked per request, which carries no lane or client class in a bench run)."""
+        if self.request_bounds is not None:
+            return self.request_bounds
+        if judged is None:
+            judged = [o for o in self.latency_objectives() if self.selects_on_business_types_only(o)]
+        top: dict[tuple[Metric, tuple[str, ...]], Objective] = {}
+        for o in judged:
+            if not o.is_latency or o.percentile is None:
+                continue
+            key = (o.metric, self.business_types_of(o))
+            if key not in top or o.percentile > (top[key].percentile or 0):
+                top[key] = o
+        return tuple(RequestBound(metric=m, threshold=o.threshold, business_types=bts,
+                                  all_if_unlabelled=o.all_if_unlabelled) for (m, bts), o in top.items())
+
     def describe(self) -> str:
         lines = [f"{self.name}: {self.description}" if self.description else self.name]
         lines += [f"  - {o.describe()}" for o in self.objectives]
@@ -286,30 +381,43 @@ def _o(metric: str, threshold: float, percentile: float | None = None, **kw: Any
 
 
 def builtin_profiles() -> dict[str, SLOProfile]:
-    """The seed's profiles (S1), fresh copies."""
+    """The seed's profiles (S1), fresh copies. ``advanced`` builds on ``baseline`` and ``strict`` on ``advanced``."""
+    base_objs = (
+        _o("e2e", 0.45, 50),
+        _o("e2e", 1.2, 95),
+        _o("e2e", 2.0, 99),
+        _o("error_rate", 0.005, comparison="<"),
+    )
     baseline = SLOProfile(
         name="baseline",
         description="the seed's baseline: E2E P50 <= 450 ms, P95 <= 1.2 s, P99 <= 2 s, errors < 0.5%",
-        objectives=(
-            _o("e2e", 0.45, 50),
-            _o("e2e", 1.2, 95),
-            _o("e2e", 2.0, 99),
-            _o("error_rate", 0.005, comparison="<"),
-        ),
+        objectives=base_objs,
+    )
+    adv_objs = (
+        *base_objs,
+        _o("ttft", 0.35, 99),
+        _o("ttft", 0.30, 99, where=Selector(clients=("mobile",))),
+        _o("ttft", 0.20, 99, where=Selector(lanes=("vip",))),
+        _o("long_context_decay", 0.40, 99, of=Metric.E2E, long_min_tokens=65536, short_max_tokens=8192),
+        _o("degradation_rate", 0.02, comparison="<", where=Selector(peak_only=True)),
     )
     advanced = SLOProfile(
         name="advanced",
         description=(
-            "the seed's advanced tier: TTFT <= 350 ms (mobile <= 300 ms, VIP <= 200 ms), P99 at 64K context at most "
-            "40% above short context, peak-hour degradation rate < 2%"
+            "the seed's advanced tier: baseline, plus TTFT <= 350 ms (mobile <= 300 ms, VIP <= 200 ms), P99 at 64K "
+            "context at most 40% above short context, peak-hour degradation rate < 2%"
         ),
-        objectives=(
-            _o("ttft", 0.35, 99),
-            _o("ttft", 0.30, 99, where=Selector(clients=("mobile",))),
-            _o("ttft", 0.20, 99, where=Selector(lanes=("vip",))),
-            _o("long_context_decay", 0.40, 99, of=Metric.E2E, long_min_tokens=65536, short_max_tokens=8192),
-            _o("degradation_rate", 0.02, comparison="<", where=Selector(peak_only=True)),
-        ),
+        objectives=adv_objs,
+    )
+    finance_e2e = _o("e2e", 1.5, 99, where=Selector(business_types=("finance",)), all_if_unlabelled=True,
+                     name="finance Q&A: E2E P99 <= 1.5 s")
+    medical_e2e = _o("e2e", 3.0, 95, where=Selector(business_types=("medical",)),
+                     name="medical reports: E2E P95 <= 3 s")
+    strict = SLOProfile(
+        name="strict",
+        description=("the seed's strict scenarios: advanced, plus finance Q&A E2E P99 <= 1.5 s and medical report "
+                     "generation E2E P95 <= 3 s"),
+        objectives=(*adv_objs, finance_e2e, medical_e2e),
     )
     finance = SLOProfile(
         name="strict-finance",
@@ -323,7 +431,7 @@ def builtin_profiles() -> dict[str, SLOProfile]:
         applies_to=Selector(business_types=("medical",)),
         objectives=(_o("e2e", 3.0, 95), _o("error_rate", 0.005, comparison="<")),
     )
-    return {p.name: p for p in (baseline, advanced, finance, medical)}
+    return {p.name: p for p in (baseline, advanced, strict, finance, medical)}
 
 
 BUILTIN_PROFILES: Mapping[str, SLOProfile] = builtin_profiles()

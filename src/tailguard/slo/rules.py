@@ -5,8 +5,9 @@ Over the histograms and counters of :mod:`tailguard.observe.metrics` (``tailguar
 
 - recording rules: P50/P95/P99 of E2E, TTFT, ITL and queue wait over 5 and 15 minutes (overall and per business
   type), the golden-rule ratios, and per-SLO error ratios over the SRE workbook's windows (5m ... 3d);
-- tier alerts ``TailguardLatencyYellow/Orange/Red`` on P99 with the monitor's thresholds (1.8 / 2.5 / 3 s) and
-  the same hysteresis: a firing tier keeps firing until P99 falls to ``clear_ratio`` x its threshold;
+- tier alerts ``TailguardLatencyYellow/Orange/Red`` on the monitor's judged metrics and thresholds (by default TTFT
+  P99 1.8 / 2.5 / 3 s or TPOT P99 0.25 / 0.4 / 0.6 s) and the same hysteresis: a firing tier keeps firing until
+  every judged P99 falls to ``clear_ratio`` x its threshold;
 - multiwindow, multi-burn-rate alerts ``TailguardErrorBudgetBurn`` (SRE workbook, ch. 5): burn factors 14.4
   (1h and 5m) and 6 (6h and 30m) page, 3 (1d and 2h) and 1 (3d and 6h) open a ticket.
 
@@ -27,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tailguard.slo.config import TierPolicy
+from tailguard.slo.config import TierMetric, TierPolicy
 from tailguard.slo.profiles import LATENCY_METRICS, Metric, Objective, SLOProfile
 
 __all__ = [
@@ -66,7 +67,7 @@ TIER_NAMES = ("Yellow", "Orange", "Red")
 TIER_ACTIONS = (
     "scale out by 10% (tailguard's monitor asks its scale hook)",
     "shed non-core business types and lanes (429/503 with Retry-After)",
-    "answer affected traffic with the degradation template",
+    "degrade affected traffic (cap max_tokens by default; a template only where configured)",
 )
 TIER_SEVERITY = ("warning", "critical", "critical")
 
@@ -195,6 +196,32 @@ def _fmt(x: float) -> str:
     return f"{x:.10g}"
 
 
+def _tier_series(j: TierMetric, window: str) -> str:
+    return f"tailguard:{SHORT[j.metric]}:p{j.percentile:g}_{window}".replace(".", "_")
+
+
+def _exportable(tiers: TierPolicy, notes: list[str]) -> list[TierMetric]:
+    """The judged metrics Prometheus can compute (those with a histogram); notes on the others."""
+    out = []
+    for j in tiers.judge:
+        if j.metric in HISTOGRAMS:
+            out.append(j)
+        else:
+            notes.append(f"tiers: {j.label} has no Prometheus histogram; the live monitor judges it, the tier "
+                         "alerts here do not")
+    return out
+
+
+def _tier_annotations(lv: int, judged: list[TierMetric], tiers: TierPolicy, window: str) -> dict[str, str]:
+    above = " or ".join(f"{j.metric.value} P{j.percentile:g} above {_fmt(j.threshold(lv))} s" for j in judged)
+    clear = " and ".join(f"{j.metric.value} P{j.percentile:g} <= {_fmt(j.threshold(lv) * tiers.clear_ratio)} s"
+                         for j in judged)
+    return {
+        "summary": f"{above} over {window}",
+        "description": f"Tier {TIER_NAMES[lv - 1].lower()}: {TIER_ACTIONS[lv - 1]}. Clears when {clear}.",
+    }
+
+
 def build_rules(profiles: Iterable[SLOProfile], tiers: TierPolicy | None = None, tier_window: str = "5m",
                 golden_window: str = "15m", p99_over_p50: float = 3.0, p99_over_p95: float = 1.5,
                 buckets: Sequence[float] | None = None) -> tuple[dict[str, Any], list[str]]:
@@ -202,17 +229,17 @@ def build_rules(profiles: Iterable[SLOProfile], tiers: TierPolicy | None = None,
     tiers = tiers or TierPolicy()
     profiles = list(profiles)
     slos, notes = slo_rules_from(profiles, buckets)
-    tm = tiers.metric
-    tier_series = f"tailguard:{SHORT[tm]}:p{tiers.percentile:g}_{tier_window}".replace(".", "_")
+    judged = _exportable(tiers, notes)
     groups: list[dict[str, Any]] = []
 
     rec = _quantile_rules("5m") + _quantile_rules("15m")
-    if f"p{tiers.percentile:g}" not in ("p50", "p95", "p99") or tm not in (Metric.E2E, Metric.TTFT, Metric.ITL,
-                                                                           Metric.QUEUE_WAIT) \
-            or tier_window not in ("5m", "15m"):
-        h = HISTOGRAMS[tm]
-        rec.append({"record": tier_series, "expr": f"histogram_quantile({tiers.percentile / 100:g}, sum by (le) "
-                                                   f"(rate({h}_bucket[{tier_window}])))"})
+    have = {r["record"] for r in rec}
+    for j in judged:
+        series = _tier_series(j, tier_window)
+        if series not in have:
+            have.add(series)
+            rec.append({"record": series, "expr": f"histogram_quantile({j.percentile / 100:g}, sum by (le) "
+                                                  f"(rate({HISTOGRAMS[j.metric]}_bucket[{tier_window}])))"})
     e2e = SHORT[Metric.E2E]
     rec += [
         {"record": f"tailguard:{e2e}:p99_over_p50_{golden_window}",
@@ -231,20 +258,19 @@ def build_rules(profiles: Iterable[SLOProfile], tiers: TierPolicy | None = None,
         groups.append({"name": "tailguard-slo-error-ratios", "rules": ratio_rules})
 
     tier_alerts = []
-    for lv in (1, 2, 3):
+    for lv in (1, 2, 3) if judged else ():
         name = f"TailguardLatency{TIER_NAMES[lv - 1]}"
-        thr, clear = tiers.threshold(lv), tiers.threshold(lv) * tiers.clear_ratio
-        expr = (f"{tier_series} > {_fmt(thr)}\nor\n({tier_series} > {_fmt(clear)} and on() "
-                f'ALERTS{{alertname="{name}", alertstate="firing"}})')
+        above = " or ".join(f"{_tier_series(j, tier_window)} > {_fmt(j.threshold(lv))}" for j in judged)
+        held = " or ".join(f"{_tier_series(j, tier_window)} > {_fmt(j.threshold(lv) * tiers.clear_ratio)}"
+                           for j in judged)
+        if len(judged) > 1:
+            above, held = f"({above})", f"({held})"
+        expr = f'{above}\nor\n({held} and on() ALERTS{{alertname="{name}", alertstate="firing"}})'
         tier_alerts.append({
             "alert": name, "expr": expr, "for": "1m",
             "labels": {"severity": TIER_SEVERITY[lv - 1], "tier": TIER_NAMES[lv - 1].lower(),
                        "team": "tailguard"},
-            "annotations": {
-                "summary": f"{tm.value} P{tiers.percentile:g} over {tier_window} above {_fmt(thr)} s",
-                "description": (f"Tier {TIER_NAMES[lv - 1].lower()}: {TIER_ACTIONS[lv - 1]}. Clears when the "
-                                f"P{tiers.percentile:g} falls to {_fmt(clear)} s or below."),
-            },
+            "annotations": _tier_annotations(lv, judged, tiers, tier_window),
         })
     golden = []
     for rule, limit, advice in (("p99_over_p50", p99_over_p50, "start the optimization plan now"),
@@ -350,15 +376,9 @@ def _edge_above(x: float, buckets: Sequence[float]) -> float:
 
 
 def _tier_alert(lv: int, tiers: TierPolicy, tier_window: str) -> dict[str, Any]:
-    tm = tiers.metric
-    thr, clear = tiers.threshold(lv), tiers.threshold(lv) * tiers.clear_ratio
     return {
         "exp_labels": {"severity": TIER_SEVERITY[lv - 1], "tier": TIER_NAMES[lv - 1].lower(), "team": "tailguard"},
-        "exp_annotations": {
-            "summary": f"{tm.value} P{tiers.percentile:g} over {tier_window} above {_fmt(thr)} s",
-            "description": (f"Tier {TIER_NAMES[lv - 1].lower()}: {TIER_ACTIONS[lv - 1]}. Clears when the "
-                            f"P{tiers.percentile:g} falls to {_fmt(clear)} s or below."),
-        },
+        "exp_annotations": _tier_annotations(lv, _exportable(tiers, []), tiers, tier_window),
     }
 
 
@@ -370,14 +390,17 @@ def build_rules_tests(rules_file: str, profiles: Iterable[SLOProfile], tiers: Ti
     band and clears under it; the 14.4x burn alert fires for a fast burn and only the slower ones for a slow burn.
     """
     tiers = tiers or TierPolicy()
-    if tiers.metric is not Metric.E2E or tier_window != "5m":
-        raise ValueError("the generated tests cover E2E tiers over 5m (the defaults)")
+    judged = _exportable(tiers, [])
+    if not judged or tier_window != "5m":
+        raise ValueError("the generated tests cover tiers over 5m on a metric with a histogram")
+    first = judged[0]  # the tier tests feed this metric only; the others' series stay absent
+    tm = first.metric
     b = tuple(sorted(buckets or _default_buckets()))
     profiles = list(profiles)
     slos, _ = slo_rules_from(profiles, b)
     lab = 'model="m", business_type="chat"'
-    series99 = f"tailguard:{SHORT[Metric.E2E]}:p{tiers.percentile:g}_{tier_window}"
-    q = tiers.percentile / 100
+    series99 = _tier_series(first, tier_window)
+    q = first.percentile / 100
 
     def p_in(edge_hi: float) -> float:
         lo = max(x for x in b if x < edge_hi)
@@ -387,15 +410,15 @@ def build_rules_tests(rules_file: str, profiles: Iterable[SLOProfile], tiers: Ti
     names = [f"TailguardLatency{n}" for n in TIER_NAMES]
     # 1) One test per band: all requests just above a tier's threshold -> that tier and those below fire.
     for lv in (0, 1, 2, 3):
-        hi = _edge_above(tiers.threshold(lv) if lv else tiers.yellow * tiers.clear_ratio * 0.5, b)
-        if lv and p_in(hi) <= tiers.threshold(lv):
+        hi = _edge_above(first.threshold(lv) if lv else first.yellow * tiers.clear_ratio * 0.5, b)
+        if lv and p_in(hi) <= first.threshold(lv):
             continue
         value = p_in(hi)
-        expect_lv = max((x for x in (0, 1, 2, 3) if x == 0 or value > tiers.threshold(x)), default=0)
+        expect_lv = max((x for x in (0, 1, 2, 3) if x == 0 or value > first.threshold(x)), default=0)
         tests.append({
             "name": f"tier band: every request in the bucket ending at {le(hi)} s (P99 = {value:.4g} s)",
             "interval": "1m",
-            "input_series": _hist_series(Metric.E2E, {hi: 100.0}, 12, lab, b),
+            "input_series": _hist_series(tm, {hi: 100.0}, 12, lab, b),
             # Compared in micro-seconds, rounded: promtool 2.42 compares floats exactly, and PromQL's
             # interpolation need not round the way Python's does (0.7484999999999999 vs 0.7485).
             "promql_expr_test": [{"expr": f"round({series99} * 1e6)", "eval_time": "10m",
@@ -405,17 +428,18 @@ def build_rules_tests(rules_file: str, profiles: Iterable[SLOProfile], tiers: Ti
                                 for i, n in enumerate(names)],
         })
     # 2) Hysteresis: 20 minutes in the orange band, then 20 in yellow's hysteresis band (above 0.9 x 1.8 s but
-    #    under 1.8 s), then fast. Yellow holds in the band, then clears; orange clears as soon as P99 < 2.25 s.
-    band_hi = next((e for e in b[1:] if tiers.yellow * tiers.clear_ratio < p_in(e) <= tiers.yellow), None)
-    orange_hi = _edge_above(tiers.orange, b)
-    if band_hi is not None and p_in(orange_hi) > tiers.orange:
-        fast = _edge_above(0.2, b)
+    #    under 1.8 s), then fast. Yellow holds in the band, then clears; orange clears as soon as P99 < 2.25 s
+    #    (figures for the default TTFT tiers).
+    band_hi = next((e for e in b[1:] if first.yellow * tiers.clear_ratio < p_in(e) <= first.yellow), None)
+    orange_hi = _edge_above(first.orange, b)
+    if band_hi is not None and p_in(orange_hi) > first.orange:
+        fast = _edge_above(first.yellow * 0.1, b)
         # Phases of 8 minutes: each 5m rate window below lies inside one phase (short horizons keep promtool fast).
         phases = [({orange_hi: 100.0}, 8), ({band_hi: 100.0}, 8), ({fast: 100.0}, 8)]
         tests.append({
             "name": "tier hysteresis: yellow holds while P99 is between 0.9 x and 1 x its threshold, then clears",
             "interval": "1m",
-            "input_series": _phased_hist(Metric.E2E, phases, lab, b),
+            "input_series": _phased_hist(tm, phases, lab, b),
             "alert_rule_test": [
                 {"eval_time": "7m", "alertname": names[1], "exp_alerts": [_tier_alert(2, tiers, tier_window)]},
                 {"eval_time": "7m", "alertname": names[0], "exp_alerts": [_tier_alert(1, tiers, tier_window)]},

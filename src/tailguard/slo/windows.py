@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 CORE_METRICS = ("e2e", "ttft", "itl", "queue_wait")
-OPTIONAL_METRICS = ("tpot", "tokenize", "prefill")
+OPTIONAL_METRICS = ("tpot", "e2e_per_token", "tokenize", "prefill")
 STAGES = ("tokenize", "queue", "prefill", "decode", "stream")
 _STAGE_INDEX = {s: i for i, s in enumerate(STAGES)}
 
@@ -61,6 +61,7 @@ class Key(NamedTuple):
     client: str
     region: str
     ctx: int  # index of the context-length bucket (see SlidingWindows.ctx_edges)
+    degraded: bool = False  # an action changed this answer (truncated): tiers may judge without these
 
 
 @dataclass(slots=True)
@@ -83,6 +84,7 @@ class RequestSample:
     request_id: str = ""
     stages: Mapping[str, float] | None = None
     synthetic: bool = False  # answered without the engine (a degradation template): counted, never timed
+    output_tokens: int = 0
 
 
 def _s(v: Any, default: str = "default") -> str:
@@ -99,7 +101,7 @@ def sample_from(obj: Any) -> RequestSample:
         return RequestSample(
             s.e2e, s.ttft, s.stages["queue"], s.itl, s.tpot, o.value if o is not None else SUCCESS,
             obj.business_type, obj.lane, obj.client, obj.region, obj.num_prompt_tokens, obj.degraded,
-            obj.request_id, s.stages, obj.synthetic,
+            obj.request_id, s.stages, obj.synthetic, obj.num_output_tokens,
         )
     if isinstance(obj, RequestSample):
         return obj
@@ -119,7 +121,7 @@ def sample_from(obj: Any) -> RequestSample:
             lane=_s(obj.get("lane")), client=_s(obj.get("client")), region=_s(obj.get("region")),
             input_tokens=int(obj.get("prompt_tokens") or obj.get("input_tokens") or 0),
             degraded=bool(obj.get("degraded")), request_id=str(obj.get("request_id") or ""), stages=stages,
-            synthetic=bool(obj.get("synthetic")),
+            synthetic=bool(obj.get("synthetic")), output_tokens=int(obj.get("output_tokens") or 0),
         )
     # Anything else with summary() (duck-typed).
     s = obj.summary()
@@ -132,6 +134,7 @@ def sample_from(obj: Any) -> RequestSample:
         input_tokens=int(getattr(obj, "num_prompt_tokens", 0) or 0), degraded=bool(getattr(obj, "degraded", False)),
         request_id=str(getattr(obj, "request_id", "")), stages=s.stages,
         synthetic=bool(getattr(obj, "synthetic", False)),
+        output_tokens=int(getattr(obj, "num_output_tokens", 0) or 0),
     )
 
 
@@ -398,7 +401,8 @@ class PeakDetector:
 class SlidingWindows:
     """The ring of slots. ``record`` is the hot path; ``query`` merges.
 
-    ``metrics``: latency metrics kept (the core four plus any of ``tpot``, ``tokenize``, ``prefill``).
+    ``metrics``: latency metrics kept (the core four plus any of ``tpot``, ``e2e_per_token``, ``tokenize``,
+    ``prefill``).
     ``ctx_edges``: prompt-length bucket edges in tokens (a request with ``t`` tokens falls in the first bucket whose
     upper edge is >= t); the defaults put 8K (the long-context watch, S4) and 64K (the decay objective) on edges.
     ``max_keys``: cardinality guard; further keys are folded into ``("other", "other", ...)``.
@@ -452,6 +456,7 @@ class SlidingWindows:
         self._i_itl = self._mi.get("itl")
         self._i_queue = self._mi.get("queue_wait")
         self._i_tpot = self._mi.get("tpot")
+        self._i_e2e_tok = self._mi.get("e2e_per_token")
         self._i_tok = self._mi.get("tokenize")
         self._i_pre = self._mi.get("prefill")
         self.dropped_keys = 0
@@ -588,7 +593,7 @@ class SlidingWindows:
         tokens = s.input_tokens
         edges = self.ctx_edges
         ctx = 0 if not edges or tokens <= edges[0] else bisect.bisect_left(edges, tokens)
-        key = Key(s.business_type, s.lane, s.client, s.region, ctx)
+        key = Key(s.business_type, s.lane, s.client, s.region, ctx, s.degraded)
         slot = self._cur
         if slot is None or idx > slot.index:
             slot = self._rotate(idx)
@@ -597,7 +602,7 @@ class SlidingWindows:
             if key not in self._keys:
                 if len(self._keys) >= self.max_keys:
                     self.dropped_keys += 1
-                    key = Key("other", "other", "other", "other", ctx)
+                    key = Key("other", "other", "other", "other", ctx, s.degraded)
                 self._keys.add(key)
             cell = slot.cells.get(key)
             if cell is None:
@@ -666,6 +671,9 @@ class SlidingWindows:
         i = self._i_tpot
         if i is not None and s.tpot is not None:
             bufs[i].append(s.tpot)
+        i = self._i_e2e_tok
+        if i is not None and s.output_tokens > 0:
+            bufs[i].append(e2e / s.output_tokens)
         if e2e > 0:
             lg = math.log(e2e)
             cell.log_n += 1
@@ -722,12 +730,14 @@ class SlidingWindows:
         metrics: Iterable[str] | None = None,
         peak: bool = False,
         keys: Iterable[Key] | None = None,
+        exclude_degraded: bool = False,
     ) -> WindowStats:
         """Merge the window's slots for the keys ``selector`` matches (or the given ``keys``).
 
         The request path's lock is held only to pick the slots and copy the current slot's cells; merging happens
         outside it, on per-slot aggregates that closed slots keep (a closed slot never changes), so a query costs
-        one merge per slot and metric plus the newest closed slot's own merge."""
+        one merge per slot and metric plus the newest closed slot's own merge. ``exclude_degraded``: leave out the
+        answers an action changed (the tiers judge some metrics without them)."""
         if now is None:
             now = self.clock()
         n_slots = max(1, min(self.max_slots, math.ceil(window_s / self.slot_s - 1e-9)))
@@ -738,7 +748,8 @@ class SlidingWindows:
         with self._lock:
             closed, cur, idx = self._window_slots(n_slots, now)
             if keys is None:
-                keys = [k for k in self._keys if self.key_matches(k, sel, peak)]
+                keys = [k for k in self._keys if self.key_matches(k, sel, peak)
+                        and not (exclude_degraded and k.degraded)]
             keys = list(keys)
             snap = self._current_snapshot(cur, keys, mis) if cur is not None else None
         keyset = frozenset(keys)
