@@ -29,6 +29,7 @@ from tailguard.engine.scoring import TextScore, score_text
 HERE = Path(__file__).parent
 TEXTS = {"en": HERE / "data" / "heldout_en.txt", "zh": HERE / "data" / "heldout_zh.txt"}
 PREFIX = 16
+REFERENCE = "float32:float32"  # float32 weights and a float32 KV cache
 
 
 def llama_cpp_score(path: str, ids: list[int], threads: int) -> TextScore | None:
@@ -49,22 +50,31 @@ def llama_cpp_score(path: str, ids: list[int], threads: int) -> TextScore | None
     return TextScore(nll, top1, ids[PREFIX:])
 
 
+def _pooled(per_lang: dict[str, TextScore]) -> float:
+    """Perplexity over every scored token of both texts."""
+    nll = [x for sc in per_lang.values() for x in sc.nll]
+    return math.exp(sum(nll) / len(nll))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", default="native,float32,bfloat16,int8")
+    parser.add_argument("--formats", default="float32:float32,native:float16,native:float32,bfloat16:float16,int8:float16",
+                        help="weight format:KV cache dtype pairs; float32:float32 is the reference")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", default=str(HERE / "results" / "fidelity.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     formats = args.formats.split(",")
-    if "float32" not in formats:
-        formats.insert(0, "float32")
+    if REFERENCE not in formats:
+        formats.insert(0, REFERENCE)
     results: dict = {"texts": {}, "date": time.strftime("%Y-%m-%d"), "machine": platform.processor(),
                      "threads": args.threads, "torch": torch.__version__}
     scores: dict[str, dict[str, TextScore]] = {}
     tokenizer = None
     for fmt in formats:
-        engine = LLMEngine(EngineArgs(model="smollm2", weight_format=fmt, kv_cache_tokens=4096))
+        weight_format, kv_dtype = fmt.split(":")
+        engine = LLMEngine(EngineArgs(model="smollm2", weight_format=weight_format, kv_cache_dtype=kv_dtype,
+                                      kv_cache_tokens=4096))
         tokenizer = engine.tokenizer
         for lang, path in TEXTS.items():
             ids = tokenizer.encode(path.read_text(encoding="utf-8"))
@@ -81,7 +91,7 @@ def main() -> None:
         if ref is not None:
             scores.setdefault("llama.cpp Q4_1", {})[lang] = ref
             print(f"llama.cpp {lang}: ppl {ref.perplexity:.4f}", flush=True)
-    base = scores["float32"]
+    base = scores[REFERENCE]
     rows = []
     for name, per_lang in scores.items():
         row = {"system": name}
@@ -95,14 +105,18 @@ def main() -> None:
         rows.append(row)
     results["systems"] = rows
     print()
-    print("| system | ppl en | vs float32 | top-1 agree en | ppl zh | vs float32 | top-1 agree zh |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| weights:KV cache | ppl en | vs float32 | top-1 agree en | ppl zh | vs float32 | top-1 agree zh |"
+          " ppl both | vs float32 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         cells = []
         for lang in TEXTS:
             r = row.get(lang)
             cells += [f"{r['perplexity']:.3f}", f"{r['ppl_vs_float32_pct']:+.3f}%",
                       f"{100 * r['top1_agreement_vs_float32']:.1f}%"] if r else ["", "", ""]
+        both = _pooled(scores[row["system"]])
+        row["both"] = {"perplexity": both, "ppl_vs_float32_pct": 100.0 * (both / _pooled(base) - 1.0)}
+        cells += [f"{both:.3f}", f"{row['both']['ppl_vs_float32_pct']:+.3f}%"]
         print(f"| {row['system']} | " + " | ".join(cells) + " |")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=2))

@@ -94,7 +94,15 @@ def tiny_engine(_tiny_engine_session):
 @pytest.fixture(scope="session")
 def _small_kv_engine_session(tiny_gguf):
     # 24 blocks of 16 tokens: a handful of concurrent requests already overflow it, so preemption really happens.
-    return _make_engine(tiny_gguf, kv_cache_tokens=384, max_num_seqs=16)
+    # float32 KV: a recomputed prefill must reproduce the decoded K/V exactly for greedy outputs to match token for
+    # token; with float16 KV the two paths agree only to half precision (as in any engine with a half-precision cache).
+    return _make_engine(tiny_gguf, kv_cache_tokens=384, max_num_seqs=16, kv_cache_dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_f32kv(tiny_gguf):
+    """The tiny engine with a float32 KV cache: the reference for tests that need exact recompute."""
+    return _make_engine(tiny_gguf, kv_cache_dtype="float32")
 
 
 @pytest.fixture

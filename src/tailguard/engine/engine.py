@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -20,12 +21,15 @@ import torch
 
 from tailguard.engine.blocks import BlockPool
 from tailguard.engine.loader import load_gguf, write_tiny_gguf
+from tailguard.engine.memory import format_bytes, parse_budget
 from tailguard.engine.model import LlamaModel
 from tailguard.engine.model_store import cache_dir, resolve_model_path
 from tailguard.engine.request import FinishReason, RequestError, SamplingParams, Sequence
 from tailguard.engine.runner import ModelRunner, pick_device
 from tailguard.engine.scheduler import Scheduler, SchedulerConfig
 from tailguard.engine.tokenizer import GGUFTokenizer, IncrementalDetokenizer
+
+logger = logging.getLogger("tailguard.engine")
 
 
 @dataclass
@@ -35,8 +39,12 @@ class EngineArgs:
     weight_format: str = "auto"
     device: str = "auto"
     block_size: int = 16
-    kv_cache_tokens: int = 65536  # KV capacity in tokens (rounded down to whole blocks)
-    max_model_len: int | None = None  # defaults to the model's context length
+    # The KV cache is sized from a memory budget: bytes ("1.5GiB") or a share of available memory (0.2). The default
+    # holds 32 conversations of 2K tokens of SmolLM2 in float16 (23 KB a token); pages become resident as used.
+    kv_cache_memory: str | float = "1.5GiB"
+    kv_cache_tokens: int | None = None  # an explicit capacity in tokens instead of the budget
+    kv_cache_dtype: str = "auto"  # auto (float16) | float16 | float32
+    max_model_len: int | None = None  # defaults to the model's context length, clamped to what the KV cache holds
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int = 256
@@ -98,6 +106,15 @@ def tiny_model_path(source: Path) -> Path:
     return path
 
 
+def resolve_kv_dtype(name: str, weight_format: str) -> torch.dtype:
+    """float16 halves the cache and the bytes attention reads per token; float32 only where asked."""
+    if name == "auto":
+        return torch.float16
+    if name not in ("float16", "float32"):
+        raise ValueError(f"kv_cache_dtype must be auto, float16 or float32, not {name!r}")
+    return getattr(torch, name)
+
+
 def resolve_weight_format(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
@@ -125,8 +142,23 @@ class LLMEngine:
         weights = load_gguf(path, packed=self.weight_format == "native")
         self.model = LlamaModel(weights, self.weight_format, self.device)
         self.config = weights.config
-        max_len = min(args.max_model_len or self.config.max_position, self.config.max_position)
-        num_blocks = max(1, args.kv_cache_tokens // args.block_size)
+        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.weight_format)
+        per_token = self.model.kv_bytes_per_token(self.kv_dtype)
+        if args.kv_cache_tokens is not None:
+            if args.kv_cache_tokens < args.block_size:
+                raise ValueError(f"kv_cache_tokens must hold at least one block ({args.block_size} tokens)")
+            num_blocks = args.kv_cache_tokens // args.block_size
+        else:
+            budget = parse_budget(args.kv_cache_memory, self.device)
+            num_blocks = budget // (per_token * args.block_size)
+            if num_blocks < 1:
+                raise ValueError(f"a KV cache budget of {format_bytes(budget)} holds no block of {args.block_size} "
+                                 f"tokens ({format_bytes(per_token * args.block_size)} a block)")
+        self.kv_capacity_tokens = num_blocks * args.block_size
+        self.kv_cache_bytes = self.kv_capacity_tokens * per_token
+        # A request can never be longer than the cache holds: clamp the context to it (and say so at start-up), so
+        # that a default max_tokens derived from max_model_len always fits.
+        max_len = min(args.max_model_len or self.config.max_position, self.config.max_position, self.kv_capacity_tokens)
         self.pool = BlockPool(num_blocks, args.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -137,7 +169,8 @@ class LLMEngine:
             ),
             self.pool,
         )
-        self.runner = ModelRunner(self.model, num_blocks, args.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.kv_dtype)
+        logger.info("%s", self.describe())
         self.stop_ids = set(self.tokenizer.stop_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
@@ -146,6 +179,15 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
+
+    def describe(self) -> str:
+        """One line for start-up logs: weights, KV cache budget in bytes and tokens, context."""
+        dtype = str(self.kv_dtype).removeprefix("torch.")
+        full = self.kv_capacity_tokens // max(1, self.max_model_len)
+        return (f"{self.model_name}: {self.weight_format} weights ({format_bytes(self.model.weight_bytes())} read per "
+                f"token) on {self.device}; KV cache {format_bytes(self.kv_cache_bytes)} {dtype} = "
+                f"{self.kv_capacity_tokens:,} tokens ({full} sequences of the full {self.max_model_len:,}-token "
+                f"context, {self.kv_capacity_tokens // 2048} of 2,048)")
 
     # --- requests -------------------------------------------------------------------------------------------------
     def add_request(
@@ -288,8 +330,18 @@ def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
     return best
 
 
+class EngineClosed(RuntimeError):
+    """The engine thread has stopped (shut down or crashed): no request can be served."""
+
+
 class AsyncLLMEngine:
-    """Runs an LLMEngine in a background thread and streams TokenEvents to asyncio consumers."""
+    """Runs an LLMEngine in a background thread and streams TokenEvents to asyncio consumers.
+
+    Every request that registers gets an end: its last token, an error, or - when the engine shuts down or its thread
+    dies - an error event naming why. Registration and the thread's death are decided under one lock, so a request
+    cannot slip in after the final errors went out and wait forever. The decode step runs in C with the GIL released
+    (ctypes), so the event loop keeps serving while a step computes.
+    """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -300,6 +352,7 @@ class AsyncLLMEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._closed: str | None = None  # why no new request is taken; set under _lock
         self._thread = threading.Thread(target=self._loop, name="tailguard-engine", daemon=True)
         self._last_stats = engine.stats()
         self.error: BaseException | None = None
@@ -322,12 +375,12 @@ class AsyncLLMEngine:
         arrival_time: float | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Stream a request's tokens. Leaving the iterator early (client gone, cancel) aborts the request."""
-        if self.error is not None:
-            raise RuntimeError(f"engine stopped: {self.error!r}")
         self.check_request(len(prompt_token_ids), sampling)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            if self._closed is not None:
+                raise EngineClosed(self._closed)
             if request_id in self._queues:
                 raise RequestError(f"duplicate request id {request_id!r}")
             self._queues[request_id] = (loop, q)
@@ -338,7 +391,9 @@ class AsyncLLMEngine:
                 event: TokenEvent = await q.get()
                 if event.error is not None:
                     finished = True
-                    raise RequestError(event.error) if event.finish_reason is None else RuntimeError(event.error)
+                    if event.finish_reason is None:
+                        raise RequestError(event.error)
+                    raise EngineClosed(event.error)
                 yield event
                 if event.finished:
                     finished = True
@@ -346,7 +401,7 @@ class AsyncLLMEngine:
         finally:
             with self._lock:
                 self._queues.pop(request_id, None)
-            if not finished:
+            if not finished and self._closed is None:
                 self._commands.put(("abort", request_id))
 
     def abort(self, request_id: str) -> None:
@@ -355,12 +410,31 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self._last_stats
 
-    def shutdown(self) -> None:
+    @property
+    def is_running(self) -> bool:
+        return self._closed is None and self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; every request still in flight ends with an error event (never a hang)."""
         self._stop.set()
         self._commands.put(("wake", None))
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)
+        self._close_all("engine shut down")
+        if not self._thread.is_alive():  # the engine is ours again: free what the ended requests held
+            for request_id in list(self.engine._tracked):
+                self.engine.abort(request_id)
 
     # --- engine thread ----------------------------------------------------------------------------------------------
+    def _close_all(self, reason: str) -> None:
+        """Refuse new requests and end every registered one with an error event naming ``reason``."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = reason
+            pending = list(self._queues)
+        now = time.perf_counter()
+        self._deliver([TokenEvent(r, None, "", now, finished=True, finish_reason=FinishReason.ERROR, error=reason)
+                       for r in pending])
+
     def _deliver(self, events: list[TokenEvent]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenEvent]]] = {}
         with self._lock:
@@ -369,13 +443,28 @@ class AsyncLLMEngine:
                 if target is not None:
                     by_loop.setdefault(target[0], []).append((target[1], ev))
         for loop, items in by_loop.items():
-            # One wake-up of the event loop per step, not one per token.
-            loop.call_soon_threadsafe(_put_all, items)
+            try:
+                # One wake-up of the event loop per step, not one per token.
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                # That consumer's event loop is closed: nobody is left to read these streams. Abort them here rather
+                # than let one dead loop take the engine down for every other request.
+                dead = {ev.request_id for _, ev in items}
+                with self._lock:
+                    for rid in dead:
+                        self._queues.pop(rid, None)
+                for rid in dead:
+                    if not ev_finished(items, rid):
+                        self.engine.abort(rid)
 
     def _handle(self, command: tuple) -> None:
         kind, payload = command
         if kind == "add":
             prompt, sampling, request_id, priority, arrival = payload
+            with self._lock:
+                registered = request_id in self._queues
+            if not registered:  # the client left before its request reached the engine
+                return
             try:
                 self.engine.add_request(prompt, sampling, request_id, priority, arrival)
             except RequestError as exc:
@@ -394,6 +483,8 @@ class AsyncLLMEngine:
                         self._handle(self._commands.get_nowait())
                 except queue.Empty:
                     pass
+                if self._stop.is_set():
+                    break
                 if self.engine.has_unfinished():
                     events = self.engine.step()
                     self._last_stats = self.engine.stats()
@@ -403,12 +494,14 @@ class AsyncLLMEngine:
                     self._last_stats = self.engine.stats()
         except BaseException as exc:  # noqa: BLE001 - surface any engine crash to every waiting request
             self.error = exc
-            with self._lock:
-                pending = list(self._queues)
-            self._deliver(
-                [TokenEvent(r, None, "", time.perf_counter(), True, FinishReason.ERROR, error=f"engine failure: {exc!r}") for r in pending]
-            )
-            raise
+            logger.exception("engine thread failed")
+            self._close_all(f"engine failure: {exc!r}")
+            return  # logged and delivered to every request; re-raising would only reach threading's excepthook
+        self._close_all("engine shut down")
+
+
+def ev_finished(items: list[tuple[asyncio.Queue, TokenEvent]], request_id: str) -> bool:
+    return any(ev.finished for _, ev in items if ev.request_id == request_id)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:

@@ -147,12 +147,21 @@ class LlamaModel:
         assert meta.decode_gather is not None and meta.decode_lens is not None
         return self._decode_step(input_ids, meta.positions, meta.slot_mapping, meta.decode_gather, meta.decode_lens)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+        cfg = self.config
+        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(kv_dtype).bits // 8
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
         # [layer, k|v, block, slot-in-block, kv_head, head_dim]: gathering whole blocks moves block_size rows per index.
         cfg = self.config
-        return torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device
-        )
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        dtype = kv_dtype or self.dtype
+        if self.device.type == "cpu":
+            # Not zeroed: a large allocation is fresh zero pages from the OS that become resident only as blocks are
+            # first used, so the process holds the memory its traffic needs, up to the budget. Every slot attention
+            # reads has been written first; masked slots hold finite values (zeros or an earlier sequence's keys).
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -163,8 +172,8 @@ class LlamaModel:
     def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata) -> torch.Tensor:
         """One query token per decoding sequence against its paged keys: [D, H, hd]."""
-        kd = k_cache[meta.decode_gather].flatten(1, 2).transpose(1, 2)  # [D, kv, L, hd]
-        vd = v_cache[meta.decode_gather].flatten(1, 2).transpose(1, 2)
+        kd = k_cache[meta.decode_gather].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [D, kv, L, hd]
+        vd = v_cache[meta.decode_gather].flatten(1, 2).transpose(1, 2).to(q.dtype)
         od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
         return od.squeeze(2)
 
@@ -191,8 +200,12 @@ class LlamaModel:
             q, k = qk[:, :n_heads], qk[:, n_heads:]
             v = qkv[:, q_dim + kv_dim :].view(n_tok, n_kv, head_dim)
             k_cache, v_cache = kv_cache[layer_idx, 0], kv_cache[layer_idx, 1]
+            if kv_cache.dtype != x.dtype:
+                # Attention always sees K/V as stored, whichever path reads them (the decode kernel reads the cache).
+                k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
             k_cache.view(-1, n_kv, head_dim).index_copy_(0, meta.slot_mapping, k)
             v_cache.view(-1, n_kv, head_dim).index_copy_(0, meta.slot_mapping, v)
+            k, v = k.to(x.dtype), v.to(x.dtype)
             if d == n_tok:  # a decode-only step (most steps): no buffer to assemble
                 attn = self._decode_attention(q, k_cache, v_cache, meta)
             else:
@@ -206,8 +219,8 @@ class LlamaModel:
                     vp = v[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
                     op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
                 else:
-                    kp = k_cache[span.gather].flatten(0, 1).transpose(0, 1).unsqueeze(0)
-                    vp = v_cache[span.gather].flatten(0, 1).transpose(0, 1).unsqueeze(0)
+                    kp = k_cache[span.gather].flatten(0, 1).transpose(0, 1).unsqueeze(0).to(qp.dtype)
+                    vp = v_cache[span.gather].flatten(0, 1).transpose(0, 1).unsqueeze(0).to(qp.dtype)
                     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, enable_gqa=True)
                 attn[span.token_start : span.token_end] = op.squeeze(0).transpose(0, 1)
             x = x + o_proj(attn.reshape(n_tok, q_dim))

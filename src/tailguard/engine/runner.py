@@ -26,17 +26,15 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size, kv_dtype)
         self._generators: dict[str, torch.Generator] = {}
 
-    @staticmethod
-    def kv_bytes_per_token(model: LlamaModel) -> int:
-        cfg = model.config
-        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(model.dtype).bits // 8
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token(self.kv_cache.dtype)
 
     # --- batch building -------------------------------------------------------------------------------------------
     def _build(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable]):

@@ -1,0 +1,54 @@
+"""Sizing the KV cache from a memory budget, as the field does (vLLM's gpu_memory_utilization, its CPU KV space).
+
+A budget is bytes ("1.5GiB", "800MB", 2e9) or a share of the memory available now (0 < f < 1: free RAM on the CPU,
+free VRAM on CUDA). Tokens are the derived figure: budget // bytes per token, rounded down to whole blocks.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory available for new allocations now: free VRAM on CUDA, MemAvailable on Linux, else physical pages."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def parse_budget(value: str | float | int, device: torch.device) -> int:
+    """Bytes for a budget given as bytes with a unit, plain bytes, or a share (0..1) of available memory."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"KV cache memory {value!r}: give bytes (e.g. 1.5GiB, 800MB) or a share of free memory (0.2)")
+        number, unit = float(m.group(1)), m.group(2).lower()
+    if number <= 0:
+        raise ValueError(f"KV cache memory must be positive, got {value!r}")
+    if not unit and number < 1:
+        return int(number * available_bytes(device))
+    return int(number * _UNITS[unit])
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,137 @@
+"""The engine's thread front ends every request: crashes, shutdown, a dead consumer loop, late registrations."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from tailguard.engine.engine import AsyncLLMEngine, EngineArgs, EngineClosed, LLMEngine
+from tailguard.engine.request import SamplingParams
+
+
+@pytest.fixture
+def engine(tiny_gguf):
+    return LLMEngine(EngineArgs(model=str(tiny_gguf), kv_cache_tokens=4096, max_model_len=512, num_threads=1))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+async def _drain(front: AsyncLLMEngine, rid: str, n: int = 200) -> tuple[int, BaseException | None]:
+    got = 0
+    try:
+        async for _ in front.generate([1, 2, 3, 4, 5], greedy(n), rid):
+            got += 1
+    except EngineClosed as exc:
+        return got, exc
+    return got, None
+
+
+def test_a_crash_mid_stream_ends_every_request_and_refuses_new_ones(engine):
+    front = AsyncLLMEngine(engine)
+    steps = {"n": 0}
+    real_step = engine.step
+
+    def failing_step():
+        steps["n"] += 1
+        if steps["n"] == 5:
+            raise RuntimeError("injected kernel failure")
+        return real_step()
+
+    engine.step = failing_step
+
+    async def main():
+        results = await asyncio.wait_for(asyncio.gather(*(_drain(front, f"crash-{i}") for i in range(4))), 30)
+        with pytest.raises(EngineClosed, match="injected kernel failure"):
+            await asyncio.wait_for(_drain_raise(front, "late"), 5)
+        return results
+
+    results = asyncio.run(main())
+    assert all(isinstance(exc, EngineClosed) and "injected kernel failure" in str(exc) for _, exc in results)
+    assert all(got < 200 for got, _ in results)
+    assert front.error is not None and not front.is_running
+
+
+async def _drain_raise(front: AsyncLLMEngine, rid: str) -> None:
+    async for _ in front.generate([1, 2, 3], greedy(4), rid):
+        pass
+
+
+def test_shutdown_ends_streams_in_flight_with_an_error_and_frees_their_blocks(engine):
+    front = AsyncLLMEngine(engine)
+
+    async def main():
+        started = asyncio.Event()
+
+        async def consume(rid):
+            got = 0
+            try:
+                async for _ in front.generate([1, 2, 3, 4], greedy(400), rid):
+                    got += 1
+                    if got == 2:
+                        started.set()
+            except EngineClosed as exc:
+                return got, str(exc)
+            return got, None
+
+        tasks = [asyncio.create_task(consume(f"sd-{i}")) for i in range(3)]
+        await asyncio.wait_for(started.wait(), 20)
+        await asyncio.get_running_loop().run_in_executor(None, front.shutdown)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 10)
+
+    results = asyncio.run(main())
+    assert [reason for _, reason in results] == ["engine shut down"] * 3
+    assert engine.pool.num_used == 0 and not engine.has_unfinished()
+
+
+def test_a_consumer_whose_event_loop_closed_does_not_take_the_engine_down(engine):
+    front = AsyncLLMEngine(engine)
+    # A consumer on its own event loop, in its own thread, that closes its loop while its request is running.
+    registered = threading.Event()
+
+    def orphan():
+        loop = asyncio.new_event_loop()
+
+        async def start():
+            agen = front.generate([7, 8, 9], greedy(300), "orphan")
+            await agen.__anext__()
+            registered.set()
+            return agen
+
+        loop.run_until_complete(start())
+        loop.close()  # the generator is never closed: its tokens now have nowhere to go
+
+    t = threading.Thread(target=orphan)
+    t.start()
+    t.join(20)
+    assert registered.is_set()
+
+    async def main():
+        return await asyncio.wait_for(_drain(front, "survivor", 20), 30)
+
+    got, exc = asyncio.run(main())
+    assert exc is None and got == 20, "the engine must keep serving others"
+    assert front.is_running and front.error is None
+    front.shutdown()
+    assert engine.pool.num_used == 0
+
+
+def test_timestamps_stay_on_one_monotonic_clock_across_the_thread(engine):
+    import time
+
+    front = AsyncLLMEngine(engine)
+
+    async def main():
+        sent = time.perf_counter()
+        events = [ev async for ev in front.generate([5, 6, 7], greedy(6), "clock", arrival_time=sent)]
+        return sent, events, time.perf_counter()
+
+    sent, events, done = asyncio.run(main())
+    front.shutdown()
+    last = events[-1]
+    assert sent == last.arrival <= last.first_scheduled <= last.first_token <= last.time <= done
+    times = [ev.time for ev in events]
+    assert times == sorted(times)
