@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from tailguard.observe.redaction import Redactor, cn_id_checksum_ok
-from tests.serving_helpers import fake_server, settle
+from tests.serving_helpers import ADMIN, fake_server, settle
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_store_text_keeps_only_redacted_text(tmp_path, redactor):
                              "logprobs": True, "top_logprobs": 2})
         assert r.status_code == 200
         settle(s)
-        rec = httpx.get(s.url + "/v1/requests/txt-1").json()
+        rec = httpx.get(s.url + "/v1/requests/txt-1", headers=ADMIN).json()
         assert "li.si@example.com" not in rec["prompt_text"] and "13812345678" not in rec["prompt_text"]
         assert "<EMAIL_ADDRESS>" in rec["prompt_text"] and "<PHONE_NUMBER>" in rec["prompt_text"]
         assert rec["output_text"] == "The "
@@ -77,4 +77,4 @@ def test_store_text_keeps_only_redacted_text(tmp_path, redactor):
         settle(s)
         row = s.state.store.query("SELECT prompt_text, output_text, prompt_token_ids FROM requests")[0]
         assert tuple(row) == (None, None, None)
-        assert "prompt_text" not in httpx.get(s.url + "/v1/requests/txt-2").json()
+        assert "prompt_text" not in httpx.get(s.url + "/v1/requests/txt-2", headers=ADMIN).json()

@@ -295,7 +295,7 @@ class RequestStore:
             if tl.logprobs is not None:
                 logprobs = json.dumps(tl.logprobs, ensure_ascii=False, separators=(",", ":"))
         body = {k: rec[k] for k in ("timestamps", "token_times", "token_sent", "sampling", "resources",
-                                    "preemptions")}
+                                    "preemptions", "owner")}
         action = json.dumps(tl.slo_action, separators=(",", ":")) if tl.slo_action else None
         return tuple(_safe(v) for v in (
             rec["request_id"], rec["received_at"], rec["endpoint"], rec["model"], rec["user"], rec["business_type"],
@@ -443,6 +443,7 @@ def row_to_record(row: sqlite3.Row) -> dict[str, Any]:
         "endpoint": row["endpoint"],
         "model": row["model"],
         "user": row["user"],
+        "owner": body.get("owner"),
         "business_type": row["business_type"],
         "stream": bool(row["stream"]),
         "status": row["status"],
