@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -156,29 +157,56 @@ class Exchange:
 
 
 class EngineStream:
-    """A request's stream of engine events, read so that a reader cancelled by a disconnect does not end it: the
-    event being awaited stays pending, and ``abort`` can still collect the engine's final event."""
+    """A request's engine events, pumped into a buffer by a task of their own, so that a reader cancelled by a
+    disconnect does not end the stream: ``abort`` can then still collect the engine's final event.
+
+    (Cheaper per token than shielding each read: one future per wait instead of a task per event.)
+    """
 
     def __init__(self, engine: Backend, engine_id: str, events: AsyncIterator[TokenEvent]) -> None:
         self.engine = engine
         self.engine_id = engine_id
         self._events = events
-        self._pending: asyncio.Future | None = None
-        self.ended = False
+        self._buffer: deque[TokenEvent] = deque()
+        self._waiter: asyncio.Future | None = None
+        self._error: BaseException | None = None
+        self._ended = False  # the engine's stream is over (final event, error or end)
+        self._finished = False  # the final event was read
+        self._pump = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        try:
+            async for ev in self._events:
+                self._buffer.append(ev)
+                self._wake()
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            self._error = exc
+        finally:
+            self._ended = True
+            self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     async def next(self) -> TokenEvent | None:
-        """The next event; None when the stream ended."""
-        if self._pending is None:
-            self._pending = asyncio.ensure_future(anext(self._events, None))
-        ev = await asyncio.shield(self._pending)
-        self._pending = None
-        if ev is None or ev.finished:
-            self.ended = True
+        """The next event; None when the stream ended without one. Raises what the engine's stream raised."""
+        while not self._buffer:
+            if self._ended:
+                if self._error is not None:
+                    raise self._error
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        ev = self._buffer.popleft()
+        if ev.finished:
+            self._finished = True
         return ev
 
     async def abort(self, wait_s: float) -> TokenEvent | None:
         """Abort the request in the engine and wait (bounded) for its final event, which says where it was."""
-        if self.ended:
+        if self._finished:
             return None
         self.engine.abort(self.engine_id)
         try:
@@ -191,14 +219,11 @@ class EngineStream:
         return None
 
     async def aclose(self) -> None:
-        """Leave the stream (aborts the request in the engine if it is still running)."""
-        if self._pending is not None:
-            self._pending.cancel()
-            with contextlib.suppress(BaseException):
-                await self._pending
-            self._pending = None
-        with contextlib.suppress(Exception):
-            await self._events.aclose()  # type: ignore[attr-defined]
+        """Leave the stream (closing it aborts the request in the engine if it is still running)."""
+        if not self._pump.done():
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
 
 
 class _WatchedResponse(StreamingResponse):
