@@ -90,3 +90,11 @@ def test_the_admin_key_must_differ_from_the_client_keys(monkeypatch):
     assert ServerConfig.load().admin_key.get_secret_value() == "from-env"
     assert ServerConfig.load(admin_key="flag").admin_key.get_secret_value() == "flag"
 
+
+
+def test_serve_takes_the_admin_key_flag(capsys):
+    from tailguard.cli import main
+
+    assert main(["serve", "--model", "fake", "--api-key", "same", "--admin-key", "same"]) == 2
+    err = capsys.readouterr().err
+    assert "admin_key must differ" in err and "same" not in err.replace("admin_key must differ", "")

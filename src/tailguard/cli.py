@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, argv: list[str]) -> int:
+    from pydantic import ValidationError
+
     from tailguard.serving.config import ServerConfig
     from tailguard.serving.server import serve
 
@@ -134,6 +136,12 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         overrides["slo"] = slo  # merged into the config file's ``slo:`` section
     try:
         config = ServerConfig.load(args.config, **overrides)
+    except ValidationError as exc:
+        # Without the input values: pydantic would print the whole settings, keys included.
+        for err in exc.errors(include_input=False, include_url=False):
+            where = ".".join(str(p) for p in err["loc"]) or "settings"
+            print(f"tailguard serve: bad configuration: {where}: {err['msg']}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:
         print(f"tailguard serve: bad configuration: {exc}", file=sys.stderr)
         return 2
