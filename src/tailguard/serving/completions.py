@@ -66,10 +66,6 @@ _SSE_HEADERS = [
 ]
 
 
-class ClientGone(Exception):
-    """The client closed the connection."""
-
-
 class Phase(enum.IntEnum):
     RECEIVED = 0  # reading, validating, tokenizing: no queue slot
     QUEUED = 1  # holds an admission slot; the engine has not answered yet
@@ -222,8 +218,7 @@ class EngineStream:
         """Leave the stream (closing it aborts the request in the engine if it is still running)."""
         if not self._pump.done():
             self._pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pump
+            await asyncio.wait([self._pump])  # the pump's own cancellation stays in the pump
 
 
 class _WatchedResponse(StreamingResponse):
@@ -249,6 +244,7 @@ class _Prepared:
 
     parsed: Parsed
     ids: list[int]
+    text: str | None  # the prompt as text, when it came as text
     sampling: SamplingParams
     degradation: Degradation | None
 
@@ -273,7 +269,7 @@ class CompletionEndpoint:
             tl.error = _clean_str(err.message, 1000)
             await ex.fail(err)
             tl.finalize(err.status, err.outcome)
-        except (ClientGone, ClientDisconnect):
+        except ClientDisconnect:  # gone while we read its body
             tl.error = tl.error or "client disconnected"
             tl.finalize(499, Outcome.ABORTED)
         except asyncio.CancelledError:
@@ -325,6 +321,7 @@ class CompletionEndpoint:
         tl.resources = st.resources()
         p, ids = prep.parsed, prep.ids
         if st.config.store_text:
+            tl.prompt_text = prep.text if prep.text is not None else engine.tokenizer.decode(ids)
             tl.prompt_token_ids = ids
             if p.logprobs is not None:
                 tl.logprobs = []
@@ -401,8 +398,6 @@ class CompletionEndpoint:
         ids, text = await self._tokenize(engine, p)
         tl.tokenized = perf_counter()
         tl.num_prompt_tokens = len(ids)
-        if st.config.store_text:
-            tl.prompt_text = text if text is not None else engine.tokenizer.decode(ids)
         requested = p.max_tokens
         if requested is None:
             requested = st.config.default_max_tokens or max(1, engine.max_model_len - len(ids))
@@ -428,7 +423,7 @@ class CompletionEndpoint:
             long = "context" in msg or "KV" in msg or "empty" in msg
             raise APIError(400, msg, param=("messages" if self.chat else "prompt") if long else None,
                            code="context_length_exceeded" if "context" in msg else "invalid_value") from None
-        return _Prepared(p, ids, sampling, deg)
+        return _Prepared(p, ids, text, sampling, deg)
 
     async def _tokenize(self, engine: Backend, p: Parsed) -> tuple[list[int], str | None]:
         tok = engine.tokenizer
