@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -22,6 +22,9 @@ from tailguard.serving.errors import APIError, on_api_error, on_http_error, on_s
 from tailguard.serving.lifespan import Lifespan
 from tailguard.serving.routes import health, models, records, slo
 from tailguard.serving.state import ServerState
+
+if TYPE_CHECKING:
+    from tailguard.slo.monitor import SLOMonitor
 
 
 def create_app(
@@ -65,7 +68,7 @@ def create_app(
     return app
 
 
-def _slo_monitor(state: ServerState, clock: Callable[[], float]) -> Any:
+def _slo_monitor(state: ServerState, clock: Callable[[], float]) -> SLOMonitor:
     from tailguard.slo.monitor import SLOMonitor
 
     def to_store(record: dict[str, Any]) -> None:

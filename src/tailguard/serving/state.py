@@ -6,7 +6,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
@@ -18,6 +18,9 @@ from tailguard.serving.auth import Keys
 from tailguard.serving.backend import Backend
 from tailguard.serving.config import ServerConfig
 from tailguard.serving.responses import TokenText
+
+if TYPE_CHECKING:
+    from tailguard.slo.monitor import SLOMonitor
 
 log = logging.getLogger("tailguard.server")
 
@@ -39,7 +42,7 @@ class ServerState:
     recent_capacity: int = 4096
     active_ids: set[str] = field(default_factory=set)
     started_unix: float = field(default_factory=time.time)
-    slo: Any = None  # tailguard.slo.monitor.SLOMonitor, when the monitor is enabled
+    slo: SLOMonitor | None = None  # when the monitor is enabled
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config.max_queue)
