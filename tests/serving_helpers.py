@@ -14,9 +14,14 @@ from tailguard.engine.fake import FakeEngine, FakeTiming
 from tailguard.serving.config import ServerConfig
 from tailguard.serving.server import ThreadedServer
 
+# The test servers' admin key (records, alerts and SLO data are admin surfaces: closed without one).
+ADMIN_KEY = "test-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
 
 def make_config(tmp: Path, **kw: Any) -> ServerConfig:
     kw.setdefault("model", "fake")
+    kw.setdefault("admin_key", ADMIN_KEY)
     kw.setdefault("store_path", str(tmp / "requests.sqlite3"))
     return ServerConfig(host="127.0.0.1", port=0, access_log=False, log_level="warning", **kw)
 

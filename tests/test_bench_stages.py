@@ -20,8 +20,9 @@ STAGES = {"tokenize", "queue", "prefill", "decode", "stream", "network_client"}
 def test_stage_join_splits_e2e_against_tailguard(tmp_path, join):
     # 2 engine slots for 6 concurrent streams: requests queue, so the queue stage is real and large
     timing = FakeTiming(ttft=0.02, itl=0.003, max_num_seqs=2)
-    with fake_server(tmp_path, timing=timing) as server:
-        cfg = bench_config(server.url, concurrency=6, num_requests=24, output_tokens=8, join=join)
+    # Records are read with the client key that made the requests (the bench sends its --api-key).
+    with fake_server(tmp_path, timing=timing, api_key="bench-key") as server:
+        cfg = bench_config(server.url, concurrency=6, num_requests=24, output_tokens=8, join=join, api_key="bench-key")
         res, ms = asyncio.run(execute(cfg, display=False))
         settle(server)
     st = res["stages"]

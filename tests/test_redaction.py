@@ -10,7 +10,7 @@ import pytest
 
 from tailguard.observe import redaction
 from tailguard.observe.redaction import RedactionUnavailable, Redactor, cn_id_checksum_ok
-from tests.serving_helpers import fake_server, settle
+from tests.serving_helpers import ADMIN, fake_server, settle
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_store_text_keeps_only_redacted_text(tmp_path, redactor):
                              "logprobs": True, "top_logprobs": 2})
         assert r.status_code == 200
         settle(s)
-        rec = httpx.get(s.url + "/v1/requests/txt-1").json()
+        rec = httpx.get(s.url + "/v1/requests/txt-1", headers=ADMIN).json()
         assert "li.si@example.com" not in rec["prompt_text"] and "13812345678" not in rec["prompt_text"]
         assert "<EMAIL_ADDRESS>" in rec["prompt_text"] and "<PHONE_NUMBER>" in rec["prompt_text"]
         assert rec["output_text"] == "The "
@@ -82,7 +82,7 @@ def test_store_text_keeps_only_redacted_text(tmp_path, redactor):
         settle(s)
         row = s.state.store.query("SELECT prompt_text, output_text, prompt_token_ids FROM requests")[0]
         assert tuple(row) == (None, None, None)
-        assert "prompt_text" not in httpx.get(s.url + "/v1/requests/txt-2").json()
+        assert "prompt_text" not in httpx.get(s.url + "/v1/requests/txt-2", headers=ADMIN).json()
 
 
 def test_store_text_without_presidio_says_how_to_install_it(monkeypatch):

@@ -13,7 +13,7 @@ import pytest
 
 from tailguard.engine.fake import FakeEngine, FakeTiming
 from tailguard.engine.request import RequestError
-from tests.serving_helpers import fake_server, settle
+from tests.serving_helpers import ADMIN, fake_server, settle
 
 CHAT = "/v1/chat/completions"
 OK = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -188,7 +188,7 @@ def test_internal_failure_is_500_with_request_id_and_no_trace(tmp_path, caplog):
         assert "SECRET" in caplog.text  # the detail goes to the server's log, not to the client
         assert httpx.get(s.url + "/health").status_code == 200
         settle(s)
-        rec = httpx.get(s.url + "/v1/requests/boom-1").json()
+        rec = httpx.get(s.url + "/v1/requests/boom-1", headers=ADMIN).json()
         assert rec["status"] == 500 and rec["outcome"] == "error"
 
 
@@ -214,7 +214,7 @@ def test_request_error_mid_stream_still_ends_the_stream(tmp_path):
         err = json.loads(events[-2])["error"]
         assert "refused mid-stream" in err["message"] and err["type"] == "invalid_request_error"
         settle(s)
-        rec = httpx.get(s.url + "/v1/requests/mid-1").json()
+        rec = httpx.get(s.url + "/v1/requests/mid-1", headers=ADMIN).json()
         assert rec["status"] == 400 and rec["outcome"] == "invalid"
         assert httpx.get(s.url + "/health").status_code == 200
 
@@ -271,9 +271,9 @@ def test_unhandled_route_error_echoes_only_a_valid_request_id(tmp_path, monkeypa
             raise RuntimeError("SECRET store detail")
 
         monkeypatch.setattr(s.state.store, "get", broken)
-        r = httpx.get(s.url + "/v1/requests/x", headers={"X-Request-ID": "<script>alert(1)</script>"}, timeout=10)
+        r = httpx.get(s.url + "/v1/requests/x", headers={"X-Request-ID": "<script>alert(1)</script>", **ADMIN}, timeout=10)
         assert r.status_code == 500 and r.headers["content-type"].startswith("application/json")
         assert "<script>" not in r.json()["error"]["message"] and "SECRET" not in r.text
-        r = httpx.get(s.url + "/v1/requests/x", headers={"X-Request-ID": "ok-id-1"}, timeout=10)
+        r = httpx.get(s.url + "/v1/requests/x", headers={"X-Request-ID": "ok-id-1", **ADMIN}, timeout=10)
         assert r.status_code == 500 and "ok-id-1" in r.json()["error"]["message"]
         assert httpx.get(s.url + "/health").status_code == 200

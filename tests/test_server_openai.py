@@ -10,7 +10,7 @@ import pytest
 
 from tailguard.engine.fake import FakeTiming
 from tailguard.observe.timeline import STAGES
-from tests.serving_helpers import fake_server, settle
+from tests.serving_helpers import ADMIN, fake_server, settle
 
 PROMPTS = {"en": "Hello! Please introduce yourself in one sentence.", "zh": "你好！请用一句话介绍一下你自己。"}
 
@@ -153,7 +153,7 @@ def test_record_by_id_has_token_timestamps(server):
     list(client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "你好"}], max_tokens=6,
                                         stream=True, extra_headers={"X-Request-ID": "rec-1", "X-User-ID": "u-42"}))
     settle(server)
-    rec = httpx.get(server.url + "/v1/requests/rec-1").json()
+    rec = httpx.get(server.url + "/v1/requests/rec-1", headers=ADMIN).json()
     assert rec["request_id"] == "rec-1" and rec["outcome"] == "success" and rec["stream"] is True
     assert rec["user"] == server.state.store.pseudonym("u-42") and rec["business_type"] == "default"
     assert len(rec["token_times"]) == len(rec["token_sent"]) == rec["output_tokens"] == 6
@@ -163,7 +163,7 @@ def test_record_by_id_has_token_timestamps(server):
     ts = rec["timestamps"]
     assert 0 <= ts["tokenized"] <= ts["scheduled"] <= ts["first_token"] <= ts["last_token"] <= ts["last_byte"]
     assert rec["resources"]["in_flight"] >= 1
-    missing = httpx.get(server.url + "/v1/requests/nope")
+    missing = httpx.get(server.url + "/v1/requests/nope", headers=ADMIN)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
 
 
@@ -173,9 +173,9 @@ def test_reused_request_id_returns_the_latest_record(server):
         client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=n,
                                        extra_headers={"X-Request-ID": "reused-1"})
         # At once (maybe before the store has it) and after the store has caught up: always this request's record.
-        assert httpx.get(server.url + "/v1/requests/reused-1").json()["output_tokens"] == n
+        assert httpx.get(server.url + "/v1/requests/reused-1", headers=ADMIN).json()["output_tokens"] == n
         settle(server)
-        assert httpx.get(server.url + "/v1/requests/reused-1").json()["output_tokens"] == n
+        assert httpx.get(server.url + "/v1/requests/reused-1", headers=ADMIN).json()["output_tokens"] == n
 
 
 def test_metrics_endpoint_parses(server):

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tailguard.slo.windows import RequestSample
+from tests.serving_helpers import ADMIN_KEY
 from tests.slo_helpers import FakeClock, slo_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -37,7 +38,7 @@ def test_dashboard_shows_the_current_tier_in_chromium(tmp_path):
         assert mon.evaluate().to_dict()["tier"] == "red"
         assert httpx.get(server.url + "/slo/data").status_code == 401
         assert httpx.get(server.url + "/slo").status_code == 200
-        dom = _dump_dom(server.url + "/slo?interval=500#key=dash-secret", str(tmp_path / "chromium"))
+        dom = _dump_dom(server.url + f"/slo?interval=500#key={ADMIN_KEY}", str(tmp_path / "chromium"))
     assert 'id="tier" class="t-red" data-tier="red">RED<' in dom
     assert "<title>tailguard SLO: RED</title>" in dom
     # The tables were filled from /slo/data: the scope row, the red alert and the degrade action.

@@ -15,7 +15,7 @@ import pytest
 from tailguard.engine.fake import FakeEngine, FakeTiming
 from tailguard.serving.server import ThreadedServer
 from tailguard.slo.config import DegradeConfig
-from tests.serving_helpers import make_config, settle
+from tests.serving_helpers import ADMIN, make_config, settle
 from tests.slo_helpers import FakeClock, WebhookReceiver, burst, chat, slo_config, slo_server
 
 
@@ -113,7 +113,7 @@ def test_tiers_and_actions_end_to_end(tmp_path):
             assert server.state.store.flush()
             stored = server.state.store.alerts(limit=1000)
             assert {(r["id"], r["event"]) for r in recs} <= {(r["id"], r["event"]) for r in stored}
-            api = httpx.get(server.url + "/v1/alerts", params={"kind": "action"}).json()
+            api = httpx.get(server.url + "/v1/alerts", params={"kind": "action"}, headers=ADMIN).json()
             assert [(r["name"], r["event"]) for r in api["data"]] == _names(recs, "action")
             assert api["tier"] == "green" and api["active"] == [] and api["dry_run"] is False
             metrics = httpx.get(server.url + "/metrics").text
@@ -172,7 +172,7 @@ def test_dry_run_changes_nothing_but_the_record(tmp_path):
             assert next(r for r in recs if r["name"] == "scale_out")["details"]["hook"] == "dry_run"
             settle(server)
             assert server.state.store.get(r.headers["x-request-id"])["slo_action"] is None
-            assert httpx.get(server.url + "/v1/alerts").json()["dry_run"] is True
+            assert httpx.get(server.url + "/v1/alerts", headers=ADMIN).json()["dry_run"] is True
     time.sleep(0.1)
     assert hook.bodies == []
 
@@ -187,7 +187,7 @@ def test_background_evaluation_and_dashboard_data(tmp_path):
         while server.state.slo.last is None or server.state.slo.last.tier < 1:
             assert time.monotonic() < deadline, "the background evaluation never raised yellow"
             time.sleep(0.05)
-        data = httpx.get(server.url + "/slo/data").json()
+        data = httpx.get(server.url + "/slo/data", headers=ADMIN).json()
         assert data["tier"] == "yellow"
         assert data["evaluation"]["scopes"]["all"]["e2e"]["n"] == 6
         assert data["history"] and data["history"][-1]["e2e"]["p99"] > 0.3
@@ -198,15 +198,15 @@ def test_background_evaluation_and_dashboard_data(tmp_path):
 def test_alerts_api_rejects_bad_queries_and_monitor_can_be_off(tmp_path):
     with slo_server(tmp_path, FakeClock()) as server:
         for params in ({"limit": "0"}, {"limit": "x"}, {"kind": "nope"}, {"since": "-1"}):
-            r = httpx.get(server.url + "/v1/alerts", params=params)
+            r = httpx.get(server.url + "/v1/alerts", params=params, headers=ADMIN)
             assert r.status_code == 400, params
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-        assert httpx.get(server.url + "/v1/alerts").json()["data"] == []
+        assert httpx.get(server.url + "/v1/alerts", headers=ADMIN).json()["data"] == []
     with slo_server(tmp_path / "off", None, slo_config(enabled=False)) as server:
         assert server.state.slo is None
         assert chat(server.url).status_code == 200
         assert httpx.get(server.url + "/slo").status_code == 404
-        assert httpx.get(server.url + "/v1/alerts").json() == {"object": "list", "enabled": False, "data": []}
+        assert httpx.get(server.url + "/v1/alerts", headers=ADMIN).json() == {"object": "list", "enabled": False, "data": []}
 
 
 def test_lane_client_region_headers_reach_windows_and_record(tmp_path):
@@ -257,7 +257,7 @@ def test_shed_matches_the_business_type_even_when_its_metric_label_is_capped(tmp
 def test_alerts_limit_must_be_a_whole_number(tmp_path):
     with slo_server(tmp_path, FakeClock()) as server:
         for limit in ("1.5", "1e3", "nan", "-1", "9" * 5000):
-            r = httpx.get(server.url + "/v1/alerts", params={"limit": limit})
+            r = httpx.get(server.url + "/v1/alerts", params={"limit": limit}, headers=ADMIN)
             assert r.status_code == 400, (limit, r.text)
             assert r.json()["error"]["param"] == "limit"
-        assert httpx.get(server.url + "/v1/alerts", params={"limit": "10"}).status_code == 200
+        assert httpx.get(server.url + "/v1/alerts", params={"limit": "10"}, headers=ADMIN).status_code == 200

@@ -6,41 +6,7 @@ import argparse
 import sys
 
 from tailguard import __version__
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2 (the real SmolLM2-135M-Instruct), tiny, or a .gguf path")
-    p.add_argument("--weight-format", default="auto", choices=["auto", "native", "float32", "bfloat16", "int8"],
-                   help="auto: native on the CPU (the GGUF's own blocks, float32's answers), bfloat16 on CUDA")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    p.add_argument("--kv-cache-memory", default="1.5GiB",
-                   help="KV cache budget: bytes (1.5GiB, 800MB) or a share of available memory (0.2); default 1.5GiB")
-    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens (instead of a budget)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16", "float32"],
-                   help="auto: float16")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
-    p.add_argument("--max-prefill-chunk", type=int, default=256)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-
-
-def engine_args_from(ns: argparse.Namespace):
-    from tailguard.engine.engine import EngineArgs
-
-    return EngineArgs(
-        model=ns.model,
-        weight_format=ns.weight_format,
-        device=ns.device,
-        kv_cache_memory=ns.kv_cache_memory,
-        kv_cache_tokens=ns.kv_cache_tokens,
-        kv_cache_dtype=ns.kv_cache_dtype,
-        block_size=ns.block_size,
-        max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
-        max_prefill_chunk=ns.max_prefill_chunk,
-        num_threads=ns.threads,
-    )
+from tailguard.engine_options import add_engine_args, engine_args_from
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_sub.add_parser("path", help="print where the model file is")
 
     demo = sub.add_parser("demo", help="serve the embedded model, send a burst of chat requests, bench it, report")
-    _add_engine_args(demo)
+    add_engine_args(demo)
     demo.add_argument("--requests", type=int, default=16, help="concurrent requests in the burst")
     demo.add_argument("--max-tokens", type=int, default=48)
     # Defaults the embedded model sustains on two CPU cores, so that the bench shows a loaded, not a saturated, server.
@@ -65,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output-dir", default="runs/demo")
 
     serve = sub.add_parser("serve", help="OpenAI-compatible server with per-request timelines, metrics and a store")
-    _add_engine_args(serve)
+    add_engine_args(serve)
     serve.set_defaults(model=None)  # so that a --config file's model is not overridden by the flag's default
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1: loopback only)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
@@ -78,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", action="append", dest="served_model_names", default=None,
                        help="extra model name clients may use (repeatable)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or TAILGUARD_API_KEY)")
+    serve.add_argument("--admin-key", default=None,
+                       help="key of the admin surfaces: every record, /v1/alerts, /slo/data (or TAILGUARD_ADMIN_KEY; "
+                            "unset: they are closed)")
     serve.add_argument("--no-access-log", dest="access_log", action="store_false", default=None)
     serve.add_argument("--log-level", default=None)
     serve.add_argument("--slo-dry-run", action="store_true", default=None,
@@ -94,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     gen = sub.add_parser("generate", help="generate from one prompt on the embedded engine")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -138,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, argv: list[str]) -> int:
+    from pydantic import ValidationError
+
     from tailguard.serving.config import ServerConfig
     from tailguard.serving.server import serve
 
@@ -145,7 +116,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         return any(a == flag or a.startswith(flag + "=") for a in argv)
 
     overrides = {k: getattr(args, k) for k in ("host", "port", "store_path", "store_text", "retention_days",
-                                                "max_queue", "served_model_names", "api_key", "access_log",
+                                                "max_queue", "served_model_names", "api_key", "admin_key", "access_log",
                                                 "log_level", "model") if getattr(args, k) is not None}
     # Engine flags set on the command line override the config file's ``engine:`` section; their defaults do not.
     engine_flags = {"--weight-format": "weight_format", "--device": "device", "--kv-cache-tokens": "kv_cache_tokens",
@@ -166,6 +137,12 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         overrides["slo"] = slo  # merged into the config file's ``slo:`` section
     try:
         config = ServerConfig.load(args.config, **overrides)
+    except ValidationError as exc:
+        # Without the input values: pydantic would print the whole settings, keys included.
+        for err in exc.errors(include_input=False, include_url=False):
+            where = ".".join(str(p) for p in err["loc"]) or "settings"
+            print(f"tailguard serve: bad configuration: {where}: {err['msg']}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:
         print(f"tailguard serve: bad configuration: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import html
 import json
+import secrets
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -106,14 +107,16 @@ async def _one(client, url: str, model: str, run: str, idx: int, prompt: str, ma
     )
 
 
-async def _burst(url: str, model: str, n: int, max_tokens: int, console: Console) -> list[DemoRecord]:
+async def _burst(url: str, model: str, n: int, max_tokens: int, console: Console,
+                 admin_key: str) -> list[DemoRecord]:
     import httpx
 
     t0 = time.perf_counter()
     run = time.strftime("%H%M%S")  # the store keeps earlier runs' records: keep this run's IDs apart
     columns = (TextColumn("[bold]burst"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    auth = {"Authorization": f"Bearer {admin_key}"}
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=auth) as client:
         with Progress(*columns, console=console) as progress:
             task = progress.add_task("requests", total=n)
 
@@ -208,8 +211,8 @@ def _run_bench(url: str, model: str, args, out_dir: Path, console: Console) -> P
 
 
 def run_demo(args) -> int:
-    from tailguard.cli import engine_args_from
     from tailguard.engine.engine import AsyncLLMEngine
+    from tailguard.engine_options import engine_args_from
     from tailguard.serving.config import ServerConfig
     from tailguard.serving.server import ThreadedServer
 
@@ -218,8 +221,10 @@ def run_demo(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     with console.status(f"loading {args.model} ..."):
         engine = AsyncLLMEngine.from_args(engine_args_from(args))
+    # The demo reads every record back (an admin surface): its own server gets a one-off admin key.
+    admin_key = secrets.token_urlsafe(24)
     config = ServerConfig(model=args.model, host="127.0.0.1", port=0, access_log=False, log_level="warning",
-                          store_path=str(out_dir / "requests.sqlite3"))
+                          store_path=str(out_dir / "requests.sqlite3"), admin_key=admin_key)
     bench_report = None
     try:
         with ThreadedServer(config, engine) as server:
@@ -227,7 +232,7 @@ def run_demo(args) -> int:
             console.print(f"tailguard serve: {engine.model_name} on {engine.engine.device}, weights "
                           f"{args.weight_format}, at {server.url} (store {config.store_path})")
             t0 = time.perf_counter()
-            records = asyncio.run(_burst(server.url, model, args.requests, args.max_tokens, console))
+            records = asyncio.run(_burst(server.url, model, args.requests, args.max_tokens, console, admin_key))
             wall = time.perf_counter() - t0
             console.print(_table(records))
             if args.bench_requests > 0:

@@ -213,7 +213,8 @@ async def execute(cfg: BenchConfig, workload=None, tokenizer=None, plan: LoadPla
             have_stream_stages = any(r.tailguard or r.server_timing for r in outcome.results)
             if cfg.join == "fetch" or not have_stream_stages:
                 measured_pairs = [(m, r) for m, r in pairs if not m.warmup]
-                join_info["fetch"] = await fetch_records(transport, cfg.url, measured_pairs, cfg.join_max, cfg.seed)
+                join_info["fetch"] = await fetch_records(transport, cfg.url, measured_pairs, cfg.join_max, cfg.seed,
+                                                           headers=headers)
         if cfg.join != "off":
             for m, r in pairs:
                 split_request(m, r)

@@ -99,7 +99,8 @@ def split_request(m: RequestMetrics, res: RequestResult) -> None:
 
 
 async def fetch_records(transport, base_url: str, pairs: list[tuple[RequestMetrics, RequestResult]],
-                        limit: int, seed: int = 0, concurrency: int = 16) -> dict:
+                        limit: int, seed: int = 0, concurrency: int = 16,
+                        headers: dict[str, str] | None = None) -> dict:
     """GET /v1/requests/{id} for up to ``limit`` requests: every one of the slowest 1%, then a random sample."""
     ok = [(m, r) for m, r in pairs if m.ok]
     if not ok or limit <= 0:
@@ -120,7 +121,7 @@ async def fetch_records(transport, base_url: str, pairs: list[tuple[RequestMetri
         rid = res.server_request_id or res.request_id
         async with sem:
             try:
-                status, obj = await transport.get_json(base_url.rstrip("/") + f"/v1/requests/{rid}")
+                status, obj = await transport.get_json(base_url.rstrip("/") + f"/v1/requests/{rid}", headers)
             except Exception:
                 status, obj = -1, None
         statuses[status] = statuses.get(status, 0) + 1

@@ -470,7 +470,11 @@ class AsyncLLMEngine:
             except RequestError as exc:
                 self._deliver([TokenEvent(request_id, None, "", time.perf_counter(), finished=True, error=str(exc))])
         elif kind == "abort":
-            self.engine.abort(payload)
+            # The final event says where the request was when it was aborted (scheduled? first token?), so the
+            # server charges its time to the stages that really happened.
+            final = self.engine.abort(payload)
+            if final is not None:
+                self._deliver([final])
 
     def _loop(self) -> None:
         try:

@@ -7,6 +7,7 @@ inter-token gaps, jitter and concurrency slots are set by the test (and may be c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import AsyncIterator
@@ -68,6 +69,7 @@ class FakeEngine:
         self.waiting = 0
         self.aborted: list[str] = []
         self.completed = 0
+        self._abort_flags: dict[str, asyncio.Event] = {}
 
     def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
         sampling.validate()
@@ -97,21 +99,38 @@ class FakeEngine:
         arrival = arrival_time if arrival_time is not None else time.perf_counter()
         text = self.timing.output_text.encode("utf-8")
         finished = False
+        flag = self._abort_flags[request_id] = asyncio.Event()
+        scheduled = first = None
+        out: list[int] = []
+
+        def aborted_event() -> TokenEvent:
+            # Like the real engine: an abort ends the stream with a final event saying where the request was.
+            return TokenEvent(request_id, None, "", time.perf_counter(), finished=True,
+                              finish_reason=FinishReason.ABORT, num_prompt_tokens=len(prompt_token_ids),
+                              num_output_tokens=len(out), arrival=arrival, first_scheduled=scheduled,
+                              first_token=first)
+
         self.waiting += 1
         try:
-            await self._slots.acquire()
+            if not await self._until_abort(self._slots.acquire(), flag):
+                self._abort_flags.pop(request_id, None)
+                self.aborted.append(request_id)
+                yield aborted_event()
+                return
         finally:
             self.waiting -= 1
         self.running += 1
         try:
             scheduled = time.perf_counter()
-            await asyncio.sleep(self._wait(self.timing.ttft + self.timing.prefill_per_token * len(prompt_token_ids)))
-            first = None
-            out: list[int] = []
+            prefill = self._wait(self.timing.ttft + self.timing.prefill_per_token * len(prompt_token_ids))
+            if not await self._until_abort(asyncio.sleep(prefill), flag):
+                yield aborted_event()
+                return
             emitted = 0  # characters of the decoded output already sent
             for i in range(sampling.max_tokens):
-                if i:
-                    await asyncio.sleep(self._wait(self.timing.itl))
+                if i and not await self._until_abort(asyncio.sleep(self._wait(self.timing.itl)), flag):
+                    yield aborted_event()
+                    return
                 tok = text[i % len(text)] + ByteTokenizer._OFFSET
                 out.append(tok)
                 now = time.perf_counter()
@@ -143,13 +162,36 @@ class FakeEngine:
                 )
                 return
         finally:
+            self._abort_flags.pop(request_id, None)
             self.running -= 1
             self._slots.release()
             if not finished:
                 self.aborted.append(request_id)
 
+    @staticmethod
+    async def _until_abort(work, flag: asyncio.Event) -> bool:
+        """Run ``work`` unless the request is aborted first; True when the work completed."""
+        if flag.is_set():
+            work.close()
+            return False
+        task = asyncio.ensure_future(work)
+        waiter = asyncio.ensure_future(flag.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if task.done():
+            return True
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return False
+
     def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
+        """End a request's stream with a final ``abort`` event (as the real engine does)."""
+        flag = self._abort_flags.get(request_id)
+        if flag is not None:
+            flag.set()
 
     def stats(self) -> EngineStats:
         return EngineStats(running=self.running, waiting=self.waiting, kv_blocks_total=0, kv_blocks_used=0,

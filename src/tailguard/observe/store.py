@@ -529,7 +529,7 @@ class RequestStore:
                     token_ids = json.dumps(ids, separators=(",", ":"))
             if tl.logprobs is not None:
                 logprobs = self._logprobs(tl, output_text)
-        body = {k: rec[k] for k in ("timestamps", "token_times", "token_sent", "resources", "preemptions")}
+        body = {k: rec[k] for k in ("timestamps", "token_times", "token_sent", "resources", "preemptions", "owner")}
         body["sampling"] = self._sampling(rec["sampling"])
         action = json.dumps(tl.slo_action, separators=(",", ":")) if tl.slo_action else None
         return tuple(_safe(v) for v in (
@@ -694,6 +694,7 @@ def row_to_record(row: sqlite3.Row) -> dict[str, Any]:
         "endpoint": row["endpoint"],
         "model": row["model"],
         "user": row["user"],
+        "owner": body.get("owner"),
         "business_type": row["business_type"],
         "stream": bool(row["stream"]),
         "status": row["status"],

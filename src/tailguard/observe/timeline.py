@@ -46,6 +46,7 @@ class Timeline:
     received_unix: float = field(default_factory=time.time)
     model: str = ""
     user: str | None = None
+    owner: str | None = None  # hash of the client key that made the request (who may read its record); never the key
     business_type: str = "default"
     # Traffic slices for the SLO monitor (S3/S4): from the X-Lane, X-Client and X-Region headers.
     lane: str = "default"
@@ -178,6 +179,7 @@ class Timeline:
             "endpoint": self.endpoint,
             "model": self.model,
             "user": self.user,
+            "owner": self.owner,
             "business_type": self.business_type,
             "lane": self.lane,
             "client": self.client,

@@ -1,28 +1,57 @@
-"""The one interface the server talks to: the embedded ``AsyncLLMEngine`` and the scripted ``FakeEngine`` both fit."""
+"""The one interface the server talks to: the embedded ``AsyncLLMEngine`` and the scripted ``FakeEngine`` both fit.
+
+Typed structurally (``typing.Protocol``): anything with these members can serve, and a type checker says so.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tailguard.serving.config import ServerConfig
 
+if TYPE_CHECKING:
+    from tailguard.engine.engine import EngineStats, TokenEvent
+    from tailguard.engine.request import SamplingParams
 
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the server asks of a backend's tokenizer (``GGUFTokenizer`` and the fake's ``ByteTokenizer``)."""
+
+    vocab_size: int
+    special_ids: set[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def render_chat(self, messages: Sequence[Any], add_generation_prompt: bool = True) -> str: ...
+
+
+@runtime_checkable
 class Backend(Protocol):
-    tokenizer: Any  # encode, encode_chat, render_chat, decode, stop_token_ids, vocab_size
+    """An engine the server can serve from.
+
+    ``generate`` streams ``TokenEvent``s; the last one has ``finished`` set and carries the request's engine-side
+    timestamps (``first_scheduled``, ``first_token``). Closing the stream early aborts the request in the engine.
+    """
+
+    tokenizer: Tokenizer
     model_name: str
     max_model_len: int
 
-    def check_request(self, num_prompt_tokens: int, sampling: Any) -> None: ...
+    def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        """Raise ``RequestError`` for a request the engine can never serve (too long, bad sampling)."""
 
     def generate(
-        self, prompt_token_ids: list[int], sampling: Any, request_id: str, priority: int = 0,
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, priority: int = 0,
         arrival_time: float | None = None,
-    ) -> AsyncIterator[Any]: ...
+    ) -> AsyncIterator[TokenEvent]: ...
 
     def abort(self, request_id: str) -> None: ...
 
-    def stats(self) -> Any: ...
+    def stats(self) -> EngineStats: ...
 
     def shutdown(self) -> None: ...
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from tailguard.slo.config import MonitorConfig
 
@@ -52,7 +52,10 @@ class ServerConfig(BaseModel):
     retention_days: float = Field(15.0, gt=0)
     sample_interval: float = Field(0.25, gt=0, le=0.5, description="gauge sampling period (<= 500 ms)")
     business_types: list[str] | None = None
-    api_key: SecretStr | None = None
+    api_key: SecretStr | None = Field(None, description="client key: 'Authorization: Bearer KEY' on the API")
+    api_keys: list[SecretStr] = Field(default_factory=list,
+                                      description="more client keys; each client key reads only its own records")
+    admin_key: SecretStr | None = Field(None, description="admin key: records, alerts and SLO data; unset = closed")
     access_log: bool = True
     log_level: str = "info"
     tokenize_in_thread_chars: int = Field(4096, ge=0, description="longer prompts are tokenized off the event loop")
@@ -83,9 +86,26 @@ class ServerConfig(BaseModel):
                 data[key] = _deep_merge(data.get(key) or {}, value)
             else:
                 data[key] = value
-        if "api_key" not in data and os.environ.get("TAILGUARD_API_KEY"):
-            data["api_key"] = os.environ["TAILGUARD_API_KEY"]
+        for key, env in (("api_key", "TAILGUARD_API_KEY"), ("admin_key", "TAILGUARD_ADMIN_KEY")):
+            if key not in data and os.environ.get(env):
+                data[key] = os.environ[env]
         return cls.model_validate(data)
+
+    @model_validator(mode="after")
+    def _distinct_keys(self) -> ServerConfig:
+        # One key for both would make every client an admin: refuse it rather than guess which was meant.
+        if self.admin_key is not None and self.admin_key.get_secret_value() in {
+                k.get_secret_value() for k in self.client_keys}:
+            raise ValueError("admin_key must differ from every client key (an admin key reads every client's "
+                             "records)")
+        if self.admin_key is not None and not self.admin_key.get_secret_value().strip():
+            raise ValueError("admin_key must not be empty")
+        return self
+
+    @property
+    def client_keys(self) -> list[SecretStr]:
+        """Every key that may call the API: ``api_key`` and ``api_keys``."""
+        return ([self.api_key] if self.api_key is not None else []) + list(self.api_keys)
 
     def model_names(self, engine_name: str) -> list[str]:
         names = [engine_name, *self.served_model_names]

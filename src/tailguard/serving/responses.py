@@ -34,17 +34,13 @@ class TokenText:
     as ``bytes:\\xe4\\xbd`` (OpenAI's convention) with its true bytes."""
 
     def __init__(self, tokenizer: Any) -> None:
-        from tailguard.engine.fake import ByteTokenizer
-
         self.tok = tokenizer
-        self._is_bytes = isinstance(tokenizer, ByteTokenizer)
+        # Byte-level BPE pieces (GPT-2 notation) when the tokenizer exposes its vocabulary; else decode one token.
         self._pieces = getattr(tokenizer, "tokens", None)
         self._special = getattr(tokenizer, "special_ids", set())
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def _bytes(self, tid: int) -> bytes:
-        if self._is_bytes:
-            return bytes([tid - 3]) if tid >= 3 else b""
         pieces = self._pieces
         if pieces is not None and 0 <= tid < len(pieces):
             piece = pieces[tid]
@@ -113,9 +109,10 @@ class ChatFormat:
                "choices": choices, **extra}
         return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
-    def role(self) -> bytes:
+    def role(self, system_fingerprint: str | None = None) -> bytes:
+        extra = {"system_fingerprint": system_fingerprint} if system_fingerprint else {}
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}])
+                             "finish_reason": None}], **extra)
 
     def content(self, text: str) -> bytes:
         return self._content_head + encode_basestring(text).encode() + self._content_tail
@@ -151,8 +148,8 @@ class CompletionFormat:
                "choices": choices, **extra}
         return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
-    def role(self) -> bytes:
-        return b""
+    def role(self, system_fingerprint: str | None = None) -> bytes:
+        return b""  # a completion stream has no role chunk
 
     def content(self, text: str) -> bytes:
         return self._content_head + encode_basestring(text).encode() + self._content_tail

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
 
 from tailguard.observe.metrics import ServerMetrics
 from tailguard.observe.store import RequestStore
 from tailguard.observe.timeline import Outcome, Timeline
 from tailguard.serving.admission import Admission
+from tailguard.serving.auth import Keys
 from tailguard.serving.backend import Backend
 from tailguard.serving.config import ServerConfig
 from tailguard.serving.responses import TokenText
+
+if TYPE_CHECKING:
+    from tailguard.slo.monitor import SLOMonitor
 
 log = logging.getLogger("tailguard.server")
 
@@ -27,6 +32,7 @@ class ServerState:
     metrics: ServerMetrics | None = None
     store: RequestStore | None = None
     admission: Admission = field(init=False)
+    keys: Keys = field(init=False)
     ready: bool = False
     load_error: str | None = None
     model_names: list[str] = field(default_factory=list)
@@ -36,11 +42,11 @@ class ServerState:
     recent_capacity: int = 4096
     active_ids: set[str] = field(default_factory=set)
     started_unix: float = field(default_factory=time.time)
-    slo: Any = None  # tailguard.slo.monitor.SLOMonitor, when the monitor is enabled
+    slo: SLOMonitor | None = None  # when the monitor is enabled
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config.max_queue)
-        self._api_key = self.config.api_key.get_secret_value().encode() if self.config.api_key else None
+        self.keys = Keys(self.config.client_keys, self.config.admin_key)
 
     @property
     def model_label(self) -> str:
@@ -51,12 +57,9 @@ class ServerState:
         self.model_names = self.config.model_names(engine.model_name)
         self.token_text = TokenText(engine.tokenizer)
 
-    def authorized(self, header: str | None) -> bool:
-        if self._api_key is None:
-            return True
-        if not header or not header.startswith("Bearer "):
-            return False
-        return hmac.compare_digest(header[7:].strip().encode(), self._api_key)
+    def engine_error(self) -> BaseException | None:
+        """The engine's fatal error, when it has died (the embedded engine keeps it on ``error``)."""
+        return getattr(self.engine, "error", None) if self.engine is not None else None
 
     def sample(self) -> None:
         """One snapshot of engine and server state into the gauges (and every other tick into the store)."""
@@ -104,3 +107,7 @@ class ServerState:
         self.recent.move_to_end(tl.request_id)
         while len(self.recent) > self.recent_capacity:
             self.recent.popitem(last=False)
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.tailguard

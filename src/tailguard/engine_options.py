@@ -1,0 +1,40 @@
+"""The engine's command-line options, shared by ``tailguard serve``, ``demo`` and ``generate``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 (the real SmolLM2-135M-Instruct), tiny, or a .gguf path")
+    p.add_argument("--weight-format", default="auto", choices=["auto", "native", "float32", "bfloat16", "int8"],
+                   help="auto: native on the CPU (the GGUF's own blocks, float32's answers), bfloat16 on CUDA")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--kv-cache-memory", default="1.5GiB",
+                   help="KV cache budget: bytes (1.5GiB, 800MB) or a share of available memory (0.2); default 1.5GiB")
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens (instead of a budget)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16", "float32"], help="auto: float16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
+    p.add_argument("--max-prefill-chunk", type=int, default=256)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+
+
+def engine_args_from(ns: argparse.Namespace) -> Any:
+    from tailguard.engine.engine import EngineArgs
+
+    return EngineArgs(
+        model=ns.model,
+        weight_format=ns.weight_format,
+        device=ns.device,
+        kv_cache_memory=ns.kv_cache_memory,
+        kv_cache_tokens=ns.kv_cache_tokens,
+        kv_cache_dtype=ns.kv_cache_dtype,
+        block_size=ns.block_size,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_prefill_chunk=ns.max_prefill_chunk,
+        num_threads=ns.threads,
+    )

@@ -1,0 +1,111 @@
+"""The server's lifespan: open the store, load (or attach) the engine, run the sampler and the SLO evaluator, and
+undo all of it in reverse order at shutdown.
+
+The model loads in a background thread after the server starts, so ``/health`` answers at once and ``/ready`` says
+when requests can be served (what a load balancer or Kubernetes probe expects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+
+from tailguard.observe.store import RequestStore
+from tailguard.serving.backend import Backend
+from tailguard.serving.state import ServerState
+
+log = logging.getLogger("tailguard.server")
+
+
+class Lifespan:
+    def __init__(self, state: ServerState, engine: Backend | None, engine_factory: Callable[[], Backend] | None,
+                 redactor: Any | None, own_engine: bool) -> None:
+        self.state = state
+        self.engine = engine
+        self.engine_factory = engine_factory
+        self.redactor = redactor
+        self.own_engine = own_engine
+
+    def attach(self, eng: Backend) -> None:
+        self.state.attach(eng)
+        if self.state.metrics is not None:
+            self.state.metrics.model = eng.model_name
+
+    async def load(self) -> None:
+        assert self.engine_factory is not None
+        try:
+            eng = await asyncio.to_thread(self.engine_factory)
+        except Exception as exc:  # noqa: BLE001 - reported by /ready and every request
+            log.exception("the model failed to load")
+            self.state.load_error = f"{type(exc).__name__}: {exc}"
+            return
+        self.attach(eng)
+        self.state.ready = self.state.store is not None
+
+    async def sampler(self) -> None:
+        state, tick = self.state, 0
+        while True:
+            try:
+                state.sample()
+                if tick % 2 == 0:
+                    state.store_sample()
+            except Exception:  # noqa: BLE001 - a failed sample must not stop sampling
+                log.exception("sampler")
+            tick += 1
+            await asyncio.sleep(state.config.sample_interval)
+
+    async def open_store(self) -> RequestStore:
+        state, config = self.state, self.state.config
+        red = self.redactor
+        if config.store_text and red is None:
+            from tailguard.observe.redaction import Redactor
+
+            red = await asyncio.to_thread(Redactor)  # imports Presidio: seconds, off the event loop
+
+        def encode(text: str) -> list[int]:
+            return state.engine.tokenizer.encode(text) if state.engine is not None else []
+
+        def count(counter: str) -> Callable[[int], None]:
+            def inc(n: int) -> None:
+                if state.metrics is not None:
+                    getattr(state.metrics, counter).labels(state.metrics.model).inc(n)
+            return inc
+
+        return await asyncio.to_thread(
+            RequestStore, config.store_path, retention_days=config.retention_days, store_text=config.store_text,
+            redact=red.redact if red is not None else None, encode=encode,
+            on_error=count("store_errors"), on_drop=count("store_dropped"),
+        )
+
+    @asynccontextmanager
+    async def __call__(self, app: Starlette) -> AsyncIterator[None]:
+        state = self.state
+        state.store = await self.open_store()
+        loader = None
+        if self.engine is not None:
+            self.attach(self.engine)
+            state.ready = True
+        else:
+            loader = asyncio.create_task(self.load())
+        sampling = asyncio.create_task(self.sampler())
+        evaluating = asyncio.create_task(state.slo.run()) if state.slo is not None else None
+        app.state.tailguard = state
+        try:
+            yield
+        finally:
+            sampling.cancel()
+            if evaluating is not None:
+                evaluating.cancel()
+            if loader is not None:
+                loader.cancel()
+            state.ready = False
+            if self.own_engine and state.engine is not None:
+                await asyncio.to_thread(state.engine.shutdown)
+            if state.slo is not None:
+                await asyncio.to_thread(state.slo.close)  # waits (bounded) for scale-hook calls in flight
+            await asyncio.to_thread(state.store.close)

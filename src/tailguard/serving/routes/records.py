@@ -1,0 +1,47 @@
+"""``GET /v1/requests/{id}``: one request's record. The admin key reads any; a client key only the ones it made."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tailguard.serving.auth import Caller
+from tailguard.serving.errors import APIError
+from tailguard.serving.state import ServerState, state_of
+
+
+async def get_request(request: Request) -> Response:
+    state = state_of(request)
+    caller = state.keys.owner(request.headers.get("authorization"))
+    rid = request.path_params["request_id"]
+    rec = await asyncio.to_thread(_stored, state, rid, caller)
+    recent = state.recent.get(rid)
+    if recent is not None and not _may_read(caller, recent.owner):
+        recent = None
+    # A client may reuse an ID: the in-memory record is the latest one; use it until the store has caught up.
+    if recent is not None and (rec is None or rec.get("received_at") != recent.received_unix):
+        rec = recent.to_record()  # not yet written by the batch writer (and never with text)
+    if rec is None:
+        # Also what a client gets for another client's record: whether it exists is not its business.
+        raise APIError(404, f"no record of request {rid[:128]!r} (records are kept "
+                            f"{state.config.retention_days:g} days)", code="request_not_found")
+    return JSONResponse(rec)
+
+
+def _may_read(caller: Caller, owner: str | None) -> bool:
+    return caller.admin or (caller.key_id is not None and owner == caller.key_id)
+
+
+def _stored(state: ServerState, rid: str, caller: Caller) -> dict[str, Any] | None:
+    """The caller's most recent stored record with this id (client IDs may repeat, across clients too)."""
+    if state.store is None:
+        return None
+    if caller.admin:
+        return state.store.get(rid)
+    from tailguard.observe.store import row_to_record
+
+    rows = state.store.query("SELECT * FROM requests WHERE request_id = ? ORDER BY id DESC LIMIT 64", (rid,))
+    return next((r for r in map(row_to_record, rows) if _may_read(caller, r.get("owner"))), None)

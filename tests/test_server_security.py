@@ -1,0 +1,100 @@
+"""Who may read what: records, alerts and SLO data are admin surfaces; a client key reads only its own records."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import httpx
+import pytest
+
+from tailguard.serving.config import ServerConfig
+from tests.serving_helpers import ADMIN_KEY, fake_server, settle
+
+BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+ADMIN_SURFACES = ("/v1/alerts", "/slo/data")
+
+
+def _chat(server, rid: str, key: str | None) -> httpx.Response:
+    headers = {"X-Request-ID": rid, **({"Authorization": f"Bearer {key}"} if key else {})}
+    r = httpx.post(server.url + "/v1/chat/completions", json=BODY, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _get(server, path: str, key: str | None = None) -> httpx.Response:
+    return httpx.get(server.url + path, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+
+
+def _assert_error(r: httpx.Response, status: int, code: str) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["message"] and err["type"] in ("authentication_error", "permission_error")
+
+
+@pytest.mark.parametrize("client_key", [None, "client-key"])
+def test_without_an_admin_key_the_admin_surfaces_are_closed(tmp_path, client_key):
+    with fake_server(tmp_path, admin_key=None, api_key=client_key) as s:
+        _chat(s, "open-1", client_key)
+        settle(s)
+        for path in ADMIN_SURFACES:
+            _assert_error(_get(s, path), 403, "admin_key_not_configured")
+            _assert_error(_get(s, path, client_key or "anything"), 403, "admin_key_not_configured")
+        if client_key is None:
+            # No key at all: nobody can read a record, not even by its (guessable) id.
+            _assert_error(_get(s, "/v1/requests/open-1"), 403, "admin_key_not_configured")
+        else:
+            _assert_error(_get(s, "/v1/requests/open-1"), 401, "invalid_api_key")
+            assert _get(s, "/v1/requests/open-1", client_key).json()["request_id"] == "open-1"
+
+
+def test_admin_key_reads_everything_and_a_client_key_only_its_own_records(tmp_path):
+    keys = ["key-of-alice", "key-of-bob"]
+    with fake_server(tmp_path, api_key=keys[0], api_keys=[keys[1]]) as s:
+        _chat(s, "alice-1", keys[0])
+        _chat(s, "bob-1", keys[1])
+        _chat(s, "admin-1", ADMIN_KEY)
+        settle(s)
+        for path in ADMIN_SURFACES:
+            assert _get(s, path, ADMIN_KEY).status_code == 200
+            _assert_error(_get(s, path, keys[0]), 403, "admin_only")
+            _assert_error(_get(s, path, "wrong"), 401, "invalid_api_key")
+            _assert_error(_get(s, path), 401, "invalid_api_key")
+        for rid in ("alice-1", "bob-1", "admin-1"):
+            assert _get(s, f"/v1/requests/{rid}", ADMIN_KEY).json()["request_id"] == rid
+        assert _get(s, "/v1/requests/alice-1", keys[0]).json()["outcome"] == "success"
+        assert _get(s, "/v1/requests/bob-1", keys[1]).json()["outcome"] == "success"
+        # Another client's record, or the admin's, is "not found": a client learns nothing of them.
+        for key, rid in ((keys[0], "bob-1"), (keys[1], "alice-1"), (keys[0], "admin-1")):
+            r = _get(s, f"/v1/requests/{rid}", key)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "request_not_found"
+        _assert_error(_get(s, "/v1/requests/alice-1"), 401, "invalid_api_key")
+        owners = {rid: _get(s, f"/v1/requests/{rid}", ADMIN_KEY).json()["owner"] for rid in ("alice-1", "bob-1")}
+        assert owners["alice-1"] != owners["bob-1"]
+        # The same ID reused by another client: each sees its own record, the newest of its own.
+        _chat(s, "alice-1", keys[1])
+        settle(s)
+        assert _get(s, "/v1/requests/alice-1", keys[0]).json()["owner"] == owners["alice-1"]
+        assert _get(s, "/v1/requests/alice-1", keys[1]).json()["owner"] == owners["bob-1"]
+        path = s.config.store_path
+    # The record knows its client by a hash: no key is stored in clear.
+    raw = b"".join(bytes(str(row), "utf-8") for row in sqlite3.connect(path).execute("SELECT * FROM requests"))
+    assert raw and all(k.encode() not in raw for k in (*keys, ADMIN_KEY))
+
+
+def test_the_admin_key_must_differ_from_the_client_keys(monkeypatch):
+    with pytest.raises(ValueError, match="admin_key must differ"):
+        ServerConfig(api_key="same", admin_key="same")
+    with pytest.raises(ValueError, match="admin_key must differ"):
+        ServerConfig(api_key="a", api_keys=["same"], admin_key="same")
+    monkeypatch.setenv("TAILGUARD_ADMIN_KEY", "from-env")
+    assert ServerConfig.load().admin_key.get_secret_value() == "from-env"
+    assert ServerConfig.load(admin_key="flag").admin_key.get_secret_value() == "flag"
+
+
+
+def test_serve_takes_the_admin_key_flag(capsys):
+    from tailguard.cli import main
+
+    assert main(["serve", "--model", "fake", "--api-key", "same", "--admin-key", "same"]) == 2
+    err = capsys.readouterr().err
+    assert "admin_key must differ" in err and "same" not in err.replace("admin_key must differ", "")
