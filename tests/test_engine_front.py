@@ -135,3 +135,34 @@ def test_timestamps_stay_on_one_monotonic_clock_across_the_thread(engine):
     assert sent == last.arrival <= last.first_scheduled <= last.first_token <= last.time <= done
     times = [ev.time for ev in events]
     assert times == sorted(times)
+
+
+@pytest.mark.parametrize("grace, expected", [(0.5, 1), (0.0, 0), (30.0, 30)])
+def test_a_short_graceful_shutdown_never_means_wait_forever(tmp_path, grace, expected):
+    from tailguard.serving.server import _uvicorn_config
+    from tests.serving_helpers import make_config
+
+    config = make_config(tmp_path, graceful_shutdown_s=grace)
+    assert _uvicorn_config(object(), config).timeout_graceful_shutdown == expected
+
+
+def test_a_request_to_a_stopped_engine_gets_a_503_not_a_500(tmp_path, engine):
+    import httpx
+
+    from tailguard.serving.app import create_app
+    from tests.serving_helpers import make_config
+
+    front = AsyncLLMEngine(engine)
+    front.shutdown()
+    config = make_config(tmp_path, model="tiny")
+    app = create_app(config, engine=front)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
+
+    resp = asyncio.run(main())
+    assert resp.status_code == 503, resp.text
+    assert resp.json()["error"]["code"] == "engine_unavailable"
+    assert resp.headers["retry-after"] == "5"

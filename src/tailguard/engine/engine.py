@@ -24,7 +24,7 @@ from tailguard.engine.loader import load_gguf, write_tiny_gguf
 from tailguard.engine.memory import format_bytes, parse_budget
 from tailguard.engine.model import LlamaModel
 from tailguard.engine.model_store import cache_dir, resolve_model_path
-from tailguard.engine.request import FinishReason, RequestError, SamplingParams, Sequence
+from tailguard.engine.request import EngineClosed, FinishReason, RequestError, SamplingParams, Sequence
 from tailguard.engine.runner import ModelRunner, pick_device
 from tailguard.engine.scheduler import Scheduler, SchedulerConfig
 from tailguard.engine.tokenizer import GGUFTokenizer, IncrementalDetokenizer
@@ -328,10 +328,6 @@ def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
                 best = k
                 break
     return best
-
-
-class EngineClosed(RuntimeError):
-    """The engine thread has stopped (shut down or crashed): no request can be served."""
 
 
 class AsyncLLMEngine:

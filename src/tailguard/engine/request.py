@@ -11,6 +11,10 @@ class RequestError(ValueError):
     """A request the engine can never serve (too long for the context window, bad parameters)."""
 
 
+class EngineClosed(RuntimeError):
+    """The engine has stopped (shut down or crashed): no request can be served; the message says why."""
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

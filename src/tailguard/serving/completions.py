@@ -36,7 +36,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tailguard.engine.request import RequestError, SamplingParams
+from tailguard.engine.request import EngineClosed, RequestError, SamplingParams
 from tailguard.observe.metrics import clean_label
 from tailguard.observe.timeline import Outcome, Timeline
 from tailguard.serving.errors import APIError
@@ -227,6 +227,11 @@ class CompletionEndpoint:
         except ClientDisconnect:  # gone while we read its body
             tl.error = tl.error or "client disconnected"
             tl.finalize(499, Outcome.ABORTED)
+        except EngineClosed as exc:  # the engine stopped under this request: say so, as a 503 the client may retry
+            tl.error = _clean_str(str(exc), 1000)
+            await ex.fail(APIError(503, f"the engine is not running ({exc}); request id {tl.request_id}",
+                                   code="engine_unavailable", headers={"Retry-After": "5"}))
+            tl.finalize(503, Outcome.ERROR)
         except asyncio.CancelledError:
             tl.error = "cancelled by the server (shutdown)"
             tl.finalize(503, Outcome.ABORTED)

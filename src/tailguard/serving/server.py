@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import threading
 import time
@@ -34,7 +35,8 @@ def _uvicorn_config(app: Any, config: ServerConfig, **extra: Any) -> uvicorn.Con
         lifespan="on",
         log_level=config.log_level,
         access_log=config.access_log,
-        timeout_graceful_shutdown=int(config.graceful_shutdown_s) or None,
+        # Rounded up, never to None: uvicorn reads None as "wait forever", and 0.5 s must not mean that.
+        timeout_graceful_shutdown=math.ceil(config.graceful_shutdown_s),
         server_header=False,
         **extra,
     )
