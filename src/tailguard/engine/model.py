@@ -8,6 +8,8 @@ batch) and once per prefill chunk. Logits are computed only at the positions tha
 
 from __future__ import annotations
 
+import math
+import mmap
 import warnings
 from dataclasses import dataclass
 
@@ -157,10 +159,12 @@ class LlamaModel:
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         dtype = kv_dtype or self.dtype
         if self.device.type == "cpu":
-            # Not zeroed: a large allocation is fresh zero pages from the OS that become resident only as blocks are
-            # first used, so the process holds the memory its traffic needs, up to the budget. Every slot attention
-            # reads has been written first; masked slots hold finite values (zeros or an earlier sequence's keys).
-            return torch.empty(shape, dtype=dtype, device=self.device)
+            # Anonymous memory: the OS hands out zero pages that become resident only as blocks are first written, so
+            # the process holds the memory its traffic needs, up to the budget (torch.zeros would touch it all).
+            # Slots never written read as zeros, so masked attention over whole blocks never meets garbage (a NaN
+            # there survives a zero attention weight).
+            nbytes = math.prod(shape) * (torch.finfo(dtype).bits // 8)
+            return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
     @staticmethod

@@ -1,0 +1,110 @@
+"""Resident memory of the default `tailguard serve` on SmolLM2: at start-up, and after conversations fill its KV cache.
+
+    .venv/bin/python benchmarks/serve_memory.py                  # ~3 min; benchmarks/results/serve_memory.json
+    .venv/bin/python benchmarks/serve_memory.py --conversations 32 --context 2048
+
+The server runs with its defaults (native weights, a 1.5 GiB float16 KV cache budget). The KV cache is reserved as
+address space and becomes resident as blocks are first used, so the figure that matters is the resident set (VmRSS)
+and its peak (VmHWM) with N conversations of C tokens held at once: each request's prompt plus max_tokens spans C
+tokens, and they all run concurrently. Reported beside it: the KV capacity the server logged and the bytes per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_vs_engine import free_port, wait_ready  # noqa: E402
+
+WORDS = ("river lantern orchard copper meadow harbour violet summit canvas ember quartz willow thunder saffron "
+         "marble falcon").split()
+
+
+def rss_mib(pid: int) -> tuple[float, float]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+    hwm = int(re.search(r"VmHWM:\s+(\d+)", status).group(1)) / 1024
+    return rss, hwm
+
+
+def prompt_text(i: int, words: int) -> str:
+    return " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(words))
+
+
+def words_for(tokens: int) -> int:
+    """How many words make a chat prompt of about ``tokens`` tokens (measured with the model's tokenizer)."""
+    from tailguard.engine.model_store import resolve_model_path
+    from tailguard.engine.tokenizer import GGUFTokenizer
+
+    tok = GGUFTokenizer(resolve_model_path("smollm2"))
+    per_word = len(tok.encode_chat([{"role": "user", "content": prompt_text(0, 1000)}])) / 1000
+    return int(tokens / per_word)
+
+
+async def conversation(session: aiohttp.ClientSession, url: str, i: int, prompt_words: int, max_tokens: int) -> int:
+    text = prompt_text(i, prompt_words)
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+        data = await resp.json()
+        if resp.status != 200:
+            raise RuntimeError(f"{resp.status}: {data}")
+        return data["usage"]["prompt_tokens"] + data["usage"]["completion_tokens"]
+
+
+async def fill(url: str, n: int, prompt_words: int, max_tokens: int) -> list[int]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        return await asyncio.gather(*(conversation(session, url, i, prompt_words, max_tokens) for i in range(n)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--context", type=int, default=2048, help="tokens each conversation spans")
+    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "serve_memory.json"))
+    args = parser.parse_args()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = Path(f"/tmp/tg-serve-memory-{port}.log")
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("tailguard")), "serve", "--port", str(port),
+                                 "--no-slo", "--store", f"/tmp/tg-serve-memory-{port}.db",
+                                 "--max-num-seqs", str(max(64, args.conversations))],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(url, proc)
+        time.sleep(1.0)
+        idle = rss_mib(proc.pid)
+        print(f"idle: RSS {idle[0]:.0f} MiB", flush=True)
+        # the prompt takes the context less 64 tokens, then 64 are generated
+        max_tokens = 64
+        start = time.perf_counter()
+        spans = asyncio.run(fill(url, args.conversations, words_for(args.context - max_tokens - 8), max_tokens))
+        wall = time.perf_counter() - start
+        loaded = rss_mib(proc.pid)
+        print(f"after {args.conversations} conversations of ~{sum(spans) / len(spans):.0f} tokens ({wall:.0f} s): "
+              f"RSS {loaded[0]:.0f} MiB, peak {loaded[1]:.0f} MiB", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    capacity = re.search(r"KV cache ([^;]*?) = ([\d,]+) tokens", log.read_text())
+    result = {"idle_rss_mib": idle[0], "loaded_rss_mib": loaded[0], "peak_rss_mib": loaded[1],
+              "conversations": args.conversations, "tokens_per_conversation": spans,
+              "kv_cache": capacity.group(0) if capacity else None, "wall_s": wall,
+              "date": time.strftime("%Y-%m-%d %H:%M")}
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "tokens_per_conversation"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
