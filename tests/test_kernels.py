@@ -1,0 +1,213 @@
+"""tailguard's C kernels against references: gguf's own (de)quantization with torch's F.linear, and the float32 model.
+
+Each kernel is checked in every SIMD build this CPU can run (AVX-512, AVX2, scalar: the library is compiled with
+``-march=native``, so a machine without AVX-512 runs code that this machine's default build never executes), on
+shapes that reach every path: T=1 (the fused single-row product), T=4 and 16 (the 4x4 micro-kernel), T=3 and 65
+(4x4 leftovers, odd sizes), N not a multiple of the 8-row / 4-row groups.
+
+Tolerances: the kernels sum in a different order than the reference, so products are compared with a float64 reference
+within the classic worst-case rounding bound K * eps * sum|x * w| (the kernels land orders of magnitude inside it); any
+real bug (a wrong nibble, block offset or row) is an O(1) relative error.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+from tailguard.engine import kernels  # noqa: E402
+from tailguard.engine.kernels import PackedMatrix  # noqa: E402
+
+QT = gguf.GGMLQuantizationType
+FORMATS = {"F32": QT.F32, "F16": QT.F16, "Q4_0": QT.Q4_0, "Q4_1": QT.Q4_1, "Q8_0": QT.Q8_0}
+EPS32 = float(np.finfo(np.float32).eps)
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="tailguard's kernels need gcc on this machine")
+
+
+# --- one library per SIMD build ---------------------------------------------------------------------------------
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# name -> (extra gcc flags on top of -march=native, CPU flags needed to run it)
+VARIANTS = {
+    "default": (None, set()),
+    "avx2": (["-mno-avx512f"], {"avx2", "fma", "f16c"}),
+    "scalar": (["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"], set()),
+}
+EXPECTED_SIMD = {"avx2": "avx2", "scalar": "scalar"}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request, tmp_path_factory):
+    """Swaps kernels' loaded library for one compiled with the variant's flags, for the tests of this module."""
+    name = request.param
+    flags, needs = VARIANTS[name]
+    if flags is None:
+        yield name
+        return
+    if not needs <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run the {name} build")
+    cc = shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no gcc")
+    out = tmp_path_factory.mktemp(f"kernels-{name}") / "tg_kernels.so"
+    cmd = [cc, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", "-o", str(out), str(kernels.SOURCE),
+           "-lm"]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    saved_lib, saved_build = kernels._lib, kernels.build
+    kernels._lib = None
+    kernels.build = lambda verbose=False: out  # lib() loads and declares this one
+    try:
+        assert kernels.simd() == EXPECTED_SIMD[name], "the variant's flags did not select its code path"
+        yield name
+    finally:
+        kernels._lib, kernels.build = saved_lib, saved_build
+
+
+# --- test matrices made with gguf's own quantizer -----------------------------------------------------------------
+
+def packed(fmt: str, n: int, k: int, seed: int = 0) -> tuple[PackedMatrix, torch.Tensor]:
+    """A random [n, k] matrix in ``fmt`` and gguf's float32 dequantization of it (the reference weights)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.2).astype(np.float32)
+    if fmt == "Q4_1":
+        w += rng.uniform(-0.3, 0.3, size=(n, 1)).astype(np.float32)  # row offsets: non-trivial block minimums
+    q = quantize(w, FORMATS[fmt])
+    ref = torch.from_numpy(np.array(dequantize(q, FORMATS[fmt]), dtype=np.float32).reshape(n, k))
+    data = torch.from_numpy(np.ascontiguousarray(q).view(np.uint8).reshape(n, -1).copy())
+    assert data.shape[1] == kernels.row_bytes(int(FORMATS[fmt]), k)
+    return PackedMatrix(data, int(FORMATS[fmt]), n, k), ref
+
+
+def rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Worst-case float32 summation error of x @ w^T: K * eps * sum_k |x_k w_k| (plus a denormal floor)."""
+    k = x.shape[1]
+    return k * EPS32 * (x.abs().double() @ w.abs().double().T) + 1e-30
+
+
+# N=37: four full 8-row groups, a 4-row group and a lone row; the two threads split the groups unevenly.
+N_ROWS = 37
+SHAPES_K = {"F32": 70, "F16": 70, "Q4_0": 96, "Q4_1": 96, "Q8_0": 96}  # float formats: K not a multiple of the vector
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("t", [1, 3, 4, 16, 65])
+def test_linear_matches_f_linear_on_gguf_dequantization(variant, fmt, t):
+    k = SHAPES_K[fmt]
+    w, ref_w = packed(fmt, N_ROWS, k, seed=t)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
+    exact = x.double() @ ref_w.double().T
+    bound = rounding_bound(x, ref_w)
+
+    y = kernels.linear(x, w)
+    assert y.shape == (t, N_ROWS) and y.dtype == torch.float32
+    assert ((y.double() - exact).abs() <= bound).all(), f"max error {(y.double() - exact).abs().max():.3g}"
+    torch.testing.assert_close(y, F.linear(x, ref_w), rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
+
+    # accumulate=True adds into ``out`` instead of overwriting it.
+    base = torch.randn(t, N_ROWS, generator=torch.Generator().manual_seed(100 + t))
+    out = base.clone()
+    returned = kernels.linear(x, w, out=out, accumulate=True)
+    assert returned.data_ptr() == out.data_ptr()
+    assert ((out.double() - (base.double() + exact)).abs() <= bound + base.abs().double() * EPS32).all()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_dequantize_equals_gguf(variant, fmt):
+    k = SHAPES_K[fmt]
+    w, ref = packed(fmt, N_ROWS, k, seed=3)
+    got = w.dequantize()
+    if fmt in ("F32", "F16", "Q8_0"):
+        assert torch.equal(got, ref)  # a conversion and at most one product: no room for a different rounding
+    else:
+        # d * q + m: a compiler may fuse it into one FMA (one rounding instead of two): at most one rounding of
+        # d * q apart, i.e. an ulp of the block's magnitude.
+        blocks = ref.view(N_ROWS, k // 32, 32)
+        scale = (blocks.abs().amax(dim=-1, keepdim=True) * 2).expand_as(blocks).reshape(N_ROWS, k)
+        ulp = torch.from_numpy(np.spacing(scale.numpy()))
+        assert ((got - ref).abs() <= ulp).all(), f"max difference {(got - ref).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_embed_returns_dequantized_rows(variant, fmt):
+    k = SHAPES_K[fmt]
+    w, ref = packed(fmt, N_ROWS, k, seed=5)
+    ids = torch.tensor([0, 36, 7, 7, 12])
+    got = kernels.embed(ids, w)
+    assert got.shape == (5, k)
+    torch.testing.assert_close(got, w.dequantize()[ids], rtol=0, atol=0)
+    torch.testing.assert_close(got, ref[ids], rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    """Each output row is computed whole by one thread, so splitting the rows differently must not change a bit."""
+    w, _ = packed("Q4_1", 203, 128, seed=9)
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(9))
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append((kernels.linear(x, w), kernels.linear(x[:1], w), w.dequantize()))
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+# --- bad arguments: a ValueError, never a crash -----------------------------------------------------------------
+
+@pytest.mark.parametrize("bad_id", [-1, N_ROWS, 10**12])
+def test_embed_rejects_an_out_of_range_id(bad_id):
+    w, _ = packed("Q8_0", N_ROWS, 64)
+    with pytest.raises(ValueError):
+        kernels.embed(torch.tensor([1, bad_id]), w)
+
+
+@pytest.mark.parametrize("fmt", [6, 12, 99, -1])  # Q5_0, Q4_K (real ggml types the kernels do not read), nonsense
+def test_unknown_formats_are_rejected(fmt):
+    w, _ = packed("Q8_0", 8, 64)
+    bad = PackedMatrix(w.data, fmt, 8, 64)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError):
+        kernels.linear(x, bad)
+    with pytest.raises(ValueError):
+        bad.dequantize()
+    with pytest.raises(ValueError):
+        kernels.embed(torch.tensor([0]), bad)
+
+
+def test_block_formats_need_whole_blocks():
+    w, _ = packed("F32", 8, 48)
+    bad = PackedMatrix(w.data, int(QT.Q8_0), 8, 48)  # 48 is not a multiple of the 32-weight block
+    with pytest.raises(ValueError):
+        kernels.linear(torch.randn(1, 48), bad)
+    with pytest.raises(ValueError):
+        bad.dequantize()
+
+
+@pytest.mark.parametrize("x", [torch.randn(2, 63), torch.randn(2, 64, dtype=torch.float64), torch.randn(64)])
+def test_linear_rejects_a_wrong_input(x):
+    w, _ = packed("Q4_1", 8, 64)
+    with pytest.raises(ValueError):
+        kernels.linear(x, w)
