@@ -211,3 +211,133 @@ def test_linear_rejects_a_wrong_input(x):
     w, _ = packed("Q4_1", 8, 64)
     with pytest.raises(ValueError):
         kernels.linear(x, w)
+
+
+# --- the whole decode step (tg_decode) against the float32 model --------------------------------------------------
+#
+# The same tiny GGUF loaded twice: native (the C decode step on the file's blocks) and float32 (gguf's dequantization
+# of the same blocks, torch ops). The file is stored like SmolLM2's (Q4_1 layers, Q8_0 embedding and LM head); the F32
+# matrices of the plain tiny model take the kernels' non-fused path, which the products above already cover. Contexts of 300 and 600 tokens span 2 and 3 of the kernel's 256-position
+# attention slices, so the slices' log-sum-exp merge is exercised; one sequence crosses a slice edge mid-decode.
+#
+# Tolerance: measured max |native - float32| / max |logit| is 3e-7 to 4.4e-7 (float32 rounding in a different order).
+# The bound, 1e-4, leaves a 200x margin and still catches subtle bugs: with the slices' merge weights deliberately
+# wrong (exp(0.5 * (m_s - m)) for exp(m_s - m)) this random model's logits move by only 3e-3 to 9e-3 of their scale,
+# which a 1e-3 bound would barely see.
+DECODE_RTOL = 1e-4
+DECODE_STEPS = 4
+BATCHES = {
+    "1 seq, 3 slices": [600],
+    "3 seqs": [300, 17, 600],
+    "6 seqs, one crosses a slice edge": [5, 254, 600, 33, 300, 129],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(smollm2_path, tmp_path_factory):
+    """(native engine, float32 engine) on the same tiny GGUF with quantized matrices."""
+    from tailguard.engine.engine import EngineArgs, LLMEngine
+    from tailguard.engine.loader import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("tiny-native") / "tiny-q4_1.gguf"
+    # Quantize each matrix as it is written, the way SmolLM2's GGUF stores them.
+    original = gguf.GGUFWriter.add_tensor
+
+    def add_quantized(self, name, tensor, *args, **kwargs):
+        if tensor.ndim == 2 and not args and not kwargs:
+            qtype = QT.Q8_0 if name in ("token_embd.weight", "output.weight") else QT.Q4_1
+            return original(self, name, quantize(tensor, qtype), raw_dtype=qtype)
+        return original(self, name, tensor, *args, **kwargs)
+
+    gguf.GGUFWriter.add_tensor = add_quantized
+    try:
+        write_tiny_gguf(path, smollm2_path, tie_embeddings=False, seed=1)
+    finally:
+        gguf.GGUFWriter.add_tensor = original
+
+    def engine(fmt: str):
+        return LLMEngine(EngineArgs(model=str(path), weight_format=fmt, kv_cache_tokens=8192, max_num_seqs=16,
+                                    max_num_batched_tokens=128, max_prefill_chunk=96, num_threads=2))
+
+    native, reference = engine("native"), engine("float32")
+    assert native.weight_format == "native" and reference.weight_format == "float32"
+    formats = {lin.packed.fmt for layer in native.model.layers for lin in (layer[1], layer[2], layer[4], layer[5])}
+    assert formats == {int(QT.Q4_1)} and native.model.lm_head.packed.fmt == int(QT.Q8_0)
+    return native, reference
+
+
+def teacher_forced_decode(engine, texts: list[list[int]], steps: int) -> tuple[list[torch.Tensor], int]:
+    """Prefill each text but its last ``steps`` tokens, then ``steps`` decode steps with every sequence in the batch,
+    feeding the text's own next token. Returns the logits [D, vocab] of each decode step and how many of those steps
+    went through the native whole-step kernel."""
+    from tailguard.engine.blocks import BlockTable
+    from tailguard.engine.request import SamplingParams, Sequence
+    from tailguard.engine.scheduler import ScheduledChunk
+
+    runner, model = engine.runner, engine.runner.model
+    native_calls = 0
+    real_native_decode = model._native_decode
+
+    def counting(*args):
+        nonlocal native_calls
+        native_calls += 1
+        return real_native_decode(*args)
+
+    model._native_decode = counting
+    tables, seqs = {}, []
+    try:
+        for i, text in enumerate(texts):
+            rid = f"decode-{i}"
+            tables[rid] = BlockTable(engine.pool, rid)
+            assert tables[rid].ensure(len(text))
+            seq = Sequence(request_id=rid, prompt_token_ids=list(text[: len(text) - steps]), sampling=SamplingParams())
+            ids, meta, idx = runner._build([ScheduledChunk(seq, 0, seq.num_tokens)], tables)
+            model.forward(ids, meta, runner.kv_cache, idx)
+            seqs.append(seq)
+        out = []
+        for _ in range(steps):
+            for seq, text in zip(seqs, texts):
+                seq.output_token_ids.append(text[seq.num_tokens])
+            chunks = [ScheduledChunk(seq, seq.num_tokens - 1, 1) for seq in seqs]
+            ids, meta, idx = runner._build(chunks, tables)
+            out.append(model.forward(ids, meta, runner.kv_cache, idx).float().clone())
+    finally:
+        del model._native_decode
+        for table in tables.values():
+            table.release()
+    return out, native_calls
+
+
+def random_texts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 49000, size=n + DECODE_STEPS).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_native_decode_step_matches_float32(tiny_pair, batch):
+    native, reference = tiny_pair
+    texts = random_texts(BATCHES[batch], seed=len(BATCHES[batch]))
+    ours, native_calls = teacher_forced_decode(native, texts, DECODE_STEPS)
+    theirs, reference_calls = teacher_forced_decode(reference, texts, DECODE_STEPS)
+    assert native_calls == DECODE_STEPS and reference_calls == 0, "the native engine must decode in the C kernel"
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        assert a.shape == b.shape == (len(texts), native.config.vocab_size)
+        scale = float(b.abs().max())
+        diff = (a - b).abs().amax(dim=1)
+        print(f"{batch} step {step}: max |native - float32| / max |logit| = {float(diff.max()) / scale:.2e}")
+        assert float(diff.max()) <= DECODE_RTOL * scale, (
+            f"step {step}: max |native - float32| per sequence {diff.tolist()} vs max |logit| {scale:.3g}")
+        assert torch.equal(a.argmax(dim=1), b.argmax(dim=1))
+
+
+def test_native_greedy_output_equals_float32(tiny_pair):
+    from tailguard.engine.request import SamplingParams
+
+    native, reference = tiny_pair
+    prompts = random_texts([600, 300, 3, 40, 255], seed=7)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ours, theirs = native.generate(prompts, params), reference.generate(prompts, params)
+    assert all(len(o) == 12 for o in ours)
+    assert ours == theirs
+    for engine in tiny_pair:
+        assert engine.pool.num_used == 0
