@@ -12,6 +12,7 @@ real bug (a wrong nibble, block offset or row) is an O(1) relative error.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -341,3 +342,38 @@ def test_native_greedy_output_equals_float32(tiny_pair):
     assert ours == theirs
     for engine in tiny_pair:
         assert engine.pool.num_used == 0
+
+
+# --- arguments the kernels read or write without checking its size ----------------------------------------------
+#
+# Run in a child process: today these read past a buffer (garbage or a segfault) or write past one (heap corruption);
+# a ValueError is what they should give. Strict xfails: remove the marker when kernels/__init__.py checks the sizes.
+
+SIZE_BUG = "kernels.linear/embed/dequantize trust PackedMatrix.data's and out's sizes (no check before the C call)"
+CHILD_CASES = {
+    "packed data shorter than its rows": (
+        "w = PackedMatrix(torch.zeros(1, 40, dtype=torch.uint8), 3, 4096, 64)\n"
+        "kernels.linear(torch.randn(1, 64), w)"),
+    "out smaller than the product": (
+        "w = PackedMatrix(torch.zeros(37, 40, dtype=torch.uint8), 3, 37, 64)\n"
+        "kernels.linear(torch.randn(4, 64), w, out=torch.zeros(1, 2), accumulate=True)"),
+    "out of the wrong dtype": (
+        "w = PackedMatrix(torch.zeros(37, 40, dtype=torch.uint8), 3, 37, 64)\n"
+        "kernels.linear(torch.randn(4, 64), w, out=torch.zeros(4, 37, dtype=torch.float16))"),
+}
+
+
+@pytest.mark.xfail(strict=True, reason=SIZE_BUG)
+@pytest.mark.parametrize("case", list(CHILD_CASES))
+def test_mis_sized_buffers_are_rejected(case):
+    import sys
+
+    code = ("import torch\nfrom tailguard.engine import kernels\nfrom tailguard.engine.kernels import PackedMatrix\n"
+            "try:\n    " + CHILD_CASES[case].replace("\n", "\n    ") + "\nexcept ValueError:\n    print('ValueError')\n"
+            "else:\n    print('accepted')\n")
+    src = str(Path(kernels.__file__).resolve().parents[3])  # the child imports the same tailguard as this process
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                            env=env)
+    assert result.returncode == 0, f"the child crashed ({result.returncode}): {result.stderr[-500:]}"
+    assert result.stdout.strip() == "ValueError", result.stdout
