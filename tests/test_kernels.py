@@ -377,3 +377,16 @@ def test_mis_sized_buffers_are_rejected(case):
                             env=env)
     assert result.returncode == 0, f"the child crashed ({result.returncode}): {result.stderr[-500:]}"
     assert result.stdout.strip() == "ValueError", result.stdout
+
+
+def test_decode_logits_do_not_depend_on_the_batch(tiny_pair):
+    """A sequence decoded alone or with five others gets the same logits (to rounding: one row takes the fused
+    single-row product, several the 4x4 tiles), in both formats."""
+    texts = random_texts(BATCHES["6 seqs, one crosses a slice edge"], seed=3)
+    for engine in tiny_pair:
+        batched, _ = teacher_forced_decode(engine, texts, DECODE_STEPS)
+        for i in (0, 2):
+            alone, _ = teacher_forced_decode(engine, [texts[i]], DECODE_STEPS)
+            for step in range(DECODE_STEPS):
+                a, b = alone[step][0], batched[step][i]
+                assert float((a - b).abs().max()) <= DECODE_RTOL * float(b.abs().max()), (engine.weight_format, i)
