@@ -56,27 +56,35 @@ VARIANTS = {
 EXPECTED_SIMD = {"avx2": "avx2", "scalar": "scalar"}
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def variant(request, tmp_path_factory):
-    """Swaps kernels' loaded library for one compiled with the variant's flags, for the tests of this module."""
+@pytest.fixture(scope="module")
+def variant_libraries(tmp_path_factory) -> dict[str, Path]:
+    """Each non-default build this CPU can run, compiled once per module run."""
+    cc = shutil.which("gcc")
+    libs = {}
+    for name, (flags, needs) in VARIANTS.items():
+        if flags is None or cc is None or not needs <= _cpu_flags():
+            continue
+        out = tmp_path_factory.mktemp(f"kernels-{name}") / "tg_kernels.so"
+        cmd = [cc, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", "-o", str(out),
+               str(kernels.SOURCE), "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        assert result.returncode == 0, result.stderr
+        libs[name] = out
+    return libs
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request, variant_libraries):
+    """Swaps kernels' loaded library for the variant's build for one test (and puts the default one back)."""
     name = request.param
-    flags, needs = VARIANTS[name]
-    if flags is None:
+    if VARIANTS[name][0] is None:
         yield name
         return
-    if not needs <= _cpu_flags():
-        pytest.skip(f"this CPU cannot run the {name} build")
-    cc = shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no gcc")
-    out = tmp_path_factory.mktemp(f"kernels-{name}") / "tg_kernels.so"
-    cmd = [cc, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", "-o", str(out), str(kernels.SOURCE),
-           "-lm"]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr
+    if name not in variant_libraries:
+        pytest.skip(f"this machine cannot build or run the {name} kernels")
     saved_lib, saved_build = kernels._lib, kernels.build
     kernels._lib = None
-    kernels.build = lambda verbose=False: out  # lib() loads and declares this one
+    kernels.build = lambda verbose=False: variant_libraries[name]  # lib() loads and declares this one
     try:
         assert kernels.simd() == EXPECTED_SIMD[name], "the variant's flags did not select its code path"
         yield name
