@@ -1,0 +1,400 @@
+"""tailguard's C kernels against references: gguf's own (de)quantization with torch's F.linear, and the float32 model.
+
+Each kernel is checked in every SIMD build this CPU can run (AVX-512, AVX2, scalar: the library is compiled with
+``-march=native``, so a machine without AVX-512 runs code that this machine's default build never executes), on
+shapes that reach every path: T=1 (the fused single-row product), T=4 and 16 (the 4x4 micro-kernel), T=3 and 65
+(4x4 leftovers, odd sizes), N not a multiple of the 8-row / 4-row groups.
+
+Tolerances: the kernels sum in a different order than the reference, so products are compared with a float64 reference
+within the classic worst-case rounding bound K * eps * sum|x * w| (the kernels land orders of magnitude inside it); any
+real bug (a wrong nibble, block offset or row) is an O(1) relative error.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+from tailguard.engine import kernels  # noqa: E402
+from tailguard.engine.kernels import PackedMatrix  # noqa: E402
+
+QT = gguf.GGMLQuantizationType
+FORMATS = {"F32": QT.F32, "F16": QT.F16, "Q4_0": QT.Q4_0, "Q4_1": QT.Q4_1, "Q8_0": QT.Q8_0}
+EPS32 = float(np.finfo(np.float32).eps)
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="tailguard's kernels need gcc on this machine")
+
+
+# --- one library per SIMD build ---------------------------------------------------------------------------------
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# name -> (extra gcc flags on top of -march=native, CPU flags needed to run it)
+VARIANTS = {
+    "default": (None, set()),
+    "avx2": (["-mno-avx512f"], {"avx2", "fma", "f16c"}),
+    "scalar": (["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"], set()),
+}
+EXPECTED_SIMD = {"avx2": "avx2", "scalar": "scalar"}
+
+
+@pytest.fixture(scope="module")
+def variant_libraries(tmp_path_factory) -> dict[str, Path]:
+    """Each non-default build this CPU can run, compiled once per module run."""
+    cc = shutil.which("gcc")
+    libs = {}
+    for name, (flags, needs) in VARIANTS.items():
+        if flags is None or cc is None or not needs <= _cpu_flags():
+            continue
+        out = tmp_path_factory.mktemp(f"kernels-{name}") / "tg_kernels.so"
+        cmd = [cc, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", "-o", str(out),
+               str(kernels.SOURCE), "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        assert result.returncode == 0, result.stderr
+        libs[name] = out
+    return libs
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request, variant_libraries):
+    """Swaps kernels' loaded library for the variant's build for one test (and puts the default one back)."""
+    name = request.param
+    if VARIANTS[name][0] is None:
+        yield name
+        return
+    if name not in variant_libraries:
+        pytest.skip(f"this machine cannot build or run the {name} kernels")
+    saved_lib, saved_build = kernels._lib, kernels.build
+    kernels._lib = None
+    kernels.build = lambda verbose=False: variant_libraries[name]  # lib() loads and declares this one
+    try:
+        assert kernels.simd() == EXPECTED_SIMD[name], "the variant's flags did not select its code path"
+        yield name
+    finally:
+        kernels._lib, kernels.build = saved_lib, saved_build
+
+
+# --- test matrices made with gguf's own quantizer -----------------------------------------------------------------
+
+def packed(fmt: str, n: int, k: int, seed: int = 0) -> tuple[PackedMatrix, torch.Tensor]:
+    """A random [n, k] matrix in ``fmt`` and gguf's float32 dequantization of it (the reference weights)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.2).astype(np.float32)
+    if fmt == "Q4_1":
+        w += rng.uniform(-0.3, 0.3, size=(n, 1)).astype(np.float32)  # row offsets: non-trivial block minimums
+    q = quantize(w, FORMATS[fmt])
+    ref = torch.from_numpy(np.array(dequantize(q, FORMATS[fmt]), dtype=np.float32).reshape(n, k))
+    data = torch.from_numpy(np.ascontiguousarray(q).view(np.uint8).reshape(n, -1).copy())
+    assert data.shape[1] == kernels.row_bytes(int(FORMATS[fmt]), k)
+    return PackedMatrix(data, int(FORMATS[fmt]), n, k), ref
+
+
+def rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Worst-case float32 summation error of x @ w^T: K * eps * sum_k |x_k w_k| (plus a denormal floor)."""
+    k = x.shape[1]
+    return k * EPS32 * (x.abs().double() @ w.abs().double().T) + 1e-30
+
+
+# N=37: four full 8-row groups, a 4-row group and a lone row; the two threads split the groups unevenly.
+N_ROWS = 37
+SHAPES_K = {"F32": 70, "F16": 70, "Q4_0": 96, "Q4_1": 96, "Q8_0": 96}  # float formats: K not a multiple of the vector
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("t", [1, 3, 4, 16, 65])
+def test_linear_matches_f_linear_on_gguf_dequantization(variant, fmt, t):
+    k = SHAPES_K[fmt]
+    w, ref_w = packed(fmt, N_ROWS, k, seed=t)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
+    exact = x.double() @ ref_w.double().T
+    bound = rounding_bound(x, ref_w)
+
+    y = kernels.linear(x, w)
+    assert y.shape == (t, N_ROWS) and y.dtype == torch.float32
+    assert ((y.double() - exact).abs() <= bound).all(), f"max error {(y.double() - exact).abs().max():.3g}"
+    torch.testing.assert_close(y, F.linear(x, ref_w), rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
+
+    # accumulate=True adds into ``out`` instead of overwriting it.
+    base = torch.randn(t, N_ROWS, generator=torch.Generator().manual_seed(100 + t))
+    out = base.clone()
+    returned = kernels.linear(x, w, out=out, accumulate=True)
+    assert returned.data_ptr() == out.data_ptr()
+    assert ((out.double() - (base.double() + exact)).abs() <= bound + base.abs().double() * EPS32).all()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_dequantize_equals_gguf(variant, fmt):
+    k = SHAPES_K[fmt]
+    w, ref = packed(fmt, N_ROWS, k, seed=3)
+    got = w.dequantize()
+    if fmt in ("F32", "F16", "Q8_0"):
+        assert torch.equal(got, ref)  # a conversion and at most one product: no room for a different rounding
+    else:
+        # d * q + m: a compiler may fuse it into one FMA (one rounding instead of two): at most one rounding of
+        # d * q apart, i.e. an ulp of the block's magnitude.
+        blocks = ref.view(N_ROWS, k // 32, 32)
+        scale = (blocks.abs().amax(dim=-1, keepdim=True) * 2).expand_as(blocks).reshape(N_ROWS, k)
+        ulp = torch.from_numpy(np.spacing(scale.numpy()))
+        assert ((got - ref).abs() <= ulp).all(), f"max difference {(got - ref).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_embed_returns_dequantized_rows(variant, fmt):
+    k = SHAPES_K[fmt]
+    w, ref = packed(fmt, N_ROWS, k, seed=5)
+    ids = torch.tensor([0, 36, 7, 7, 12])
+    got = kernels.embed(ids, w)
+    assert got.shape == (5, k)
+    torch.testing.assert_close(got, w.dequantize()[ids], rtol=0, atol=0)
+    torch.testing.assert_close(got, ref[ids], rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    """Each output row is computed whole by one thread, so splitting the rows differently must not change a bit."""
+    w, _ = packed("Q4_1", 203, 128, seed=9)
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(9))
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append((kernels.linear(x, w), kernels.linear(x[:1], w), w.dequantize()))
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+# --- bad arguments: a ValueError, never a crash -----------------------------------------------------------------
+
+@pytest.mark.parametrize("bad_id", [-1, N_ROWS, 10**12])
+def test_embed_rejects_an_out_of_range_id(bad_id):
+    w, _ = packed("Q8_0", N_ROWS, 64)
+    with pytest.raises(ValueError):
+        kernels.embed(torch.tensor([1, bad_id]), w)
+
+
+@pytest.mark.parametrize("fmt", [6, 12, 99, -1])  # Q5_0, Q4_K (real ggml types the kernels do not read), nonsense
+def test_unknown_formats_are_rejected(fmt):
+    w, _ = packed("Q8_0", 8, 64)
+    bad = PackedMatrix(w.data, fmt, 8, 64)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError):
+        kernels.linear(x, bad)
+    with pytest.raises(ValueError):
+        bad.dequantize()
+    with pytest.raises(ValueError):
+        kernels.embed(torch.tensor([0]), bad)
+
+
+def test_block_formats_need_whole_blocks():
+    w, _ = packed("F32", 8, 48)
+    bad = PackedMatrix(w.data, int(QT.Q8_0), 8, 48)  # 48 is not a multiple of the 32-weight block
+    with pytest.raises(ValueError):
+        kernels.linear(torch.randn(1, 48), bad)
+    with pytest.raises(ValueError):
+        bad.dequantize()
+
+
+@pytest.mark.parametrize("x", [torch.randn(2, 63), torch.randn(2, 64, dtype=torch.float64), torch.randn(64)])
+def test_linear_rejects_a_wrong_input(x):
+    w, _ = packed("Q4_1", 8, 64)
+    with pytest.raises(ValueError):
+        kernels.linear(x, w)
+
+
+# --- the whole decode step (tg_decode) against the float32 model --------------------------------------------------
+#
+# The same tiny GGUF loaded twice: native (the C decode step on the file's blocks) and float32 (gguf's dequantization
+# of the same blocks, torch ops). The file is stored like SmolLM2's (Q4_1 layers, Q8_0 embedding and LM head); the F32
+# matrices of the plain tiny model take the kernels' non-fused path, which the products above already cover. Contexts of 300 and 600 tokens span 2 and 3 of the kernel's 256-position
+# attention slices, so the slices' log-sum-exp merge is exercised; one sequence crosses a slice edge mid-decode.
+#
+# Tolerance: measured max |native - float32| / max |logit| is 3e-7 to 4.4e-7 (float32 rounding in a different order).
+# The bound, 1e-4, leaves a 200x margin and still catches subtle bugs: with the slices' merge weights deliberately
+# wrong (exp(0.5 * (m_s - m)) for exp(m_s - m)) this random model's logits move by only 3e-3 to 9e-3 of their scale,
+# which a 1e-3 bound would barely see.
+DECODE_RTOL = 1e-4
+DECODE_STEPS = 4
+BATCHES = {
+    "1 seq, 3 slices": [600],
+    "3 seqs": [300, 17, 600],
+    "6 seqs, one crosses a slice edge": [5, 254, 600, 33, 300, 129],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(smollm2_path, tmp_path_factory):
+    """(native engine, float32 engine) on the same tiny GGUF with quantized matrices."""
+    from tailguard.engine.engine import EngineArgs, LLMEngine
+    from tailguard.engine.loader import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("tiny-native") / "tiny-q4_1.gguf"
+    # Quantize each matrix as it is written, the way SmolLM2's GGUF stores them.
+    original = gguf.GGUFWriter.add_tensor
+
+    def add_quantized(self, name, tensor, *args, **kwargs):
+        if tensor.ndim == 2 and not args and not kwargs:
+            qtype = QT.Q8_0 if name in ("token_embd.weight", "output.weight") else QT.Q4_1
+            return original(self, name, quantize(tensor, qtype), raw_dtype=qtype)
+        return original(self, name, tensor, *args, **kwargs)
+
+    gguf.GGUFWriter.add_tensor = add_quantized
+    try:
+        write_tiny_gguf(path, smollm2_path, tie_embeddings=False, seed=1)
+    finally:
+        gguf.GGUFWriter.add_tensor = original
+
+    def engine(fmt: str):
+        return LLMEngine(EngineArgs(model=str(path), weight_format=fmt, kv_cache_tokens=8192, max_num_seqs=16,
+                                    max_num_batched_tokens=128, max_prefill_chunk=96, num_threads=2))
+
+    native, reference = engine("native"), engine("float32")
+    assert native.weight_format == "native" and reference.weight_format == "float32"
+    formats = {lin.packed.fmt for layer in native.model.layers for lin in (layer[1], layer[2], layer[4], layer[5])}
+    assert formats == {int(QT.Q4_1)} and native.model.lm_head.packed.fmt == int(QT.Q8_0)
+    return native, reference
+
+
+def teacher_forced_decode(engine, texts: list[list[int]], steps: int) -> tuple[list[torch.Tensor], int]:
+    """Prefill each text but its last ``steps`` tokens, then ``steps`` decode steps with every sequence in the batch,
+    feeding the text's own next token. Returns the logits [D, vocab] of each decode step and how many of those steps
+    went through the native whole-step kernel."""
+    from tailguard.engine.blocks import BlockTable
+    from tailguard.engine.request import SamplingParams, Sequence
+    from tailguard.engine.scheduler import ScheduledChunk
+
+    runner, model = engine.runner, engine.runner.model
+    native_calls = 0
+    real_native_decode = model._native_decode
+
+    def counting(*args):
+        nonlocal native_calls
+        native_calls += 1
+        return real_native_decode(*args)
+
+    model._native_decode = counting
+    tables, seqs = {}, []
+    try:
+        for i, text in enumerate(texts):
+            rid = f"decode-{i}"
+            tables[rid] = BlockTable(engine.pool, rid)
+            assert tables[rid].ensure(len(text))
+            seq = Sequence(request_id=rid, prompt_token_ids=list(text[: len(text) - steps]), sampling=SamplingParams())
+            ids, meta, idx = runner._build([ScheduledChunk(seq, 0, seq.num_tokens)], tables)
+            model.forward(ids, meta, runner.kv_cache, idx)
+            seqs.append(seq)
+        out = []
+        for _ in range(steps):
+            for seq, text in zip(seqs, texts):
+                seq.output_token_ids.append(text[seq.num_tokens])
+            chunks = [ScheduledChunk(seq, seq.num_tokens - 1, 1) for seq in seqs]
+            ids, meta, idx = runner._build(chunks, tables)
+            out.append(model.forward(ids, meta, runner.kv_cache, idx).float().clone())
+    finally:
+        del model._native_decode
+        for table in tables.values():
+            table.release()
+    return out, native_calls
+
+
+def random_texts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 49000, size=n + DECODE_STEPS).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_native_decode_step_matches_float32(tiny_pair, batch):
+    native, reference = tiny_pair
+    texts = random_texts(BATCHES[batch], seed=len(BATCHES[batch]))
+    ours, native_calls = teacher_forced_decode(native, texts, DECODE_STEPS)
+    theirs, reference_calls = teacher_forced_decode(reference, texts, DECODE_STEPS)
+    assert native_calls == DECODE_STEPS and reference_calls == 0, "the native engine must decode in the C kernel"
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        assert a.shape == b.shape == (len(texts), native.config.vocab_size)
+        scale = float(b.abs().max())
+        diff = (a - b).abs().amax(dim=1)
+        print(f"{batch} step {step}: max |native - float32| / max |logit| = {float(diff.max()) / scale:.2e}")
+        assert float(diff.max()) <= DECODE_RTOL * scale, (
+            f"step {step}: max |native - float32| per sequence {diff.tolist()} vs max |logit| {scale:.3g}")
+        assert torch.equal(a.argmax(dim=1), b.argmax(dim=1))
+
+
+def test_native_greedy_output_equals_float32(tiny_pair):
+    from tailguard.engine.request import SamplingParams
+
+    native, reference = tiny_pair
+    prompts = random_texts([600, 300, 3, 40, 255], seed=7)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ours, theirs = native.generate(prompts, params), reference.generate(prompts, params)
+    assert all(len(o) == 12 for o in ours)
+    assert ours == theirs
+    for engine in tiny_pair:
+        assert engine.pool.num_used == 0
+
+
+# --- arguments the kernels read or write without checking its size ----------------------------------------------
+#
+# Run in a child process: today these read past a buffer (garbage or a segfault) or write past one (heap corruption);
+# a ValueError is what they should give. Strict xfails: remove the marker when kernels/__init__.py checks the sizes.
+
+SIZE_BUG = "kernels.linear/embed/dequantize trust PackedMatrix.data's and out's sizes (no check before the C call)"
+CHILD_CASES = {
+    "packed data shorter than its rows": (
+        "w = PackedMatrix(torch.zeros(1, 40, dtype=torch.uint8), 3, 4096, 64)\n"
+        "kernels.linear(torch.randn(1, 64), w)"),
+    "out smaller than the product": (
+        "w = PackedMatrix(torch.zeros(37, 40, dtype=torch.uint8), 3, 37, 64)\n"
+        "kernels.linear(torch.randn(4, 64), w, out=torch.zeros(1, 2), accumulate=True)"),
+    "out of the wrong dtype": (
+        "w = PackedMatrix(torch.zeros(37, 40, dtype=torch.uint8), 3, 37, 64)\n"
+        "kernels.linear(torch.randn(4, 64), w, out=torch.zeros(4, 37, dtype=torch.float16))"),
+}
+
+
+@pytest.mark.xfail(strict=True, reason=SIZE_BUG)
+@pytest.mark.parametrize("case", list(CHILD_CASES))
+def test_mis_sized_buffers_are_rejected(case):
+    import sys
+
+    code = ("import torch\nfrom tailguard.engine import kernels\nfrom tailguard.engine.kernels import PackedMatrix\n"
+            "try:\n    " + CHILD_CASES[case].replace("\n", "\n    ") + "\nexcept ValueError:\n    print('ValueError')\n"
+            "else:\n    print('accepted')\n")
+    src = str(Path(kernels.__file__).resolve().parents[3])  # the child imports the same tailguard as this process
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                            env=env)
+    assert result.returncode == 0, f"the child crashed ({result.returncode}): {result.stderr[-500:]}"
+    assert result.stdout.strip() == "ValueError", result.stdout
+
+
+def test_decode_logits_do_not_depend_on_the_batch(tiny_pair):
+    """A sequence decoded alone or with five others gets the same logits (to rounding: one row takes the fused
+    single-row product, several the 4x4 tiles), in both formats."""
+    texts = random_texts(BATCHES["6 seqs, one crosses a slice edge"], seed=3)
+    for engine in tiny_pair:
+        batched, _ = teacher_forced_decode(engine, texts, DECODE_STEPS)
+        for i in (0, 2):
+            alone, _ = teacher_forced_decode(engine, [texts[i]], DECODE_STEPS)
+            for step in range(DECODE_STEPS):
+                a, b = alone[step][0], batched[step][i]
+                assert float((a - b).abs().max()) <= DECODE_RTOL * float(b.abs().max()), (engine.weight_format, i)
