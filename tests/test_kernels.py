@@ -354,10 +354,9 @@ def test_native_greedy_output_equals_float32(tiny_pair):
 
 # --- arguments the kernels read or write without checking its size ----------------------------------------------
 #
-# Run in a child process: today these read past a buffer (garbage or a segfault) or write past one (heap corruption);
-# a ValueError is what they should give. Strict xfails: remove the marker when kernels/__init__.py checks the sizes.
+# Run in a child process: before kernels/__init__.py checked sizes these read past a buffer (garbage or a segfault) or
+# wrote past one (heap corruption); a ValueError is what they must give.
 
-SIZE_BUG = "kernels.linear/embed/dequantize trust PackedMatrix.data's and out's sizes (no check before the C call)"
 CHILD_CASES = {
     "packed data shorter than its rows": (
         "w = PackedMatrix(torch.zeros(1, 40, dtype=torch.uint8), 3, 4096, 64)\n"
@@ -371,7 +370,6 @@ CHILD_CASES = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason=SIZE_BUG)
 @pytest.mark.parametrize("case", list(CHILD_CASES))
 def test_mis_sized_buffers_are_rejected(case):
     import sys

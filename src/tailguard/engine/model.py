@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +48,8 @@ class AttentionMetadata:
 
 
 class Linear:
-    """y = x @ W^T in the chosen weight format. int8 uses fbgemm's dynamic per-channel quantized kernel; native reads
-    the GGUF's blocks with tailguard's kernels."""
+    """y = x @ W^T in the chosen weight format. int8: per-channel int8 weights times per-token int8 activations with
+    exact int32 sums (torch._int_mm); native reads the GGUF's blocks with tailguard's kernels."""
 
     def __init__(self, weight: torch.Tensor | PackedMatrix, fmt: str) -> None:
         self.fmt = fmt
@@ -63,11 +62,8 @@ class Linear:
             self.weight = None
         elif fmt == "int8":
             w = weight.float()
-            scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                q = torch.quantize_per_channel(w, scales.double(), torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
-                self._packed = torch.ops.quantized.linear_prepack(q, None)
+            self._wscale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)  # per output channel
+            self._qweight = torch.round(w / self._wscale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
             self.weight = None
         else:
             self.weight = weight
@@ -78,7 +74,12 @@ class Linear:
                 return kernels.linear(x, self.packed)
             return F.linear(x, self.packed.dequantize())
         if self.fmt == "int8":
-            return torch.ops.quantized.linear_dynamic(x, self._packed, True)
+            # Each token's activations get their own scale (fbgemm's dynamic kernel used one for the whole step, so
+            # one token's outlier coarsened every other token's: answers depended on who shared the step). Integer
+            # sums are exact, so a row's result is the same alone or in any batch.
+            sx = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
+            acc = torch._int_mm(torch.round(x / sx).to(torch.int8), self._qweight.t())
+            return acc.float() * sx * self._wscale
         if self.fmt == "bfloat16":
             return F.linear(x.to(torch.bfloat16), self.weight).float()
         return F.linear(x, self.weight)
@@ -238,4 +239,4 @@ class LlamaModel:
 def _dense_bytes(lin: Linear) -> int:
     if lin.weight is not None:
         return lin.weight.numel() * lin.weight.element_size()
-    return lin.out_features * lin.in_features  # fbgemm's int8: one byte a weight
+    return lin.out_features * lin.in_features  # int8: one byte a weight

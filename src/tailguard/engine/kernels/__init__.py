@@ -112,8 +112,16 @@ def simd() -> str:
     return lib().tg_simd().decode()
 
 
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # bytes per block of 32 weights
+
+
 def row_bytes(fmt: int, k: int) -> int:
-    return int(lib().tg_row_bytes(fmt, k))
+    """Bytes of one row of ``k`` weights in ``fmt`` (the C side's tg_row_bytes, without loading the library)."""
+    if fmt == F32:
+        return 4 * k
+    if fmt == F16:
+        return 2 * k
+    return k // 32 * _BLOCK_BYTES[fmt]
 
 
 @dataclass
@@ -124,6 +132,19 @@ class PackedMatrix:
     fmt: int
     out_features: int
     in_features: int
+
+    def __post_init__(self) -> None:
+        # The C code trusts these sizes: check them once here, where a mistake is a ValueError and not a read past
+        # the end of a buffer.
+        if self.fmt not in NATIVE_FORMATS:
+            raise ValueError(f"unknown block format {self.fmt}")
+        if self.fmt >= Q4_0 and self.in_features % 32:
+            raise ValueError(f"{NATIVE_FORMATS[self.fmt]} rows hold whole blocks of 32; {self.in_features} is not")
+        expected = (self.out_features, row_bytes(self.fmt, self.in_features))
+        if (self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected or not self.data.is_contiguous()
+                or self.data.device.type != "cpu"):
+            raise ValueError(f"packed {NATIVE_FORMATS[self.fmt]} data must be contiguous uint8 {list(expected)} on the "
+                             f"CPU, got {self.data.dtype} {list(self.data.shape)}")
 
     @property
     def nbytes(self) -> int:
@@ -143,10 +164,13 @@ def _check(code: int) -> None:
 def linear(x: torch.Tensor, w: PackedMatrix, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """x [T, K] float32 @ W^T -> [T, N]; with ``accumulate`` adds into ``out``."""
     x = x.contiguous()
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features or x.device.type != "cpu":
         raise ValueError("linear expects a contiguous float32 [T, in_features] input")
     if out is None:
         out = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+    elif (out.dtype != torch.float32 or tuple(out.shape) != (x.shape[0], w.out_features) or not out.is_contiguous()
+          or out.device.type != "cpu"):
+        raise ValueError(f"out must be a contiguous float32 [{x.shape[0]}, {w.out_features}] CPU tensor")
     _check(lib().tg_linear(x.data_ptr(), x.shape[0], w.in_features, w.data.data_ptr(), w.fmt, w.out_features,
                            out.data_ptr(), int(accumulate)))
     return out
@@ -217,6 +241,10 @@ class DecodeStep:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                  ctx_lens: torch.Tensor) -> torch.Tensor:
         d = tokens.shape[0]
+        if not (tokens.dtype == positions.dtype == slots.dtype == torch.int64
+                and tables.dtype == ctx_lens.dtype == torch.int32 and tables.is_contiguous()
+                and positions.shape[0] == slots.shape[0] == tables.shape[0] == ctx_lens.shape[0] == d):
+            raise ValueError("decode step: int64 tokens/positions/slots and int32 [D, blocks] tables and lengths")
         logits = torch.empty(d, self.vocab, dtype=torch.float32)
         _check(lib().tg_decode(ctypes.byref(self._model), ctypes.byref(self._kv), d, tokens.data_ptr(),
                                positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
