@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,3 +58,23 @@ def tiny_engine():
                                                  max_num_batched_tokens=256, num_threads=1))
     atexit.register(engine.shutdown)
     return engine
+
+
+def open_stream(url: str, body: dict, request_id: str) -> socket.socket:
+    """POST a chat request over a raw socket (so a test can hang up at any moment); returns the socket."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    payload = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"X-Request-ID: {request_id}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def wait_until(pred, timeout: float = 20.0, interval: float = 0.01) -> bool:
+    """Poll ``pred`` until it holds or ``timeout`` passes; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()

@@ -4,16 +4,13 @@ modes and languages, logprobs, and a client that disconnects mid-stream, which m
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
-import time
 
 import openai
 import pytest
 
 from tailguard.engine.fake import FakeTiming
 from tailguard.engine.model_store import ModelNotFoundError, resolve_model_path
-from tests.serving_helpers import fake_server, make_config, settle, tiny_engine
+from tests.serving_helpers import fake_server, make_config, open_stream, settle, tiny_engine, wait_until
 
 PROMPTS = {"en": "Hello! Please introduce yourself in one sentence.", "zh": "你好！请用一句话介绍一下你自己。"}
 
@@ -71,39 +68,21 @@ def test_tiny_async_concurrent_and_logprobs(server):
     assert results[0].choices[0].message.content == results[2].choices[0].message.content
 
 
-def _start_stream(url: str, body: dict, request_id: str) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=30)
-    payload = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"X-Request-ID: {request_id}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
-    return sock
-
-
-def _wait(pred, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
-
-
 def test_disconnect_mid_stream_aborts_and_frees_kv_blocks(server):
     engine = server.state.engine
-    assert _wait(lambda: engine.stats().kv_blocks_used == 0)
+    assert wait_until(lambda: engine.stats().kv_blocks_used == 0)
     body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS["zh"] * 4}], "max_tokens": 1500,
             "stream": True, "temperature": 0, "ignore_eos": True}
-    sock = _start_stream(server.url, body, "gone-1")
+    sock = open_stream(server.url, body, "gone-1")
     received = b""
     while received.count(b"data: ") < 5:  # a few tokens in: the request holds KV blocks now
         received += sock.recv(65536)
     assert b"200 OK" in received
     assert engine.stats().kv_blocks_used > 0
     sock.close()
-    assert _wait(lambda: engine.stats().kv_blocks_used == 0 and engine.stats().running == 0), engine.stats()
+    assert wait_until(lambda: engine.stats().kv_blocks_used == 0 and engine.stats().running == 0), engine.stats()
     settle(server)
-    assert _wait(lambda: server.state.store.get("gone-1") is not None, 5)
+    assert wait_until(lambda: server.state.store.get("gone-1") is not None, 5)
     rec = server.state.store.get("gone-1")
     assert rec["outcome"] == "aborted" and rec["status"] == 499
     assert 4 <= rec["output_tokens"] < 1500  # 5 events seen by the client: the role chunk and 4 tokens
@@ -112,12 +91,12 @@ def test_disconnect_mid_stream_aborts_and_frees_kv_blocks(server):
 
 def test_disconnect_while_waiting_for_first_token_aborts(tmp_path):
     with fake_server(tmp_path, FakeTiming(ttft=30.0)) as s:
-        sock = _start_stream(s.url, {"model": "fake", "messages": [{"role": "user", "content": "x"}],
+        sock = open_stream(s.url, {"model": "fake", "messages": [{"role": "user", "content": "x"}],
                                      "max_tokens": 5, "stream": True}, "early-1")
-        assert _wait(lambda: s.state.admission.depth == 1, 10)
+        assert wait_until(lambda: s.state.admission.depth == 1, 10)
         sock.close()
-        assert _wait(lambda: "early-1" in s.state.engine.aborted, 10)
-        assert _wait(lambda: s.state.admission.depth == 0 and s.state.admission.in_flight == 0, 10)
+        assert wait_until(lambda: "early-1" in s.state.engine.aborted, 10)
+        assert wait_until(lambda: s.state.admission.depth == 0 and s.state.admission.in_flight == 0, 10)
         settle(s)
         rec = s.state.store.get("early-1")
         assert rec["outcome"] == "aborted" and rec["output_tokens"] == 0

@@ -43,23 +43,17 @@ PROMPTS = [
 LOGIT_RTOL = {
     "native": 1e-4,  # measured 1.1e-6 to 2.3e-6: the same math in another summation order (40x margin)
     "bfloat16": 0.05,  # measured 0.0085 to 0.020: bf16 weights and activations in the matmuls (2.5x margin)
-    # A loose bound for a speed option; today's int8 misses it (measured 0.41 to 0.87, see INT8_BUG).
+    # A loose bound for a speed option. With fbgemm's one activation scale per step it missed (0.41 to 0.87).
     "int8": 0.25,
 }
 # |ppl / float32 ppl - 1| on each text:
 PPL_RTOL = {
     "native": 0.001,  # measured below 1e-5 (decode-scored, 48 tokens a text); the bound the issue sets
     "bfloat16": 0.01,  # measured +0.14% en, -0.07% zh (240 tokens a text)
-    # int8 is a speed option, not a fidelity-preserving one: +7% to +8% on the whole texts when scored one decode
-    # step at a time (benchmarks/fidelity.py), but see INT8_BUG for what prefill does to it.
+    # int8 is a speed option, not a fidelity-preserving one: +7% to +8% on the whole texts (benchmarks/fidelity.py).
+    # With fbgemm's one activation scale per step, a 256-token prefill gave +194%.
     "int8": 0.15,
 }
-INT8_BUG = (
-    "int8 quantizes each step's activations with one per-tensor scale (fbgemm's dynamic linear): in a prefill chunk "
-    "or a batch of decodes the largest activation of any token sets every token's resolution. Measured on 256-token "
-    "prefills: ppl +194% en; prompt logits off by 0.68-0.87 of their scale, top-1 31-49%; a sequence's decode logits "
-    "move by 13-20% of their scale when another request shares the step."
-)
 
 
 def _engine(fmt: str):
@@ -162,8 +156,6 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_logits_on_fixed_prompts_match_float32(format_engine, float32_reference, tokenizer, request):
     fmt = format_engine.weight_format
-    if fmt == "int8":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=INT8_BUG))
     prompts = prompt_ids(tokenizer)
     ours = teacher_forced(format_engine, prompts, DECODE_STEPS)
     worst = 0.0
@@ -180,8 +172,6 @@ def test_logits_on_fixed_prompts_match_float32(format_engine, float32_reference,
 
 def test_perplexity_on_shipped_texts_within_bound(format_engine, float32_reference, tokenizer, request):
     fmt = format_engine.weight_format
-    if fmt == "int8":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=INT8_BUG))
     texts = text_ids(tokenizer)
     if fmt == "native":
         n = NATIVE_PPL_TOKENS
@@ -198,7 +188,6 @@ def test_perplexity_on_shipped_texts_within_bound(format_engine, float32_referen
         assert abs(ppl / ref - 1) <= PPL_RTOL[fmt], f"{fmt} {lang}: ppl {ppl:.4f} vs float32 {ref:.4f}"
 
 
-@pytest.mark.xfail(strict=True, reason=INT8_BUG)
 def test_int8_decode_does_not_depend_on_the_batch(int8_engine, tokenizer):
     """What float32 and native guarantee to 1e-6: a request's logits do not depend on who else is in the step."""
     prompts = prompt_ids(tokenizer)

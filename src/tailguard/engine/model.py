@@ -127,6 +127,9 @@ class LlamaModel:
         sin = emb.sin()
         self.sin = torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]], dim=-1).to(
             device=self.device, dtype=self.dtype)
+        # The one-call decode step's limits (tg_kernels.c): head_dim <= 512, at most 16 query heads per KV head.
+        self._native_step_fits = head_dim <= 512 and cfg.num_heads % cfg.num_kv_heads == 0 and (
+            cfg.num_heads // cfg.num_kv_heads <= 16)
         self._decode_step: kernels.DecodeStep | None = None
         self._decode_step_cache: torch.Tensor | None = None
 
@@ -190,7 +193,7 @@ class LlamaModel:
         n_tok = input_ids.shape[0]
         d = meta.num_decodes
         native = self.weight_format == "native"
-        if native and d == n_tok and logits_indices.shape[0] == d:
+        if native and d == n_tok and logits_indices.shape[0] == d and self._native_step_fits:
             return self._native_decode(input_ids, meta, kv_cache)
         n_heads, n_kv, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim
