@@ -133,6 +133,11 @@ class LlamaModel:
         self._decode_step: kernels.DecodeStep | None = None
         self._decode_step_cache: torch.Tensor | None = None
 
+    @property
+    def uses_decode_kernel(self) -> bool:
+        """Decodes run in tg_kernels.c's one-call step (native weights, shapes within its limits)."""
+        return self.weight_format == "native" and self._native_step_fits
+
     def weight_bytes(self) -> int:
         """Bytes of weights read per decode token (matrices and the LM head; the embedding row is negligible)."""
         total = 0
@@ -151,7 +156,9 @@ class LlamaModel:
                 kv_cache=kv_cache)
             self._decode_step_cache = kv_cache
         assert meta.decode_gather is not None and meta.decode_lens is not None
-        return self._decode_step(input_ids, meta.positions, meta.slot_mapping, meta.decode_gather, meta.decode_lens)
+        d = meta.num_decodes
+        return self._decode_step(input_ids[:d], meta.positions[:d], meta.slot_mapping[:d], meta.decode_gather,
+                                 meta.decode_lens)
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
         cfg = self.config
@@ -193,7 +200,9 @@ class LlamaModel:
         n_tok = input_ids.shape[0]
         d = meta.num_decodes
         native = self.weight_format == "native"
-        if native and d == n_tok and logits_indices.shape[0] == d and self._native_step_fits:
+        if self.uses_decode_kernel and d == n_tok and logits_indices.shape[0] == d:
+            # A decode-only step (most steps): one C call. Steps with prefill chunks stay in torch as a whole: a
+            # token's numbers then depend only on how its own prompt was chunked, not on who else shares the step.
             return self._native_decode(input_ids, meta, kv_cache)
         n_heads, n_kv, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim

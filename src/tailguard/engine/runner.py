@@ -69,8 +69,8 @@ class ModelRunner:
         decode_gather = decode_mask = lengths = None
         if decode_tables:
             widest = max(len(t) for t in decode_tables)
-            native_decode = self.model.weight_format == "native" and not prefills
             # The native kernel reads int32 block tables and needs no mask.
+            native_decode = self.model.uses_decode_kernel and not prefills
             decode_gather = torch.tensor([t + [0] * (widest - len(t)) for t in decode_tables],
                                          dtype=torch.int32 if native_decode else torch.long).to(dev)
             lengths = torch.tensor(decode_lens, dtype=torch.int32)

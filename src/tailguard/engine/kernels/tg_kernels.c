@@ -596,6 +596,26 @@ static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D,
     free(first);
 }
 
+/* act[d, i] = silu(gate[d, i]) * up[d, i] over [D, 2I] gate|up rows: spread over the threads and vectorized
+ * (glibc's vector expf through omp simd); as a serial scalar loop it cost several ms a step at 16 streams. */
+static void silu_mul(const float *gu, int D, int I, float *act) {
+    const int64_t n = (int64_t)D * I;
+#pragma omp parallel for schedule(static) if (n >= 4096)
+    for (int64_t c = 0; c < n; c += 256) {
+        const int64_t end = c + 256 < n ? c + 256 : n;
+        for (int64_t e = c; e < end;) {
+            const int64_t d = e / I, i0 = e % I;
+            const int64_t stop = (d + 1) * I < end ? (d + 1) * I : end;
+            const float *g = gu + d * 2 * I, *u = g + I;
+            float *a = act + d * I;
+            const int i1 = (int)(i0 + (stop - e));
+#pragma omp simd
+            for (int i = (int)i0; i < i1; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+            e = stop;
+        }
+    }
+}
+
 /* One token per sequence through every layer; writes each token's K/V at its slot and logits[D, vocab].
  * tables: [D, max_blocks] block ids; ctx_lens[d] = position + 1 (the keys the token attends to, itself included). */
 int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, const int64_t *positions,
@@ -634,11 +654,7 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
         linear(attn, D, qd, L->o.data, L->o.fmt, Hd, x, Hd, 1);
         for (int d = 0; d < D; d++) rms_norm(x + (size_t)d * Hd, L->ffn_norm, Hd, m->eps, h + (size_t)d * Hd);
         linear(h, D, Hd, L->gate_up.data, L->gate_up.fmt, 2 * I, gu, 2 * I, 0);
-        for (int d = 0; d < D; d++) {
-            const float *g = gu + (size_t)d * 2 * I, *u = g + I;
-            float *a = act + (size_t)d * I;
-            for (int i = 0; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        }
+        silu_mul(gu, D, I, act);
         linear(act, D, I, L->down.data, L->down.fmt, Hd, x, Hd, 1);
     }
     for (int d = 0; d < D; d++) rms_norm(x + (size_t)d * Hd, m->final_norm, Hd, m->eps, h + (size_t)d * Hd);
