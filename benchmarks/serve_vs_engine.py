@@ -42,18 +42,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_alone(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> float:
+def steady_rate(times: list[list[float]]) -> float:
+    """Tokens per second while every stream is decoding: from the last stream's first token to the first stream's
+    last token (prefill and the ragged start and end left out, where arrival order, not the server, sets the pace)."""
+    start = max(t[0] for t in times)
+    end = min(t[-1] for t in times)
+    n = sum(sum(1 for x in t if start < x <= end) for t in times)
+    return n / (end - start) if end > start else float("nan")
+
+
+def engine_alone(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
+    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
-    out = engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
-    return sum(len(o) for o in out) / (time.perf_counter() - start)
+    ids = [engine.add_request(p, SamplingParams(**vars(sp))) for p in prompts]
+    times: dict[str, list[float]] = {r: [] for r in ids}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.token_id is not None:
+                times[ev.request_id].append(ev.time)
+    total = sum(len(t) for t in times.values())
+    return total / (time.perf_counter() - start), steady_rate(list(times.values()))
 
 
-async def through_serve(url: str, texts: list[str], tokens: int) -> float:
+async def through_serve(url: str, texts: list[str], tokens: int) -> tuple[float, float]:
+    arrivals: list[list[float]] = []
+
     async def one(session: aiohttp.ClientSession, text: str) -> int:
         body = {"model": "smollm2", "messages": [{"role": "user", "content": text}], "max_tokens": tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         n = 0
+        seen: list[float] = []
         async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
             resp.raise_for_status()
             async for line in resp.content:
@@ -61,13 +80,16 @@ async def through_serve(url: str, texts: list[str], tokens: int) -> float:
                     chunk = json.loads(line[6:])
                     if chunk.get("usage"):
                         n = chunk["usage"]["completion_tokens"]
+                    elif chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                        seen.append(time.perf_counter())
+        arrivals.append(seen)
         return n
 
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
         start = time.perf_counter()
         counts = await asyncio.gather(*(one(session, t) for t in texts))
-        return sum(counts) / (time.perf_counter() - start)
+        return sum(counts) / (time.perf_counter() - start), steady_rate(arrivals)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -106,28 +128,36 @@ def main() -> None:
                              "--port", str(port), "--threads", str(args.threads), "--no-slo",
                              "--store", str(Path("/tmp") / f"tg-bench-{port}.db")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    runs: dict[str, list[float]] = {"engine": [], "serve": []}
+    runs: dict[str, list[float]] = {"engine": [], "serve": [], "engine_steady": [], "serve_steady": []}
     try:
         wait_ready(url, proc)
         engine_alone(engine, prompts[:2], 8)  # warm both
         asyncio.run(through_serve(url, texts[:2], 8))
         for rep in range(args.repeats):
-            runs["engine"].append(engine_alone(engine, prompts, args.tokens))
+            e2e, steady = engine_alone(engine, prompts, args.tokens)
+            runs["engine"].append(e2e)
+            runs["engine_steady"].append(steady)
             time.sleep(0.5)
-            runs["serve"].append(asyncio.run(through_serve(url, texts, args.tokens)))
+            e2e, steady = asyncio.run(through_serve(url, texts, args.tokens))
+            runs["serve"].append(e2e)
+            runs["serve_steady"].append(steady)
             time.sleep(0.5)
-            print(f"repeat {rep + 1}/{args.repeats}: engine alone {runs['engine'][-1]:.1f} tok/s, "
-                  f"through serve {runs['serve'][-1]:.1f} tok/s", flush=True)
+            print(f"repeat {rep + 1}/{args.repeats}: engine alone {runs['engine'][-1]:.1f} tok/s "
+                  f"(steady {runs['engine_steady'][-1]:.1f}), through serve {runs['serve'][-1]:.1f} tok/s "
+                  f"(steady {runs['serve_steady'][-1]:.1f})", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     med = {k: statistics.median(v) for k, v in runs.items()}
     ratio = med["serve"] / med["engine"]
-    print("\n| streams | engine alone (tok/s) | through tailguard serve (tok/s) | ratio |")
-    print("| ---: | ---: | ---: | ---: |")
-    print(f"| {args.streams} | {med['engine']:.1f} | {med['serve']:.1f} | {ratio:.2f}x |")
+    steady_ratio = med["serve_steady"] / med["engine_steady"]
+    print("\n| streams | rate | engine alone (tok/s) | through tailguard serve (tok/s) | ratio |")
+    print("| ---: | --- | ---: | ---: | ---: |")
+    print(f"| {args.streams} | end to end | {med['engine']:.1f} | {med['serve']:.1f} | {ratio:.2f}x |")
+    print(f"| {args.streams} | steady decode | {med['engine_steady']:.1f} | {med['serve_steady']:.1f} | "
+          f"{steady_ratio:.2f}x |")
     result = {"streams": args.streams, "tokens": args.tokens, "threads": args.threads,
-              "weight_format": engine.weight_format, "runs": runs, "median": med, "ratio": ratio,
+              "weight_format": engine.weight_format, "runs": runs, "median": med, "ratio": ratio, "steady_ratio": steady_ratio,
               "loadavg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M")}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2))
