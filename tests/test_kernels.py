@@ -29,7 +29,8 @@ from tailguard.engine import kernels  # noqa: E402
 from tailguard.engine.kernels import PackedMatrix  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
-FORMATS = {"F32": QT.F32, "F16": QT.F16, "Q4_0": QT.Q4_0, "Q4_1": QT.Q4_1, "Q8_0": QT.Q8_0}
+FORMATS = {"F32": QT.F32, "F16": QT.F16, "Q4_0": QT.Q4_0, "Q4_1": QT.Q4_1, "Q8_0": QT.Q8_0,
+           "Q4_1R": QT.Q4_1}  # Q4_1R: Q4_1 blocks repacked at load (kernels.repack_q4_1), gguf's Q4_1 as reference
 EPS32 = float(np.finfo(np.float32).eps)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="tailguard's kernels need gcc on this machine")
@@ -98,13 +99,14 @@ def packed(fmt: str, n: int, k: int, seed: int = 0) -> tuple[PackedMatrix, torch
     """A random [n, k] matrix in ``fmt`` and gguf's float32 dequantization of it (the reference weights)."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.2).astype(np.float32)
-    if fmt == "Q4_1":
+    if fmt in ("Q4_1", "Q4_1R"):
         w += rng.uniform(-0.3, 0.3, size=(n, 1)).astype(np.float32)  # row offsets: non-trivial block minimums
     q = quantize(w, FORMATS[fmt])
     ref = torch.from_numpy(np.array(dequantize(q, FORMATS[fmt]), dtype=np.float32).reshape(n, k))
     data = torch.from_numpy(np.ascontiguousarray(q).view(np.uint8).reshape(n, -1).copy())
     assert data.shape[1] == kernels.row_bytes(int(FORMATS[fmt]), k)
-    return PackedMatrix(data, int(FORMATS[fmt]), n, k), ref
+    matrix = PackedMatrix(data, int(FORMATS[fmt]), n, k)
+    return (kernels.repack_q4_1(matrix) if fmt == "Q4_1R" else matrix), ref
 
 
 def rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -115,7 +117,7 @@ def rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 # N=37: four full 8-row groups, a 4-row group and a lone row; the two threads split the groups unevenly.
 N_ROWS = 37
-SHAPES_K = {"F32": 70, "F16": 70, "Q4_0": 96, "Q4_1": 96, "Q8_0": 96}  # float formats: K not a multiple of the vector
+SHAPES_K = {"F32": 70, "F16": 70, "Q4_0": 96, "Q4_1": 96, "Q8_0": 96, "Q4_1R": 96}  # F32/F16: K off the vector
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -262,7 +264,8 @@ def tiny_pair(smollm2_path, tmp_path_factory):
     native, reference = engine("native"), engine("float32")
     assert native.weight_format == "native" and reference.weight_format == "float32"
     formats = {lin.packed.fmt for layer in native.model.layers for lin in (layer[1], layer[2], layer[4], layer[5])}
-    assert formats == {int(QT.Q4_1)} and native.model.lm_head.packed.fmt == int(QT.Q8_0)
+    # the layers load repacked for the kernels (Q4_1R: the same numbers as the file's Q4_1)
+    assert formats == {kernels.Q4_1R} and native.model.lm_head.packed.fmt == int(QT.Q8_0)
     return native, reference
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tailguard.engine.config import ModelConfig
-from tailguard.engine.kernels import NATIVE_FORMATS, PackedMatrix
+from tailguard.engine.kernels import NATIVE_FORMATS, Q4_1, PackedMatrix, repack_q4_1
 
 # A matrix is a float tensor, or (``packed=True``) a PackedMatrix that keeps the GGUF's own quantized blocks.
 Matrix = torch.Tensor | PackedMatrix
@@ -114,6 +114,11 @@ def _cat_rows(parts: list[PackedMatrix]) -> PackedMatrix:
                         sum(p.out_features for p in parts), parts[0].in_features)
 
 
+def _kernel_layout(m: PackedMatrix) -> PackedMatrix:
+    """Layer matrices in Q4_1 are repacked for the kernels (Q4_1R: the same numbers, float scales)."""
+    return repack_q4_1(m) if m.fmt == Q4_1 else m
+
+
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
               packed: bool = False) -> ModelWeights:
     """Load a Llama GGUF. With ``packed`` the matrices keep the file's quantized blocks (for the native kernels);
@@ -137,7 +142,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
         return _packed(tensor(name), n_heads) if packed else get(name, n_heads)
 
     def cat(parts: list[Matrix]) -> Matrix:
-        return _cat_rows(parts) if packed else torch.cat(parts, dim=0).contiguous()
+        return _kernel_layout(_cat_rows(parts)) if packed else torch.cat(parts, dim=0).contiguous()
+
+    def single(name: str) -> Matrix:
+        m = matrix(name)
+        return _kernel_layout(m) if packed else m
 
     layers = []
     for i in range(config.num_layers):
@@ -149,10 +158,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
             LayerWeights(
                 attn_norm=get(p + "attn_norm.weight"),
                 qkv=cat([q, k, v]),
-                o=matrix(p + "attn_output.weight"),
+                o=single(p + "attn_output.weight"),
                 ffn_norm=get(p + "ffn_norm.weight"),
                 gate_up=cat([matrix(p + "ffn_gate.weight"), matrix(p + "ffn_up.weight")]),
-                down=matrix(p + "ffn_down.weight"),
+                down=single(p + "ffn_down.weight"),
             )
         )
     embed = matrix("token_embd.weight")

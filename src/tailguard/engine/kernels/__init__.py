@@ -25,11 +25,12 @@ import torch  # noqa: F401 - load torch's OpenMP runtime before ours
 from tailguard.engine.model_store import cache_dir
 
 SOURCE = Path(__file__).with_name("tg_kernels.c")
-ABI_VERSION = 3
+ABI_VERSION = 4
 
-# ggml type ids (GGUF's own numbering) of the formats the kernels read directly.
-F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8
-NATIVE_FORMATS = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+# ggml type ids (GGUF's own numbering) of the formats the kernels read directly, and Q4_1R: Q4_1 repacked at load
+# (each row's nibbles together, then its scales and mins as float32), which the single-row kernel reads faster.
+F32, F16, Q4_0, Q4_1, Q8_0, Q4_1R = 0, 1, 2, 3, 8, 100
+NATIVE_FORMATS = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_1R: "Q4_1R"}
 
 
 class KernelBuildError(RuntimeError):
@@ -112,7 +113,7 @@ def simd() -> str:
     return lib().tg_simd().decode()
 
 
-_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # bytes per block of 32 weights
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_1R: 24}  # bytes per block of 32 weights
 
 
 def row_bytes(fmt: int, k: int) -> int:
@@ -154,6 +155,19 @@ class PackedMatrix:
         out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
         _check(lib().tg_dequant(self.data.data_ptr(), self.fmt, self.out_features, self.in_features, out.data_ptr()))
         return out
+
+
+def repack_q4_1(w: PackedMatrix) -> PackedMatrix:
+    """Q4_1 -> Q4_1R: the same weights (halves convert to floats exactly), laid out for the single-row kernel."""
+    if w.fmt != Q4_1:
+        raise ValueError("only Q4_1 matrices are repacked")
+    n, nb = w.out_features, w.in_features // 32
+    blocks = w.data.view(n, nb, 20)
+    d = blocks[:, :, 0:2].contiguous().view(torch.float16).float().view(n, nb)
+    m = blocks[:, :, 2:4].contiguous().view(torch.float16).float().view(n, nb)
+    qs = blocks[:, :, 4:].reshape(n, nb * 16)
+    data = torch.cat([qs, d.view(torch.uint8).view(n, nb * 4), m.view(torch.uint8).view(n, nb * 4)], dim=1)
+    return PackedMatrix(data.contiguous(), Q4_1R, n, w.in_features)
 
 
 def _check(code: int) -> None:

@@ -21,10 +21,13 @@
 #include <immintrin.h>
 #endif
 
-/* ggml's type ids, so Python can pass GGUF's own numbers. */
-enum { TG_F32 = 0, TG_F16 = 1, TG_Q4_0 = 2, TG_Q4_1 = 3, TG_Q8_0 = 8 };
+/* ggml's type ids, so Python can pass GGUF's own numbers; TG_Q4_1R is ours: Q4_1 repacked at load time, each row
+ * [nb x 16 nibble bytes][nb float32 scales d][nb float32 mins m], so the single-row kernel loads a block's scale as
+ * a float instead of converting a half per block and row, and the mins fold into one dot product per row. The same
+ * numbers as Q4_1 (a half converts to float exactly). */
+enum { TG_F32 = 0, TG_F16 = 1, TG_Q4_0 = 2, TG_Q4_1 = 3, TG_Q8_0 = 8, TG_Q4_1R = 100 };
 
-int tg_abi_version(void) { return 3; }
+int tg_abi_version(void) { return 4; }
 
 const char *tg_simd(void) {
 #if defined(__AVX512F__)
@@ -86,6 +89,7 @@ static inline int64_t row_bytes(int fmt, int K) {
     case TG_F16: return (int64_t)K * 2;
     case TG_Q4_0: return (int64_t)K / 32 * 18;
     case TG_Q4_1: return (int64_t)K / 32 * 20;
+    case TG_Q4_1R: return (int64_t)K / 32 * 24;
     case TG_Q8_0: return (int64_t)K / 32 * 34;
     default: return -1;
     }
@@ -126,13 +130,22 @@ static void dequant_row(const uint8_t *row, int fmt, int K, float *out) {
             for (int j = 0; j < 32; j++) o[j] = d * (float)qs[j];
 #endif
         } else { /* Q4_0 / Q4_1: 16 bytes of nibbles, low nibbles are weights 0..15, high nibbles 16..31 */
-            const int q41 = fmt == TG_Q4_1;
-            const uint8_t *blk = row + (size_t)b * (q41 ? 20 : 18);
-            uint16_t dh, mh = 0;
-            memcpy(&dh, blk, 2);
-            if (q41) memcpy(&mh, blk + 2, 2);
-            const float d = h2f(dh), m = q41 ? h2f(mh) : -8.0f * d;
-            const uint8_t *qs = blk + (q41 ? 4 : 2);
+            const int q41 = fmt == TG_Q4_1 || fmt == TG_Q4_1R;
+            float d, m;
+            const uint8_t *qs;
+            if (fmt == TG_Q4_1R) {
+                qs = row + (size_t)b * 16;
+                memcpy(&d, row + (size_t)nb * 16 + (size_t)b * 4, 4);
+                memcpy(&m, row + (size_t)nb * 20 + (size_t)b * 4, 4);
+            } else {
+                const uint8_t *blk = row + (size_t)b * (q41 ? 20 : 18);
+                uint16_t dh, mh = 0;
+                memcpy(&dh, blk, 2);
+                if (q41) memcpy(&mh, blk + 2, 2);
+                d = h2f(dh);
+                m = q41 ? h2f(mh) : -8.0f * d;
+                qs = blk + (q41 ? 4 : 2);
+            }
 #if defined(__AVX512F__) || defined(__AVX2__)
             __m128i q = _mm_loadu_si128((const __m128i *)qs);
             __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0f));
@@ -334,8 +347,57 @@ static inline __m512 q80_block(const uint8_t *blk, __m512 xl, __m512 xh, float *
     return _mm512_fmadd_ps(qh, xh, _mm512_mul_ps(ql, xl));
 }
 
+/* Q4_1R rows: the nibbles are contiguous (16 bytes a block), d and m are float arrays after them. */
+static inline __m512 q41r_block(const uint8_t *qs, __m512 xl, __m512 xh, __m128i mask) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    return _mm512_fmadd_ps(q_hi(q, mask), xh, _mm512_mul_ps(q_lo(q, mask), xl));
+}
+
+static void gemv_q41r(const float *x, const float *xsum, int K, const uint8_t *w, int64_t rb, int n0, int n1, float *y,
+                      int accumulate) {
+    const int nb = K / 32;
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    int n = n0;
+    for (; n + FUSED_ROWS <= n1; n += FUSED_ROWS) {
+        const uint8_t *r0 = w + (size_t)n * rb, *r1 = r0 + rb, *r2 = r1 + rb, *r3 = r2 + rb;
+        const float *d0 = (const float *)(r0 + (size_t)nb * 16), *d1 = (const float *)(r1 + (size_t)nb * 16);
+        const float *d2 = (const float *)(r2 + (size_t)nb * 16), *d3 = (const float *)(r3 + (size_t)nb * 16);
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const __m512 xl = _mm512_loadu_ps(x + b * 32), xh = _mm512_loadu_ps(x + b * 32 + 16);
+            const size_t o = (size_t)b * 16;
+            a0 = _mm512_fmadd_ps(q41r_block(r0 + o, xl, xh, mask), _mm512_set1_ps(d0[b]), a0);
+            a1 = _mm512_fmadd_ps(q41r_block(r1 + o, xl, xh, mask), _mm512_set1_ps(d1[b]), a1);
+            a2 = _mm512_fmadd_ps(q41r_block(r2 + o, xl, xh, mask), _mm512_set1_ps(d2[b]), a2);
+            a3 = _mm512_fmadd_ps(q41r_block(r3 + o, xl, xh, mask), _mm512_set1_ps(d3[b]), a3);
+        }
+        /* the mins: sum_b m_b * sum(x_b), one short dot product per row */
+        const float v0 = _mm512_reduce_add_ps(a0) + dot(d0 + nb, xsum, nb);
+        const float v1 = _mm512_reduce_add_ps(a1) + dot(d1 + nb, xsum, nb);
+        const float v2 = _mm512_reduce_add_ps(a2) + dot(d2 + nb, xsum, nb);
+        const float v3 = _mm512_reduce_add_ps(a3) + dot(d3 + nb, xsum, nb);
+        if (accumulate) { y[n] += v0; y[n + 1] += v1; y[n + 2] += v2; y[n + 3] += v3; }
+        else { y[n] = v0; y[n + 1] = v1; y[n + 2] = v2; y[n + 3] = v3; }
+    }
+    for (; n < n1; n++) {
+        const uint8_t *r0 = w + (size_t)n * rb;
+        const float *d0 = (const float *)(r0 + (size_t)nb * 16);
+        __m512 a0 = _mm512_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const __m512 xl = _mm512_loadu_ps(x + b * 32), xh = _mm512_loadu_ps(x + b * 32 + 16);
+            a0 = _mm512_fmadd_ps(q41r_block(r0 + (size_t)b * 16, xl, xh, mask), _mm512_set1_ps(d0[b]), a0);
+        }
+        const float v0 = _mm512_reduce_add_ps(a0) + dot(d0 + nb, xsum, nb);
+        y[n] = accumulate ? y[n] + v0 : v0;
+    }
+}
+
 static void gemv_fused(const float *x, const float *xsum, int K, const uint8_t *w, int fmt, int64_t rb, int n0, int n1,
                        float *y, int accumulate) {
+    if (fmt == TG_Q4_1R) {
+        gemv_q41r(x, xsum, K, w, rb, n0, n1, y, accumulate);
+        return;
+    }
     const int nb = K / 32;
     const __m128i mask = _mm_set1_epi8(0x0f);
     int n = n0;
@@ -399,7 +461,7 @@ static void linear(const float *x, int T, int K, const uint8_t *w, int fmt, int 
     const int64_t rb = row_bytes(fmt, K);
     const int groups = (N + ROWS - 1) / ROWS;
 #if defined(__AVX512F__)
-    if (T == 1 && (fmt == TG_Q4_1 || fmt == TG_Q8_0) && K % 32 == 0) {
+    if (T == 1 && (fmt == TG_Q4_1 || fmt == TG_Q4_1R || fmt == TG_Q8_0) && K % 32 == 0) {
         float *xsum = (float *)malloc(sizeof(float) * (size_t)(K / 32));
         for (int b = 0; b < K / 32; b++) {
             float s = 0.0f;
