@@ -25,7 +25,7 @@ WEIGHT_FORMATS = ("native", "float32", "bfloat16", "int8")
 
 # Above this many tokens a product dequantizes its weight once and lets the BLAS sgemm run (prefill); below it the
 # kernels read the blocks directly (decode). Measured crossover on this machine class: benchmarks/native_kernels.py.
-NATIVE_GEMM_MIN_TOKENS = 64
+NATIVE_GEMM_MIN_TOKENS = 192
 
 
 @dataclass
