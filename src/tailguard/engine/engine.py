@@ -445,13 +445,12 @@ class AsyncLLMEngine:
             except RuntimeError:
                 # That consumer's event loop is closed: nobody is left to read these streams. Abort them here rather
                 # than let one dead loop take the engine down for every other request.
-                dead = {ev.request_id for _, ev in items}
+                dead = {ev.request_id for _, ev in items if not ev.finished}
                 with self._lock:
-                    for rid in dead:
-                        self._queues.pop(rid, None)
-                for rid in dead:
-                    if not ev_finished(items, rid):
-                        self.engine.abort(rid)
+                    for _, ev in items:
+                        self._queues.pop(ev.request_id, None)
+                for rid in dead:  # through the command queue: only the engine thread touches the engine
+                    self._commands.put(("abort", rid))
 
     def _handle(self, command: tuple) -> None:
         kind, payload = command
@@ -498,10 +497,6 @@ class AsyncLLMEngine:
             self._close_all(f"engine failure: {exc!r}")
             return  # logged and delivered to every request; re-raising would only reach threading's excepthook
         self._close_all("engine shut down")
-
-
-def ev_finished(items: list[tuple[asyncio.Queue, TokenEvent]], request_id: str) -> bool:
-    return any(ev.finished for _, ev in items if ev.request_id == request_id)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
