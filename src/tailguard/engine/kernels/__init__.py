@@ -96,6 +96,8 @@ def lib() -> ctypes.CDLL:
             handle.tg_row_bytes.restype = i64
             handle.tg_simd.restype = ctypes.c_char_p
             handle.tg_decode.argtypes = [p, p, i, p, p, p, p, i, p, p]
+            handle.tg_profile.argtypes = [i]
+            handle.tg_profile_read.argtypes = [p]
             _lib = handle
         return _lib
 
@@ -264,6 +266,20 @@ class DecodeStep:
                                positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
                                ctx_lens.data_ptr(), logits.data_ptr()))
         return logits
+
+
+PROFILE_PHASES = ("norms", "qkv", "rope + KV write", "attention", "o", "gate_up", "silu", "down", "LM head")
+
+
+def profile_decode(on: bool) -> None:
+    """Start (clearing) or stop accumulating the decode step's time per phase (benchmarks/profile_native_step.py)."""
+    lib().tg_profile(int(on))
+
+
+def profile_read() -> dict[str, float]:
+    out = (ctypes.c_double * len(PROFILE_PHASES))()
+    lib().tg_profile_read(out)
+    return dict(zip(PROFILE_PHASES, out))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -551,7 +551,9 @@ static void rope(float *v, int hd, const float *cos, const float *sin) {
     float tmp[512];
     const int half = hd / 2;
     for (int i = 0; i < hd; i++) tmp[i] = v[i];
-    for (int i = 0; i < hd; i++) v[i] = tmp[i] * cos[i] + tmp[(i + half) % hd] * sin[i];
+    /* rotate-half with the sign in `sin`: two straight loops (vectorized) instead of one with a modulo */
+    for (int i = 0; i < half; i++) v[i] = tmp[i] * cos[i] + tmp[i + half] * sin[i];
+    for (int i = half; i < hd; i++) v[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
 }
 
 static inline void kv_store(void *kv, int fp16, size_t off, const float *src, int n) {
@@ -591,9 +593,12 @@ static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D,
     const int n_tasks = n_slices * G;
     /* per task and query head of its group: running max, sum of exp, unnormalised output */
     float *pm = (float *)malloc(sizeof(float) * (size_t)n_tasks * group * (hd + 2));
-#pragma omp parallel
+    /* Short contexts (most decode steps) are too little work to wake a second thread for. */
+    int64_t positions = 0;
+    for (int d = 0; d < D; d++) positions += ctx_lens[d];
+#pragma omp parallel if (positions * G >= 4096)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)group * SLICE);
+        float scores[MAX_GROUP * SLICE];
         float kbuf[512], vbuf[512];
 #pragma omp for schedule(dynamic)
         for (int task = 0; task < n_tasks; task++) {
@@ -631,7 +636,6 @@ static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D,
                 }
             }
         }
-        free(scores);
     }
     /* merge the slices of each (sequence, head) */
     for (int d = 0; d < D; d++) {
@@ -678,6 +682,22 @@ static void silu_mul(const float *gu, int D, int I, float *act) {
     }
 }
 
+/* Where a decode step's time goes (benchmarks/profile_native_step.py): off unless asked, one branch per phase. */
+enum { P_NORM, P_QKV, P_ROPE_KV, P_ATTN, P_O, P_GATE_UP, P_SILU, P_DOWN, P_HEAD, P_PHASES };
+static int tg_profiling = 0;
+static double tg_prof[P_PHASES];
+void tg_profile(int on) {
+    tg_profiling = on;
+    memset(tg_prof, 0, sizeof(tg_prof));
+}
+void tg_profile_read(double *out) { memcpy(out, tg_prof, sizeof(tg_prof)); }
+#define PHASE(k, ...)                                                                                            \
+    do {                                                                                                         \
+        const double t0_ = tg_profiling ? omp_get_wtime() : 0.0;                                                 \
+        __VA_ARGS__;                                                                                                 \
+        if (tg_profiling) tg_prof[k] += omp_get_wtime() - t0_;                                                   \
+    } while (0)
+
 /* One token per sequence through every layer; writes each token's K/V at its slot and logits[D, vocab].
  * tables: [D, max_blocks] block ids; ctx_lens[d] = position + 1 (the keys the token attends to, itself included). */
 int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, const int64_t *positions,
@@ -702,25 +722,25 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
     for (int l = 0; l < m->n_layers; l++) {
         const tg_layer *L = &m->layers[l];
         const size_t layer_off = (size_t)l * 2 * v_off;
-        for (int d = 0; d < D; d++) rms_norm(x + (size_t)d * Hd, L->attn_norm, Hd, m->eps, h + (size_t)d * Hd);
-        linear(h, D, Hd, L->qkv.data, L->qkv.fmt, qkv_w, qkv, qkv_w, 0);
-        for (int d = 0; d < D; d++) {
+        PHASE(P_NORM, for (int d = 0; d < D; d++) rms_norm(x + (size_t)d * Hd, L->attn_norm, Hd, m->eps, h + (size_t)d * Hd));
+        PHASE(P_QKV, linear(h, D, Hd, L->qkv.data, L->qkv.fmt, qkv_w, qkv, qkv_w, 0));
+        PHASE(P_ROPE_KV, for (int d = 0; d < D; d++) {
             float *row = qkv + (size_t)d * qkv_w;
             const float *cs = m->cos + (size_t)positions[d] * hd, *sn = m->sin + (size_t)positions[d] * hd;
             for (int i = 0; i < H + G; i++) rope(row + (size_t)i * hd, hd, cs, sn);
             memcpy(q + (size_t)d * qd, row, sizeof(float) * (size_t)qd);
             kv_store(c->kv, c->fp16, layer_off + (size_t)slots[d] * kvd, row + qd, kvd);
             kv_store(c->kv, c->fp16, layer_off + v_off + (size_t)slots[d] * kvd, row + qd + kvd, kvd);
-        }
-        paged_attention(m, c, l, D, q, tables, max_blocks, ctx_lens, attn);
-        linear(attn, D, qd, L->o.data, L->o.fmt, Hd, x, Hd, 1);
-        for (int d = 0; d < D; d++) rms_norm(x + (size_t)d * Hd, L->ffn_norm, Hd, m->eps, h + (size_t)d * Hd);
-        linear(h, D, Hd, L->gate_up.data, L->gate_up.fmt, 2 * I, gu, 2 * I, 0);
-        silu_mul(gu, D, I, act);
-        linear(act, D, I, L->down.data, L->down.fmt, Hd, x, Hd, 1);
+        });
+        PHASE(P_ATTN, paged_attention(m, c, l, D, q, tables, max_blocks, ctx_lens, attn));
+        PHASE(P_O, linear(attn, D, qd, L->o.data, L->o.fmt, Hd, x, Hd, 1));
+        PHASE(P_NORM, for (int d = 0; d < D; d++) rms_norm(x + (size_t)d * Hd, L->ffn_norm, Hd, m->eps, h + (size_t)d * Hd));
+        PHASE(P_GATE_UP, linear(h, D, Hd, L->gate_up.data, L->gate_up.fmt, 2 * I, gu, 2 * I, 0));
+        PHASE(P_SILU, silu_mul(gu, D, I, act));
+        PHASE(P_DOWN, linear(act, D, I, L->down.data, L->down.fmt, Hd, x, Hd, 1));
     }
     for (int d = 0; d < D; d++) rms_norm(x + (size_t)d * Hd, m->final_norm, Hd, m->eps, h + (size_t)d * Hd);
-    linear(h, D, Hd, m->lm_head.data, m->lm_head.fmt, m->vocab, logits, m->vocab, 0);
+    PHASE(P_HEAD, linear(h, D, Hd, m->lm_head.data, m->lm_head.fmt, m->vocab, logits, m->vocab, 0));
     free(x); free(h); free(qkv); free(q); free(attn); free(gu); free(act);
     return 0;
 }
