@@ -115,6 +115,9 @@ class ScriptedStepEngine:
     def has_unfinished(self) -> bool:
         return bool(self._live)
 
+    def request_ids(self) -> list[str]:
+        return list(self._live)
+
     def stats(self) -> EngineStats:
         return EngineStats(running=len(self._live), waiting=0, kv_blocks_total=0, kv_blocks_used=0,
                            num_preemptions=0, steps=self.steps)

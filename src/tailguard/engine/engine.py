@@ -226,6 +226,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def request_ids(self) -> list[str]:
+        """The requests the engine still holds (waiting or running)."""
+        return list(self._tracked)
+
     def stats(self) -> EngineStats:
         return EngineStats(
             running=len(self.scheduler.running),
@@ -417,7 +421,7 @@ class AsyncLLMEngine:
         self._thread.join(timeout=timeout)
         self._close_all("engine shut down")
         if not self._thread.is_alive():  # the engine is ours again: free what the ended requests held
-            for request_id in list(self.engine._tracked):
+            for request_id in self.engine.request_ids():
                 self.engine.abort(request_id)
 
     # --- engine thread ----------------------------------------------------------------------------------------------
