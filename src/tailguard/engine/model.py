@@ -3,7 +3,8 @@
 The model works on a flat batch of tokens from many sequences (decodes and prefill chunks mixed). Linear layers run
 once over all tokens; attention runs once for all decode tokens (keys gathered from the paged cache into a padded
 batch) and once per prefill chunk. Logits are computed only at the positions that are sampled: on this CPU the LM head
-(49152 x 576) costs more than a whole layer.
+(49152 x 576) costs more than a whole layer. With native weights a decode-only step (most steps) runs whole in
+tg_kernels.c, one call for every layer; steps with prefill chunks run here in torch.
 """
 
 from __future__ import annotations
