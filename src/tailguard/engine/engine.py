@@ -106,7 +106,7 @@ def tiny_model_path(source: Path) -> Path:
     return path
 
 
-def resolve_kv_dtype(name: str, weight_format: str) -> torch.dtype:
+def resolve_kv_dtype(name: str) -> torch.dtype:
     """float16 halves the cache and the bytes attention reads per token; float32 only where asked."""
     if name == "auto":
         return torch.float16
@@ -142,7 +142,7 @@ class LLMEngine:
         weights = load_gguf(path, packed=self.weight_format == "native")
         self.model = LlamaModel(weights, self.weight_format, self.device)
         self.config = weights.config
-        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.weight_format)
+        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype)
         per_token = self.model.kv_bytes_per_token(self.kv_dtype)
         if args.kv_cache_tokens is not None:
             if args.kv_cache_tokens < args.block_size:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tailguard.engine.config import ModelConfig
-from tailguard.engine.kernels import NATIVE_FORMATS, Q4_1, PackedMatrix, repack_q4_1
+from tailguard.engine.kernels import F16, F32, NATIVE_FORMATS, Q4_1, PackedMatrix, repack_q4_1
 
 # A matrix is a float tensor, or (``packed=True``) a PackedMatrix that keeps the GGUF's own quantized blocks.
 Matrix = torch.Tensor | PackedMatrix
@@ -91,19 +91,18 @@ def _dequantize(tensor) -> np.ndarray:
 
 
 def _packed(tensor, n_heads: int | None) -> PackedMatrix:
-    """A 2-D tensor kept in its GGUF block format (rows un-permuted as whole rows of blocks, which is exact).
-
-    Formats the kernels cannot read are dequantized to float32 rows instead."""
+    """A 2-D tensor kept in its GGUF block format (rows un-permuted as whole rows of blocks, which is exact), in the
+    kernels' layout (Q4_1 repacked). Formats the kernels cannot read are dequantized to float32 rows instead."""
     n, k = (int(d) for d in reversed(tensor.shape))
     fmt = int(tensor.tensor_type)
-    if fmt in NATIVE_FORMATS and (fmt < 2 or k % 32 == 0):
+    if fmt in NATIVE_FORMATS and (fmt in (F32, F16) or k % 32 == 0):
         rows = np.asarray(tensor.data).view(np.uint8).reshape(n, -1)
     else:
         fmt = 0
         rows = _dequantize(tensor).view(np.uint8).reshape(n, -1)
     if n_heads is not None:
         rows = unpermute_qk(rows, n_heads)
-    return PackedMatrix(torch.from_numpy(np.array(rows, copy=True)), fmt, n, k)
+    return _kernel_layout(PackedMatrix(torch.from_numpy(np.array(rows, copy=True)), fmt, n, k))
 
 
 def _cat_rows(parts: list[PackedMatrix]) -> PackedMatrix:
@@ -115,7 +114,8 @@ def _cat_rows(parts: list[PackedMatrix]) -> PackedMatrix:
 
 
 def _kernel_layout(m: PackedMatrix) -> PackedMatrix:
-    """Layer matrices in Q4_1 are repacked for the kernels (Q4_1R: the same numbers, float scales)."""
+    """Q4_1 matrices are repacked for the kernels (Q4_1R: the same numbers, float scales; rows stay rows, so
+    concatenating repacked matrices by rows is still exact)."""
     return repack_q4_1(m) if m.fmt == Q4_1 else m
 
 
@@ -142,11 +142,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
         return _packed(tensor(name), n_heads) if packed else get(name, n_heads)
 
     def cat(parts: list[Matrix]) -> Matrix:
-        return _kernel_layout(_cat_rows(parts)) if packed else torch.cat(parts, dim=0).contiguous()
-
-    def single(name: str) -> Matrix:
-        m = matrix(name)
-        return _kernel_layout(m) if packed else m
+        return _cat_rows(parts) if packed else torch.cat(parts, dim=0).contiguous()
 
     layers = []
     for i in range(config.num_layers):
@@ -158,10 +154,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
             LayerWeights(
                 attn_norm=get(p + "attn_norm.weight"),
                 qkv=cat([q, k, v]),
-                o=single(p + "attn_output.weight"),
+                o=matrix(p + "attn_output.weight"),
                 ffn_norm=get(p + "ffn_norm.weight"),
                 gate_up=cat([matrix(p + "ffn_gate.weight"), matrix(p + "ffn_up.weight")]),
-                down=single(p + "ffn_down.weight"),
+                down=matrix(p + "ffn_down.weight"),
             )
         )
     embed = matrix("token_embd.weight")

@@ -157,9 +157,7 @@ class LlamaModel:
                 kv_cache=kv_cache)
             self._decode_step_cache = kv_cache
         assert meta.decode_gather is not None and meta.decode_lens is not None
-        d = meta.num_decodes
-        return self._decode_step(input_ids[:d], meta.positions[:d], meta.slot_mapping[:d], meta.decode_gather,
-                                 meta.decode_lens)
+        return self._decode_step(input_ids, meta.positions, meta.slot_mapping, meta.decode_gather, meta.decode_lens)
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
         cfg = self.config

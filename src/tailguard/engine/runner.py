@@ -33,9 +33,6 @@ class ModelRunner:
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size, kv_dtype)
         self._generators: dict[str, torch.Generator] = {}
 
-    def kv_bytes_per_token(self) -> int:
-        return self.model.kv_bytes_per_token(self.kv_cache.dtype)
-
     # --- batch building -------------------------------------------------------------------------------------------
     def _build(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable]):
         ids: list[int] = []

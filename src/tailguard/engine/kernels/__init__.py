@@ -88,12 +88,10 @@ def lib() -> ctypes.CDLL:
             handle = ctypes.CDLL(str(build()))
             if handle.tg_abi_version() != ABI_VERSION:
                 raise KernelBuildError("stale kernel library: ABI version mismatch")
-            p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+            p, i = ctypes.c_void_p, ctypes.c_int
             handle.tg_linear.argtypes = [p, i, i, p, i, i, p, i]
             handle.tg_dequant.argtypes = [p, i, i, i, p]
             handle.tg_embed.argtypes = [p, i, p, i, i, i, p]
-            handle.tg_row_bytes.argtypes = [i, i]
-            handle.tg_row_bytes.restype = i64
             handle.tg_simd.restype = ctypes.c_char_p
             handle.tg_decode.argtypes = [p, p, i, p, p, p, p, i, p, p]
             handle.tg_profile.argtypes = [i]
@@ -119,7 +117,7 @@ _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_1R: 24}  # bytes per block of 3
 
 
 def row_bytes(fmt: int, k: int) -> int:
-    """Bytes of one row of ``k`` weights in ``fmt`` (the C side's tg_row_bytes, without loading the library)."""
+    """Bytes of one row of ``k`` weights in ``fmt`` (what tg_kernels.c's row_bytes computes)."""
     if fmt == F32:
         return 4 * k
     if fmt == F16:

@@ -95,7 +95,6 @@ static inline int64_t row_bytes(int fmt, int K) {
     }
 }
 
-int64_t tg_row_bytes(int fmt, int K) { return row_bytes(fmt, K); }
 
 /* Dequantize one row of K weights into out[K] (float32), exactly as gguf's reference dequantizer does. */
 static void dequant_row(const uint8_t *row, int fmt, int K, float *out) {
