@@ -25,6 +25,7 @@ def _phase(server, clock: FakeClock, engine: FakeEngine, ttft: float, n: int = 6
     engine.timing.ttft = ttft
     for r in burst(server, n):
         assert r.status_code == 200, r.text
+    settle(server)  # a response reaches the client before its record closes: judge the phase once all are in
     return server.state.slo.evaluate().to_dict()["tier"]
 
 
@@ -84,9 +85,11 @@ def test_tiers_and_actions_end_to_end(tmp_path):
             clock.advance(1.0)
             rs = burst(server, 12)
             assert sum("x-tailguard-degraded" in x.headers for x in rs) == 6  # the others are probes
+            settle(server)
             assert mon.evaluate().to_dict()["tier"] == "red"  # clear_after: 2
             clock.advance(1.0)
             burst(server, 12)
+            settle(server)
             assert mon.evaluate().to_dict()["tier"] == "green"
             assert [b["action"] for b in hook.wait_for(2)] == ["scale_out", "scale_in"]
             assert hook.bodies[1]["replicas_delta_pct"] == -10.0
