@@ -53,6 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="SLO monitor: record alerts and the actions it would take, but take none")
     serve.add_argument("--no-slo", dest="slo_enabled", action="store_false", default=None,
                        help="turn the SLO monitor off (no windows, alerts, shedding or degradation)")
+    serve.add_argument("--upstream", action="append", default=None, metavar="URL",
+                       help="gateway mode: forward to this OpenAI-compatible replica (vLLM, SGLang, llama.cpp, "
+                            "tailguard) instead of loading a model (repeatable)")
+    serve.add_argument("--keys", dest="keys_file", default=None, metavar="FILE",
+                       help="API key file: hashed keys -> tenant -> lane (`tailguard keys add` writes it)")
+
+    keys = sub.add_parser("keys", help="manage the gateway's API keys (tenants and lanes)")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    kadd = keys_sub.add_parser("add", help="create a key for a tenant; prints the key once (only its hash is kept)")
+    kadd.add_argument("--file", required=True, help="the key file (created if missing)")
+    kadd.add_argument("--tenant", required=True)
+    kadd.add_argument("--lane", default=None, help="the tenant's lane (vip, standard, batch...)")
+    kadd.add_argument("--requests-per-s", type=float, default=None)
+    kadd.add_argument("--tokens-per-s", type=float, default=None)
+    klist = keys_sub.add_parser("list", help="tenants, lanes, limits and how many keys each has")
+    klist.add_argument("--file", required=True)
 
     from tailguard.slo.cli import add_slo_parser
 
@@ -84,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         from tailguard.demo import run_demo
 
         return run_demo(args)
+    if args.command == "keys":
+        return _keys(args)
     if args.command == "serve":
         return _serve(args, argv if argv is not None else sys.argv[1:])
     if args.command == "slo":
@@ -106,6 +124,29 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from tailguard.gateway.tenants import KeyFile
+
+    try:
+        kf = KeyFile.load(args.file)
+    except (OSError, ValueError) as exc:
+        print(f"tailguard keys: {exc}", file=sys.stderr)
+        return 2
+    if args.keys_command == "add":
+        limits = {k: v for k, v in (("requests_per_s", args.requests_per_s), ("tokens_per_s", args.tokens_per_s))
+                  if v is not None}
+        key = kf.add_key(args.tenant, args.lane, **limits)
+        kf.save(args.file)
+        print(key)
+        print(f"(tenant {args.tenant!r}, lane {kf.tenants[args.tenant].lane!r}; only its SHA-256 is kept in "
+              f"{args.file}: this is the only time the key is shown)", file=sys.stderr)
+        return 0
+    for name, t in kf.tenants.items():
+        n = sum(1 for k in kf.keys if k.tenant == name)
+        print(f"{name}\tlane={t.lane}\tkeys={n}\trequests_per_s={t.requests_per_s}\ttokens_per_s={t.tokens_per_s}")
+    return 0
+
+
 def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     from pydantic import ValidationError
 
@@ -117,7 +158,9 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
 
     overrides = {k: getattr(args, k) for k in ("host", "port", "store_path", "store_text", "retention_days",
                                                 "max_queue", "served_model_names", "api_key", "admin_key", "access_log",
-                                                "log_level", "model") if getattr(args, k) is not None}
+                                                "log_level", "model", "keys_file") if getattr(args, k) is not None}
+    if args.upstream:
+        overrides["upstreams"] = [{"url": u} for u in args.upstream]
     # Engine flags set on the command line override the config file's ``engine:`` section; their defaults do not.
     engine_flags = {"--weight-format": "weight_format", "--device": "device", "--kv-cache-tokens": "kv_cache_tokens",
                     "--kv-cache-memory": "kv_cache_memory", "--kv-cache-dtype": "kv_cache_dtype",
@@ -146,7 +189,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     except (OSError, ValueError) as exc:
         print(f"tailguard serve: bad configuration: {exc}", file=sys.stderr)
         return 2
-    if config.model == "fake":
+    if config.model == "fake" or config.upstreams:
         return serve(config)
     if args.model is None:
         args.model = config.model

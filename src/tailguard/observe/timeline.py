@@ -76,6 +76,8 @@ class Timeline:
     slo_action: dict[str, Any] | None = None
     # True for an answer the engine never produced (a degradation template): not a latency sample.
     synthetic: bool = False
+    # The gateway's part (tenant, lane wait, replica, attempts, stalls, an ignored lane claim); None without one.
+    gateway: dict[str, Any] | None = None
     # Text audit (T1/T3); filled only when text storage is on, redacted by the store before it is written.
     prompt_text: str | None = None
     output_text: str | None = None
@@ -215,4 +217,5 @@ class Timeline:
             "resources": self.resources,
             "degraded": self.degraded,
             "slo_action": self.slo_action,
+            **({"gateway": self.gateway} if self.gateway else {}),
         }

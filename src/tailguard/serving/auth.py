@@ -10,10 +10,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
 
 from tailguard.serving.errors import APIError
+
+if TYPE_CHECKING:
+    from tailguard.gateway.tenants import Tenant, Tenants
 
 _BEARER = "Bearer "
 
@@ -27,6 +31,7 @@ def key_id(key: str) -> str:
 class Caller:
     admin: bool = False
     key_id: str | None = None  # the client key that authenticated, hashed; None on a server without client keys
+    tenant: Tenant | None = None  # the tenant of a key from the key file (its lane and rate limits)
 
 
 def _bearer(header: str | None) -> bytes | None:
@@ -36,17 +41,24 @@ def _bearer(header: str | None) -> bytes | None:
 
 
 class Keys:
-    def __init__(self, client_keys: list[SecretStr], admin_key: SecretStr | None) -> None:
+    def __init__(self, client_keys: list[SecretStr], admin_key: SecretStr | None, tenants: Tenants | None = None) -> None:
         # Each client key with its id, compared in constant time one by one (a handful of keys, not a user table).
         self._clients = [(k.get_secret_value().encode(), key_id(k.get_secret_value())) for k in client_keys]
         self._admin = admin_key.get_secret_value().encode() if admin_key is not None else None
+        # Keys of the key file: looked up by their SHA-256 (a table of any size; the file keeps only hashes).
+        self.tenants = tenants if tenants else None
 
     def _is_admin(self, token: bytes | None) -> bool:
         return self._admin is not None and token is not None and hmac.compare_digest(token, self._admin)
 
+    def _tenant(self, token: bytes | None) -> Tenant | None:
+        return self.tenants.lookup(token) if self.tenants is not None and token else None
+
     def _client_id(self, token: bytes | None) -> str | None:
         if token is None:
             return None
+        if self._tenant(token) is not None:
+            return key_id(token.decode())
         found = None
         for key, kid in self._clients:
             if hmac.compare_digest(token, key):
@@ -58,7 +70,11 @@ class Keys:
         token = _bearer(header)
         if self._is_admin(token):
             return Caller(admin=True)
-        if not self._clients:
+        tenant = self._tenant(token)
+        if tenant is not None:
+            assert token is not None
+            return Caller(key_id=key_id(token.decode()), tenant=tenant)
+        if not self._clients and self.tenants is None:
             return Caller()
         kid = self._client_id(token)
         if kid is None:
@@ -86,7 +102,7 @@ class Keys:
         kid = self._client_id(token)
         if kid is not None:
             return Caller(key_id=kid)
-        if self._admin is None and not self._clients:
+        if self._admin is None and not self._clients and self.tenants is None:
             raise APIError(403, "request records are closed: no admin key or API key is set (start the server "
                                 "with --admin-key to read records)", code="admin_key_not_configured")
         raise _unauthorized()

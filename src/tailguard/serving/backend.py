@@ -37,7 +37,7 @@ class Backend(Protocol):
     timestamps (``first_scheduled``, ``first_token``). Closing the stream early aborts the request in the engine.
     """
 
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: the backend takes text (an upstream gateway), not token ids
     model_name: str
     max_model_len: int
 
@@ -56,8 +56,27 @@ class Backend(Protocol):
     def shutdown(self) -> None: ...
 
 
+def backend_capacity(backend: Any) -> int:
+    """Sequences the backend runs at once: the gateway's lanes share this (upstreams: the sum over healthy ones)."""
+    pool = getattr(backend, "pool", None)
+    if pool is not None:
+        return pool.capacity
+    inner = getattr(backend, "engine", None)  # AsyncLLMEngine -> LLMEngine
+    sched = getattr(inner, "scheduler", None)
+    if sched is not None:
+        return sched.config.max_num_seqs
+    timing = getattr(backend, "timing", None)  # the fake engine
+    return getattr(timing, "max_num_seqs", 64)
+
+
 def build_backend(config: ServerConfig, engine_args: Any | None = None) -> Backend:
     """Load the engine named by ``config.model`` (slow for a real model: call it off the event loop)."""
+    if config.upstreams:
+        from tailguard.gateway.proxy import UpstreamBackend
+        from tailguard.gateway.upstream import UpstreamPool
+
+        name = config.served_model_names[0] if config.served_model_names else None
+        return UpstreamBackend(UpstreamPool(config.upstreams, config.routing), model_name=name)  # type: ignore
     if config.model == "fake":
         from tailguard.engine.fake import FakeEngine, FakeTiming
 

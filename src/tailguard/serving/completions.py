@@ -37,6 +37,10 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tailguard.engine.request import EngineClosed, RequestError, SamplingParams
+from tailguard.gateway.lanes import LaneConfig, Overloaded
+from tailguard.gateway.proxy import UpstreamError
+from tailguard.gateway.streams import KEEPALIVE, Stalled, watch
+from tailguard.gateway.tenants import RateLimited
 from tailguard.observe.metrics import clean_label
 from tailguard.observe.timeline import Outcome, Timeline
 from tailguard.serving.errors import APIError
@@ -95,6 +99,20 @@ def _degraded_headers(tl: Timeline) -> list[tuple[bytes, bytes]]:
     return [(b"x-tailguard-degraded", f"{a['mode']}; tier={a['tier']}; action={a['action_id']}".encode())]
 
 
+_UPSTREAM_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
+
+
+def _prompt_text(p: Parsed) -> str:
+    if p.messages is not None:
+        return "\n".join(str(m.get("content") or "") for m in p.messages)
+    return p.prompt or ""
+
+
+def _forwarded(request: Request) -> dict[str, str]:
+    """Headers an upstream should see: the W3C trace context and the caller's session (never the API key)."""
+    return {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
+
+
 def _clean_str(value: str | None, limit: int = 256) -> str | None:
     if not value:
         return None
@@ -112,6 +130,8 @@ class Exchange:
     phase: Phase = Phase.RECEIVED
     gone_at: float | None = None  # when the client left, if it left before the last byte
     output: list[str] = field(default_factory=list)
+    lane: LaneConfig | None = None  # the request's lane, when lanes are on
+    lane_slot: str | None = None  # the lane whose capacity slot this request holds (given back once, at the end)
 
     def move(self, to: Phase) -> None:
         """Go forward to ``to``. Leaving QUEUED gives the queue slot back: here and nowhere else."""
@@ -202,6 +222,7 @@ class _Prepared:
     text: str | None  # the prompt as text, when it came as text
     sampling: SamplingParams
     degradation: Degradation | None
+    body: dict[str, Any]  # the request as the client sent it (forwarded to an upstream)
 
 
 class CompletionEndpoint:
@@ -227,6 +248,15 @@ class CompletionEndpoint:
         except ClientDisconnect:  # gone while we read its body
             tl.error = tl.error or "client disconnected"
             tl.finalize(499, Outcome.ABORTED)
+        except UpstreamError as exc:
+            tl.error = _clean_str(exc.message, 1000)
+            gm = st.gateway_metrics
+            if gm is not None and ex.phase is Phase.RESPONDING:
+                gm.interrupted.labels(gm.model, tl.lane).inc()
+            headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else {}
+            await ex.fail(APIError(exc.status, f"{exc.message}; request id {tl.request_id}", code=exc.code,
+                                   headers=headers))
+            tl.finalize(exc.status, Outcome.ERROR)
         except EngineClosed as exc:  # the engine stopped under this request: say so, as a 503 the client may retry
             tl.error = _clean_str(str(exc), 1000)
             await ex.fail(APIError(503, f"the engine is not running ({exc}); request id {tl.request_id}",
@@ -243,6 +273,9 @@ class CompletionEndpoint:
             tl.finalize(500, Outcome.ERROR)
         finally:
             ex.move(Phase.CLOSED)  # gives the queue slot back if the request still held one
+            if ex.lane_slot is not None and st.lanes is not None:
+                st.lanes.release(ex.lane_slot)
+                ex.lane_slot = None
             try:
                 st.close_record(tl)
             finally:
@@ -255,7 +288,9 @@ class CompletionEndpoint:
                       received=received, model=st.model_label)
         tl.business_type = st.metrics.business_type(hdrs.get("x-business-type")) if st.metrics else "default"
         tl.user = _clean_str(hdrs.get("x-user-id"))
-        tl.lane = clean_label(hdrs.get("x-lane"))
+        # A lane comes from the caller's API key (``_lane``), never from a header, unless the operator says the
+        # header is set by a trusted proxy in front.
+        tl.lane = clean_label(hdrs.get("x-lane")) if st.config.trust_lane_header else "default"
         tl.client = clean_label(hdrs.get("x-client"))
         tl.region = clean_label(hdrs.get("x-region"))
         return tl
@@ -263,7 +298,9 @@ class CompletionEndpoint:
     # --- the exchange -------------------------------------------------------------------------------------------------
     async def _exchange(self, ex: Exchange, request: Request) -> None:
         st, tl = self.state, ex.tl
-        tl.owner = st.keys.client(request.headers.get("authorization")).key_id
+        caller = st.keys.client(request.headers.get("authorization"))
+        tl.owner = caller.key_id
+        self._lane(ex, request, caller)
         engine = st.engine
         if engine is None or not st.ready:
             msg = f"the model failed to load: {st.load_error}" if st.load_error else "the model is still loading"
@@ -272,11 +309,16 @@ class CompletionEndpoint:
         # The SLO actions match the business type the client sent, not its metric label: the label set is capped
         # (an allowlist, or the first 32 types seen), and a type counted as "other" must still be shed or degraded.
         btype = clean_label(request.headers.get("x-business-type"))
-        self._shed(tl, btype)
+        if ex.lane is None or ex.lane.sheddable:
+            self._shed(tl, btype)
         prep = await self._prepare(ex, engine, body, btype)
         if prep.degradation is not None and prep.degradation.mode == "template":
             await self._template(ex, prep.parsed, prep.degradation.template)
             return
+        if caller.tenant is not None:
+            self._charge(tl, caller.tenant, prep)
+        if ex.lane is not None:
+            await self._admit(ex)
         ex.enqueue()
         tl.resources = st.resources()
         p, ids = prep.parsed, prep.ids
@@ -291,7 +333,20 @@ class CompletionEndpoint:
             engine_id = f"{engine_id}#{self._seq}"
         st.active_ids.add(engine_id)
         tl.queued = perf_counter()
-        agen = engine.generate(ids, prep.sampling, engine_id, arrival_time=tl.received)
+        priority = ex.lane.priority if ex.lane is not None else 0
+        if getattr(engine, "takes_text", False):
+            agen = engine.generate_request(  # type: ignore[attr-defined]
+                prep.body, self.chat, engine_id, priority=priority, est_tokens=tl.num_prompt_tokens + p.max_tokens,
+                affinity_key=engine.pool.affinity_key(p.user or request.headers.get("x-session-id"),  # type: ignore
+                                                      prep.text or ""),
+                headers=_forwarded(request))
+        else:
+            agen = engine.generate(ids, prep.sampling, engine_id, priority=priority, arrival_time=tl.received)
+        if ex.lane is not None and ex.lane.watches:
+            lane = ex.lane
+            agen = watch(agen, ttft_deadline=lane.ttft_deadline_s, itl_deadline=lane.itl_deadline_s,
+                         misses=lane.stall_misses, keepalive=lane.keepalive_s if p.stream else None,
+                         on_miss=self._on_miss(tl))
         respond = self._stream if p.stream else self._full
 
         def on_disconnect() -> bool:
@@ -313,6 +368,79 @@ class CompletionEndpoint:
             st.active_ids.discard(engine_id)
         if ex.phase is Phase.ABANDONED:  # the engine said nothing in time: where it was is what we saw
             self._abandoned(ex, None)
+
+    # --- lanes, tenants, stalls -----------------------------------------------------------------------------------
+    def _lane(self, ex: Exchange, request: Request, caller: Any) -> None:
+        """The request's lane: its tenant's, else the default lane. A claimed lane header is ignored and recorded."""
+        st, tl = self.state, ex.tl
+        if st.lanes is None:
+            return
+        claimed = request.headers.get("x-lane")
+        if caller.tenant is not None:
+            name = caller.tenant.lane
+            tl.gateway = {"tenant": caller.tenant.name}
+        elif st.config.trust_lane_header and claimed and clean_label(claimed) in st.lanes.lanes:
+            name = clean_label(claimed)
+        else:
+            name = st.config.default_lane
+        if name not in st.lanes.lanes:
+            raise APIError(500, f"this key's tenant is in lane {name!r}, which is not configured",
+                           code="lane_not_configured")
+        if claimed and not st.config.trust_lane_header and clean_label(claimed) != name:
+            tl.gateway = {**(tl.gateway or {}), "lane_header_ignored": _clean_str(claimed, 64)}
+            gm = st.gateway_metrics
+            if gm is not None:
+                gm.lane_claims_ignored.labels(gm.model).inc()
+        tl.lane = name
+        ex.lane = st.lanes.lanes[name].cfg
+
+    def _charge(self, tl: Timeline, tenant: Any, prep: _Prepared) -> None:
+        try:
+            tenant.charge(tl.num_prompt_tokens + prep.sampling.max_tokens)
+        except RateLimited as exc:
+            gm = self.state.gateway_metrics
+            if gm is not None:
+                gm.rate_limited.labels(gm.model, tenant.name).inc()
+            raise APIError(429, f"{exc.what}; retry in {exc.retry_after} s", type="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(exc.retry_after)}) from None
+
+    async def _admit(self, ex: Exchange) -> None:
+        st, tl = self.state, ex.tl
+        assert st.lanes is not None
+        gm = st.gateway_metrics
+        tenant = (tl.gateway or {}).get("tenant", "")
+        try:
+            waited = await st.lanes.acquire(tl.lane, tenant)
+        except Overloaded as exc:
+            if gm is not None:
+                gm.lane_refused.labels(gm.model, tl.lane).inc()
+            raise APIError(429, f"{exc}; retry in {exc.retry_after} s", type="rate_limit_error",
+                           code="lane_overloaded", headers={"Retry-After": str(exc.retry_after)}) from None
+        ex.lane_slot = tl.lane
+        tl.gateway = {**(tl.gateway or {}), "lane_wait": round(waited, 6)}
+        if gm is not None:
+            gm.lane_wait.labels(gm.model, tl.lane).observe(waited)
+
+    def _on_miss(self, tl: Timeline) -> Callable[[str], None]:
+        gm = self.state.gateway_metrics
+
+        def miss(kind: str) -> None:
+            g = tl.gateway = tl.gateway or {}
+            g[f"{kind}_misses"] = g.get(f"{kind}_misses", 0) + 1
+            if gm is not None:
+                gm.stalls.labels(gm.model, tl.lane, kind).inc()
+        return miss
+
+    def _stalled(self, ex: Exchange, exc: Stalled) -> str:
+        """Mark the answer degraded after a stall; returns the text that ends it."""
+        tl = ex.tl
+        assert ex.lane is not None
+        tl.slo_action = {"action": "degrade", "mode": "stall", "tier": "stream", "scope": f"lane:{tl.lane}",
+                         "action_id": "stall", "reason": str(exc)}
+        gm = self.state.gateway_metrics
+        if gm is not None:
+            gm.degraded.labels(gm.model, tl.lane).inc()
+        return ex.lane.degrade_text
 
     def _abandoned(self, ex: Exchange, final: TokenEvent | None) -> None:
         """The client left before the answer was complete: the record says where the request was at that moment.
@@ -365,12 +493,22 @@ class CompletionEndpoint:
             raise APIError(404, f"The model `{_clean_str(p.model, 200)}` does not exist; this server has: "
                                 f"{', '.join(st.model_names)}", param="model", code="model_not_found")
         tl.user = _clean_str(p.user) or tl.user
-        ids, text = await self._tokenize(engine, p)
+        takes_text = getattr(engine, "takes_text", False)
+        if takes_text:
+            # The upstream tokenizes: the prompt's size is estimated (4 characters a token) for admission and
+            # routing, and replaced by the upstream's own count when its usage comes back.
+            if p.logprobs is not None:
+                raise APIError(400, "logprobs are not available through the gateway yet", param="logprobs")
+            ids, text = [], _prompt_text(p)
+            tl.num_prompt_tokens = max(1, len(text) // 4)
+        else:
+            ids, text = await self._tokenize(engine, p)
+            tl.num_prompt_tokens = len(ids)
         tl.tokenized = perf_counter()
-        tl.num_prompt_tokens = len(ids)
         requested = p.max_tokens
         if requested is None:
-            requested = st.config.default_max_tokens or max(1, engine.max_model_len - len(ids))
+            requested = st.config.default_max_tokens or (
+                256 if takes_text else max(1, engine.max_model_len - len(ids)))
         max_tokens = requested
         mon = st.slo
         deg = mon.degradation_for(btype, tl.lane, tl.client, tl.region, len(ids)) if mon else None
@@ -386,6 +524,12 @@ class CompletionEndpoint:
             max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
             stop=p.stop, ignore_eos=p.ignore_eos, min_tokens=min(p.min_tokens, max_tokens), logprobs=p.logprobs,
         )
+        if takes_text:
+            data = dict(data)
+            if deg is not None and deg.mode == "truncate":
+                data.pop("max_completion_tokens", None)
+                data["max_tokens"] = max_tokens
+            return _Prepared(p, ids, text, sampling, deg, data)
         try:
             engine.check_request(len(ids), sampling)
         except RequestError as exc:
@@ -393,7 +537,7 @@ class CompletionEndpoint:
             long = "context" in msg or "KV" in msg or "empty" in msg
             raise APIError(400, msg, param=("messages" if self.chat else "prompt") if long else None,
                            code="context_length_exceeded" if "context" in msg else "invalid_value") from None
-        return _Prepared(p, ids, text, sampling, deg)
+        return _Prepared(p, ids, text, sampling, deg, data)
 
     async def _tokenize(self, engine: Backend, p: Parsed) -> tuple[list[int], str | None]:
         tok = engine.tokenizer
@@ -450,6 +594,14 @@ class CompletionEndpoint:
         tl.num_output_tokens = ev.num_output_tokens or len(tl.token_times)
         tl.num_preemptions = getattr(ev, "num_preemptions", 0)
         reason = ev.finish_reason.value if hasattr(ev.finish_reason, "value") else str(ev.finish_reason)
+        replica = getattr(ev, "replica", None)
+        if replica is not None:  # an upstream's answer: which replica, after how many tries
+            g = tl.gateway = tl.gateway or {}
+            g["replica"] = replica
+            g["attempts"] = getattr(ev, "attempts", 1)
+            if reason in _UPSTREAM_REASONS:
+                tl.finish_reason = reason
+                return reason
         if reason not in ("stop", "length"):
             raise RuntimeError(f"the engine ended the request with finish reason {reason!r}")
         tl.finish_reason = reason
@@ -480,38 +632,90 @@ class CompletionEndpoint:
         fmt = self._format(tl, p)
         want_lp = p.logprobs is not None
         keep_text = self.state.config.store_text
+        lane = ex.lane
+        # Pacing (L6): after the first token, a chunk leaves when the lane's inter-token budget has passed since the
+        # last one or ``flush_every`` tokens are waiting; the tokens in between go together.
+        pace = lane.pace_itl_s if lane is not None and not want_lp else None
+        flush_every = lane.flush_every if lane is not None and not want_lp else 1
         pending = 0  # tokens produced but not yet sent (a token may carry no visible text yet)
+        held: list[str] = []  # text held back by pacing
+        last_sent = 0.0
         lp_items: list = []
         offset = 0
         final = None
-        async for ev in events:
-            if ex.phase is Phase.ABANDONED:
-                if ev.finished:
-                    self._abandoned(ex, ev)
-                    return
-                continue
-            if self._take(ex, ev, lp_items if want_lp else None):
-                pending += 1
-            if ev.finished:
-                final = ev
-                break
-            text = ev.text
-            if not text:
-                continue
-            if keep_text:
-                ex.output.append(text)
-            if want_lp:
-                chunk = fmt.content_logprobs(text, self._logprobs(lp_items, offset))
-                offset += len(text)
-                lp_items = []
-            else:
-                chunk = fmt.content(text)
+        stalled: str | None = None
+        role_sent = False
+
+        async def begin() -> bytes:
+            nonlocal role_sent
             if ex.phase is not Phase.RESPONDING:
                 await ex.start(200, _SSE_HEADERS + _degraded_headers(tl))
-                chunk = fmt.role(system_fingerprint=degraded_marker(tl)) + chunk
-            await ex.chunk(chunk)
-            tl.add_tokens_sent(pending, perf_counter())
-            pending = 0
+            if role_sent:
+                return b""
+            role_sent = True
+            return fmt.role(system_fingerprint=degraded_marker(tl))
+
+        try:
+            async for ev in events:
+                if ev is KEEPALIVE:
+                    if ex.phase is not Phase.ABANDONED:
+                        if ex.phase is not Phase.RESPONDING:
+                            await ex.start(200, _SSE_HEADERS)
+                        await ex.chunk(b": keep-alive\n\n")
+                    continue
+                if ex.phase is Phase.ABANDONED:
+                    if ev.finished:
+                        self._abandoned(ex, ev)
+                        return
+                    continue
+                if self._take(ex, ev, lp_items if want_lp else None):
+                    pending += 1
+                if ev.finished:
+                    final = ev
+                    break
+                text = ev.text
+                if not text:
+                    continue
+                if keep_text:
+                    ex.output.append(text)
+                if want_lp:
+                    chunk = fmt.content_logprobs(text, self._logprobs(lp_items, offset))
+                    offset += len(text)
+                    lp_items = []
+                else:
+                    if (pace is not None or flush_every > 1) and last_sent:
+                        held.append(text)
+                        if pending < flush_every and (pace is None or perf_counter() - last_sent < pace):
+                            continue
+                        text = "".join(held)
+                        held.clear()
+                    chunk = fmt.content(text)
+                if not role_sent or ex.phase is not Phase.RESPONDING:
+                    chunk = await begin() + chunk
+                await ex.chunk(chunk)
+                last_sent = perf_counter()
+                tl.add_tokens_sent(pending, last_sent)
+                pending = 0
+        except Stalled as exc:
+            stalled = self._stalled(ex, exc)
+        if stalled is not None:
+            # The backend stopped keeping time: finish now with what was produced, plus the lane's notice.
+            now = perf_counter()
+            tl.last_token = tl.token_times[-1] if tl.token_times else None
+            tl.num_output_tokens = len(tl.token_times)
+            tl.finish_reason = "stop"
+            body = await begin() + fmt.content("".join(held) + stalled)
+            held.clear()
+            if keep_text:
+                tl.output_text = "".join(ex.output) + stalled
+            if p.include_usage:
+                body += fmt.finish("", "stop", None) + fmt.usage(self._usage(tl), **self._extra(tl))
+            else:
+                body += fmt.finish("", "stop", None, **self._extra(tl))
+            await ex.last(body + DONE)
+            tl.add_tokens_sent(pending, now)
+            tl.finalize(200, Outcome.SUCCESS, at=now)
+            return
         if final is None:
             raise RuntimeError("the engine's stream ended without a final event")
         reason = self._final(tl, final)
@@ -520,13 +724,13 @@ class CompletionEndpoint:
         if keep_text:
             tl.output_text = "".join(ex.output)
         lp = self._logprobs(lp_items, offset) if want_lp and lp_items else None
+        last_text = "".join(held) + final.text
         if p.include_usage:
-            body = fmt.finish(final.text, reason, lp) + fmt.usage(self._usage(tl), **self._extra(tl))
+            body = fmt.finish(last_text, reason, lp) + fmt.usage(self._usage(tl), **self._extra(tl))
         else:
-            body = fmt.finish(final.text, reason, lp, **self._extra(tl))
-        if ex.phase is not Phase.RESPONDING:
-            await ex.start(200, _SSE_HEADERS + _degraded_headers(tl))
-            body = fmt.role(system_fingerprint=degraded_marker(tl)) + body
+            body = fmt.finish(last_text, reason, lp, **self._extra(tl))
+        if not role_sent or ex.phase is not Phase.RESPONDING:
+            body = await begin() + body
         await ex.last(body + DONE)
         now = perf_counter()
         tl.add_tokens_sent(pending, now)
@@ -539,21 +743,33 @@ class CompletionEndpoint:
         texts: list[str] = []
         lp_items: list = []
         final = None
-        async for ev in events:
-            if ex.phase is Phase.ABANDONED:
+        stalled: str | None = None
+        try:
+            async for ev in events:
+                if ev is KEEPALIVE:
+                    continue
+                if ex.phase is Phase.ABANDONED:
+                    if ev.finished:
+                        self._abandoned(ex, ev)
+                        return
+                    continue
+                self._take(ex, ev, lp_items if want_lp else None)
+                if ev.text:
+                    texts.append(ev.text)
                 if ev.finished:
-                    self._abandoned(ex, ev)
-                    return
-                continue
-            self._take(ex, ev, lp_items if want_lp else None)
-            if ev.text:
-                texts.append(ev.text)
-            if ev.finished:
-                final = ev
-                break
-        if final is None:
+                    final = ev
+                    break
+        except Stalled as exc:
+            stalled = self._stalled(ex, exc)
+        if stalled is not None:
+            tl.last_token = tl.token_times[-1] if tl.token_times else None
+            tl.num_output_tokens = len(tl.token_times)
+            tl.finish_reason = reason = "stop"
+            texts.append(stalled)
+        elif final is None:
             raise RuntimeError("the engine's stream ended without a final event")
-        reason = self._final(tl, final)
+        else:
+            reason = self._final(tl, final)
         text = "".join(texts)
         if self.state.config.store_text:
             tl.output_text = text

@@ -9,6 +9,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from tailguard.gateway.lanes import CapacityConfig, LaneConfig, default_lanes
+from tailguard.gateway.upstream import RoutingConfig, UpstreamConfig
 from tailguard.slo.config import MonitorConfig
 
 
@@ -63,6 +65,17 @@ class ServerConfig(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineArgs overrides (kv_cache_tokens, ...)")
     fake: FakeEngineConfig = Field(default_factory=FakeEngineConfig)
     slo: MonitorConfig = Field(default_factory=MonitorConfig, description="the SLO monitor (docs/slo.md)")
+    # --- the gateway (docs/gateway.md) ---
+    upstreams: list[UpstreamConfig] = Field(default_factory=list,
+                                            description="serve from these OpenAI-compatible replicas, not a model")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    keys_file: str | None = Field(None, description="API keys (hashed) -> tenant -> lane; `tailguard keys add`")
+    lanes: dict[str, LaneConfig] | None = Field(None, description="lanes with reserved capacity; None: vip, "
+                                                                   "standard, batch when keys or upstreams are set")
+    capacity: CapacityConfig = Field(default_factory=CapacityConfig)
+    default_lane: str = Field("standard", description="the lane of a caller whose key names no tenant")
+    trust_lane_header: bool = Field(False, description="take X-Lane from the client (only behind a proxy that "
+                                                       "sets it): otherwise a claimed lane is ignored and recorded")
 
     @field_validator("log_level")
     @classmethod
@@ -100,6 +113,20 @@ class ServerConfig(BaseModel):
                              "records)")
         if self.admin_key is not None and not self.admin_key.get_secret_value().strip():
             raise ValueError("admin_key must not be empty")
+        return self
+
+    @property
+    def lanes_enabled(self) -> bool:
+        return self.lanes is not None or bool(self.keys_file) or bool(self.upstreams)
+
+    def lane_configs(self) -> dict[str, LaneConfig]:
+        return dict(self.lanes) if self.lanes is not None else default_lanes()
+
+    @model_validator(mode="after")
+    def _lanes(self) -> ServerConfig:
+        if self.lanes_enabled and self.default_lane not in self.lane_configs():
+            raise ValueError(f"default_lane {self.default_lane!r} is not one of the lanes "
+                             f"({', '.join(self.lane_configs())})")
         return self
 
     @property

@@ -44,6 +44,9 @@ class Lifespan:
             log.exception("the model failed to load")
             self.state.load_error = f"{type(exc).__name__}: {exc}"
             return
+        start = getattr(eng, "start", None)
+        if start is not None:  # an upstream pool: its sessions and health checks live on this event loop
+            await start()
         self.attach(eng)
         self.state.ready = self.state.store is not None
 
@@ -68,7 +71,8 @@ class Lifespan:
             red = await asyncio.to_thread(Redactor)  # imports Presidio: seconds, off the event loop
 
         def encode(text: str) -> list[int]:
-            return state.engine.tokenizer.encode(text) if state.engine is not None else []
+            tok = state.engine.tokenizer if state.engine is not None else None
+            return tok.encode(text) if tok is not None else []
 
         def count(counter: str) -> Callable[[int], None]:
             def inc(n: int) -> None:
@@ -88,6 +92,9 @@ class Lifespan:
         state.store = await self.open_store()
         loader = None
         if self.engine is not None:
+            start = getattr(self.engine, "start", None)
+            if start is not None:
+                await start()
             self.attach(self.engine)
             state.ready = True
         else:
@@ -105,6 +112,9 @@ class Lifespan:
                 loader.cancel()
             state.ready = False
             if self.own_engine and state.engine is not None:
+                aclose = getattr(state.engine, "aclose", None)
+                if aclose is not None:
+                    await aclose()
                 await asyncio.to_thread(state.engine.shutdown)
             if state.slo is not None:
                 await asyncio.to_thread(state.slo.close)  # waits (bounded) for scale-hook calls in flight

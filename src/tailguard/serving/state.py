@@ -10,12 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
+from tailguard.gateway.lanes import Lanes
+from tailguard.gateway.metrics import GatewayMetrics
+from tailguard.gateway.tenants import Tenants
 from tailguard.observe.metrics import ServerMetrics
 from tailguard.observe.store import RequestStore
 from tailguard.observe.timeline import Outcome, Timeline
 from tailguard.serving.admission import Admission
 from tailguard.serving.auth import Keys
-from tailguard.serving.backend import Backend
+from tailguard.serving.backend import Backend, backend_capacity
 from tailguard.serving.config import ServerConfig
 from tailguard.serving.responses import TokenText
 
@@ -43,10 +46,12 @@ class ServerState:
     active_ids: set[str] = field(default_factory=set)
     started_unix: float = field(default_factory=time.time)
     slo: SLOMonitor | None = None  # when the monitor is enabled
+    lanes: Lanes | None = None  # lanes and reserved capacity, when enabled (keys, lanes or upstreams configured)
+    gateway_metrics: GatewayMetrics | None = None
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config.max_queue)
-        self.keys = Keys(self.config.client_keys, self.config.admin_key)
+        self.keys = Keys(self.config.client_keys, self.config.admin_key, Tenants.load(self.config.keys_file))
 
     @property
     def model_label(self) -> str:
@@ -55,7 +60,19 @@ class ServerState:
     def attach(self, engine: Backend) -> None:
         self.engine = engine
         self.model_names = self.config.model_names(engine.model_name)
-        self.token_text = TokenText(engine.tokenizer)
+        self.token_text = TokenText(engine.tokenizer) if engine.tokenizer is not None else None
+        if self.config.lanes_enabled:
+            cap = self.config.capacity
+            self.lanes = Lanes(self.config.lane_configs(), cap.max_concurrent or backend_capacity(engine), cap)
+            if self.metrics is not None:
+                self.gateway_metrics = GatewayMetrics(self.metrics.registry, self.metrics.model)
+
+    def capacity_changed(self) -> None:
+        """Replicas came or went: the lanes' capacity follows (unless it is configured)."""
+        if self.lanes is not None and self.engine is not None and self.config.capacity.max_concurrent is None:
+            cap = backend_capacity(self.engine)
+            if cap != self.lanes.capacity:
+                self.lanes.set_capacity(cap)
 
     def engine_error(self) -> BaseException | None:
         """The engine's fatal error, when it has died (the embedded engine keeps it on ``error``)."""
@@ -76,6 +93,11 @@ class ServerState:
         if self.metrics is not None:
             self.metrics.sample(s.running, s.waiting, s.kv_blocks_total, s.kv_blocks_used, s.num_preemptions,
                                 adm.depth, adm.in_flight, adm.capacity)
+        if self.lanes is not None:
+            self.capacity_changed()
+            self.snapshot["lanes"] = self.lanes.snapshot()
+        if self.gateway_metrics is not None:
+            self.gateway_metrics.sample(self.lanes, getattr(eng, "pool", None))
 
     def store_sample(self) -> None:
         snap = self.snapshot

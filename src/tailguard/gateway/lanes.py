@@ -1,0 +1,244 @@
+"""Lanes and reserved capacity (E2): who is admitted to the backend, in what order, and who waits or is refused.
+
+Capacity is a number of concurrent sequences ``C``. It is cut into three parts:
+
+- the reserved share ``R`` (default 20%) belongs to the reserved lane (``vip``). Other lanes may borrow it only while
+  that lane is idle (nothing in flight, nothing waiting); when a VIP request arrives it is admitted at once against its
+  own share, so for a moment the backend holds more than ``C`` and gives the borrowed room back by priority (the
+  embedded engine preempts the lowest-priority running sequence) and by admission order (VIP waiters go first);
+- the burst pool ``B`` (default 5%) is used only when the general part is full, by lanes allowed to burst;
+- the general part ``G = C - R - B`` is shared; batch gets what the lanes above leave.
+
+Each lane has a bounded queue. Within a lane, tenants are served round-robin (fair queueing), so one tenant's flood
+cannot push another tenant's requests back. Each request has a deadline to be admitted: when the measured drain rate
+says it cannot make it, it is refused at once with a ``Retry-After`` (before it costs a queue slot), and one that
+waits past its deadline is refused then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+MIN_DRAIN_SAMPLES = 8  # admissions in the window before the drain rate is trusted to refuse a request at once
+
+
+class LaneConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    priority: int = Field(1, description="engine priority: lower is served first (and may preempt higher)")
+    reserved: bool = Field(False, description="this lane holds the reserved share of the capacity")
+    burst: bool = Field(True, description="may use the burst pool when the general part is full")
+    sheddable: bool = Field(True, description="the SLO monitor's shed and degrade actions may apply to this lane")
+    max_queue: int = Field(256, ge=0, description="requests waiting for admission in this lane; beyond: 429")
+    max_queue_wait_s: float = Field(30.0, gt=0, description="deadline to be admitted; beyond: 429 + Retry-After")
+    pace_itl_s: float | None = Field(None, gt=0, description="after the first token, at most one chunk per this many "
+                                                             "seconds (tokens in between are sent together)")
+    flush_every: int = Field(1, ge=1, description="send a chunk once this many tokens are pending")
+    ttft_deadline_s: float | None = Field(None, gt=0, description="stall watch: the first token's deadline")
+    itl_deadline_s: float | None = Field(None, gt=0, description="stall watch: the deadline between two tokens")
+    stall_misses: int = Field(3, ge=1, description="consecutive missed deadlines that switch to a degraded answer")
+    keepalive_s: float | None = Field(None, gt=0, description="SSE comment every so often while the first token "
+                                                              "is pending (keeps proxies from cutting long TTFTs)")
+    degrade_text: str = Field("[the answer was cut short: the service is overloaded; please retry]",
+                              description="appended to a stream that stalled, marked as degraded")
+
+    @property
+    def watches(self) -> bool:
+        return bool(self.ttft_deadline_s or self.itl_deadline_s or self.keepalive_s)
+
+
+def default_lanes() -> dict[str, LaneConfig]:
+    return {
+        "vip": LaneConfig(priority=0, reserved=True, sheddable=False, max_queue_wait_s=10.0),
+        "standard": LaneConfig(priority=1),
+        "batch": LaneConfig(priority=2, burst=False, max_queue=1024, max_queue_wait_s=120.0),
+    }
+
+
+class CapacityConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_concurrent: int | None = Field(None, ge=1, description="sequences in flight at the backend; None: the "
+                                                                "embedded engine's max_num_seqs, or 64 per replica")
+    reserved_share: float = Field(0.2, ge=0, lt=1)
+    burst_share: float = Field(0.05, ge=0, lt=1)
+    drain_window_s: float = Field(10.0, gt=0, description="window of the drain rate behind Retry-After")
+
+
+class Overloaded(Exception):
+    """The request cannot be admitted in time: answer 429 with ``retry_after``."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = int(min(60, max(1, math.ceil(retry_after))))
+
+
+@dataclass
+class _Waiter:
+    future: asyncio.Future
+    tenant: str
+    enqueued: float
+
+
+@dataclass
+class LaneState:
+    name: str
+    cfg: LaneConfig
+    in_use: int = 0
+    admitted: int = 0
+    refused: int = 0
+    # tenant -> its waiters, in arrival order; tenants in round-robin order (the next to serve first).
+    queues: OrderedDict[str, deque[_Waiter]] = field(default_factory=OrderedDict)
+    waiting: int = 0
+    drained: deque[float] = field(default_factory=deque)  # admission times, for this lane's drain rate
+
+
+class Lanes:
+    """Admission by lane against a capacity split into reserved, burst and general parts."""
+
+    def __init__(self, lanes: dict[str, LaneConfig], capacity: int, cfg: CapacityConfig | None = None) -> None:
+        if not lanes:
+            raise ValueError("at least one lane is needed")
+        self.cfg = cfg or CapacityConfig()
+        self.lanes = {name: LaneState(name, lc) for name, lc in lanes.items()}
+        self.order = sorted(self.lanes.values(), key=lambda s: s.cfg.priority)
+        self.set_capacity(capacity)
+
+    def set_capacity(self, capacity: int) -> None:
+        """Total sequences (called again when replicas come and go)."""
+        self.capacity = max(1, capacity)
+        has_reserved = any(s.cfg.reserved for s in self.lanes.values())
+        self.reserved = max(1, round(self.capacity * self.cfg.reserved_share)) if has_reserved and \
+            self.cfg.reserved_share > 0 and self.capacity > 1 else 0
+        self.burst = round(self.capacity * self.cfg.burst_share)
+        self.general = max(1, self.capacity - self.reserved - self.burst)
+        self._dispatch()
+
+    # --- the rule ---------------------------------------------------------------------------------------------------
+    def _reserved_busy(self) -> bool:
+        return any(s.in_use or s.waiting for s in self.lanes.values() if s.cfg.reserved)
+
+    def _others_in_use(self) -> int:
+        return sum(s.in_use for s in self.lanes.values() if not s.cfg.reserved)
+
+    def _fits(self, lane: LaneState) -> bool:
+        others = self._others_in_use()
+        if lane.cfg.reserved:
+            mine = sum(s.in_use for s in self.lanes.values() if s.cfg.reserved)
+            # Others count only up to what they may hold without the reserve: what they borrowed is given back.
+            return mine + min(others, self.general + self.burst) < self.capacity
+        limit = self.general + (self.burst if lane.cfg.burst else 0)
+        if not self._reserved_busy():
+            limit += self.reserved  # borrow the reserve while its owner is idle
+        total = others + sum(s.in_use for s in self.lanes.values() if s.cfg.reserved)
+        return others < limit and total < self.capacity
+
+    # --- admission --------------------------------------------------------------------------------------------------
+    def lane(self, name: str) -> LaneState:
+        try:
+            return self.lanes[name]
+        except KeyError:
+            raise ValueError(f"unknown lane {name!r}; lanes are {', '.join(self.lanes)}") from None
+
+    def drain_rate(self, lane: LaneState, now: float) -> float:
+        cutoff = now - self.cfg.drain_window_s
+        while lane.drained and lane.drained[0] < cutoff:
+            lane.drained.popleft()
+        return len(lane.drained) / self.cfg.drain_window_s
+
+    def estimated_wait(self, lane: LaneState, now: float) -> float | None:
+        """Seconds until a new arrival in ``lane`` is admitted at the recent drain rate (None: too little history
+        to say: fewer than ``MIN_DRAIN_SAMPLES`` admissions in the window)."""
+        rate = self.drain_rate(lane, now)
+        if len(lane.drained) < MIN_DRAIN_SAMPLES:
+            return None
+        return (lane.waiting + 1) / rate
+
+    async def acquire(self, name: str, tenant: str = "", now: float | None = None) -> float:
+        """Wait for a slot in lane ``name``; returns when admitted (the wait in seconds) or raises ``Overloaded``."""
+        lane = self.lane(name)
+        now = time.monotonic() if now is None else now
+        if lane.waiting == 0 and self._fits(lane):
+            self._admit(lane, now)
+            return 0.0
+        if lane.waiting >= lane.cfg.max_queue:
+            lane.refused += 1
+            wait = self.estimated_wait(lane, now)
+            raise Overloaded(f"lane {name!r} is full ({lane.cfg.max_queue} waiting)",
+                             wait if wait is not None else lane.cfg.max_queue_wait_s)
+        wait = self.estimated_wait(lane, now)
+        if wait is not None and wait > lane.cfg.max_queue_wait_s and lane.in_use > 0:
+            lane.refused += 1  # refused before it costs anything: it would miss its deadline anyway
+            raise Overloaded(f"lane {name!r} would admit this request in about {wait:.1f} s, past its "
+                             f"{lane.cfg.max_queue_wait_s:g} s deadline", wait)
+        w = _Waiter(asyncio.get_running_loop().create_future(), tenant, now)
+        lane.queues.setdefault(tenant, deque()).append(w)
+        lane.waiting += 1
+        try:
+            await asyncio.wait_for(asyncio.shield(w.future), lane.cfg.max_queue_wait_s)
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if w.future.done() and not w.future.cancelled():
+                self.release(name)  # admitted in the very moment it gave up: hand the slot back
+            else:
+                w.future.cancel()
+                self._forget(lane, w)
+            if isinstance(exc, TimeoutError):
+                lane.refused += 1
+                later = self.estimated_wait(lane, time.monotonic())
+                raise Overloaded(f"lane {name!r} did not admit this request within its "
+                                 f"{lane.cfg.max_queue_wait_s:g} s deadline", later or lane.cfg.max_queue_wait_s) \
+                    from None
+            raise
+        return time.monotonic() - now
+
+    def release(self, name: str) -> None:
+        lane = self.lanes[name]
+        lane.in_use = max(0, lane.in_use - 1)
+        self._dispatch()
+
+    def _admit(self, lane: LaneState, now: float) -> None:
+        lane.in_use += 1
+        lane.admitted += 1
+        lane.drained.append(now)
+
+    def _forget(self, lane: LaneState, w: _Waiter) -> None:
+        q = lane.queues.get(w.tenant)
+        if q is not None and w in q:
+            q.remove(w)
+            lane.waiting -= 1
+            if not q:
+                del lane.queues[w.tenant]
+
+    def _next(self, lane: LaneState) -> _Waiter | None:
+        """The next waiter of ``lane``: round-robin over its tenants."""
+        while lane.queues:
+            tenant, q = next(iter(lane.queues.items()))
+            w = q.popleft()
+            lane.waiting -= 1
+            if q:
+                lane.queues.move_to_end(tenant)  # this tenant goes to the back of the round
+            else:
+                del lane.queues[tenant]
+            if not w.future.done():
+                return w
+        return None
+
+    def _dispatch(self) -> None:
+        """Admit waiters while they fit, most important lane first."""
+        now = time.monotonic()
+        for lane in self.order:
+            while lane.waiting and self._fits(lane):
+                w = self._next(lane)
+                if w is None:
+                    break
+                self._admit(lane, now)
+                w.future.set_result(None)
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {name: {"in_use": s.in_use, "waiting": s.waiting, "admitted": s.admitted, "refused": s.refused}
+                for name, s in self.lanes.items()}

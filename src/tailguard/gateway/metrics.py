@@ -1,0 +1,84 @@
+"""The gateway's Prometheus metrics: lanes (queue depth, admitted, refused, lane wait), tenants (rate limited),
+streams (stalls, interruptions, degraded) and upstream replicas (requests, errors, outstanding tokens, TTFT)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tailguard.observe.metrics import LATENCY_BUCKETS
+
+if TYPE_CHECKING:
+    from tailguard.gateway.lanes import Lanes
+    from tailguard.gateway.upstream import UpstreamPool
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry, model: str) -> None:
+        r = registry
+        self.model = model
+        lane = ["model_name", "lane"]
+        rep = ["model_name", "replica"]
+        self.lane_waiting = Gauge("tailguard_lane_waiting_requests", "Requests waiting for admission, per lane.",
+                                  lane, registry=r)
+        self.lane_in_use = Gauge("tailguard_lane_in_use_sequences", "Admitted sequences in flight, per lane.", lane,
+                                 registry=r)
+        self.lane_capacity = Gauge("tailguard_lane_capacity_sequences",
+                                   "Capacity split: total, reserved, burst and general sequences.",
+                                   ["model_name", "part"], registry=r)
+        self.lane_refused = Counter("tailguard_lane_refused_requests",
+                                    "Requests refused with 429 by the lanes (queue full or deadline).", lane, registry=r)
+        self.lane_wait = Histogram("tailguard_lane_wait_seconds", "Time a request waited for its lane to admit it.",
+                                   lane, buckets=LATENCY_BUCKETS, registry=r)
+        self.rate_limited = Counter("tailguard_tenant_rate_limited_requests",
+                                    "Requests refused by a tenant's request or token rate limit.",
+                                    ["model_name", "tenant"], registry=r)
+        self.lane_claims_ignored = Counter("tailguard_lane_header_ignored_requests",
+                                           "Requests whose X-Lane header was ignored (lanes come from the API key).",
+                                           ["model_name"], registry=r)
+        self.stalls = Counter("tailguard_stream_stall_misses", "Missed TTFT or inter-token deadlines.",
+                              ["model_name", "lane", "kind"], registry=r)
+        self.degraded = Counter("tailguard_stream_degraded_requests",
+                                "Streams switched to a degraded answer after consecutive stalls.", lane, registry=r)
+        self.interrupted = Counter("tailguard_stream_interrupted_requests",
+                                   "Streams that ended with an error after their first token.", lane, registry=r)
+        self.streams = Counter("tailguard_streams_started", "Streams that sent their first token.", lane, registry=r)
+        self.up_requests = Counter("tailguard_upstream_requests", "Requests sent to an upstream replica, by outcome.",
+                                   [*rep, "outcome"], registry=r)
+        self.up_ttft = Histogram("tailguard_upstream_time_to_first_token_seconds",
+                                 "From sending to an upstream replica to its first token.", rep,
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.up_outstanding = Gauge("tailguard_upstream_outstanding_tokens",
+                                    "Prompt and output tokens in flight at a replica (the routing load).", rep,
+                                    registry=r)
+        self.up_in_flight = Gauge("tailguard_upstream_requests_in_flight", "Requests in flight at a replica.", rep,
+                                  registry=r)
+        self.up_waiting = Gauge("tailguard_upstream_queue_requests",
+                                "The replica's own waiting queue, from its /metrics (vLLM, SGLang, tailguard).", rep,
+                                registry=r)
+        self.up_healthy = Gauge("tailguard_upstream_healthy", "1 when the replica passes its health check and its "
+                                                              "breaker is closed.", rep, registry=r)
+        self.up_breaker_open = Counter("tailguard_upstream_breaker_opened", "Times a replica's breaker opened.", rep,
+                                       registry=r)
+        self._opened: dict[str, int] = {}
+
+    def sample(self, lanes: Lanes | None, pool: UpstreamPool | None) -> None:
+        m = self.model
+        if lanes is not None:
+            for name, s in lanes.lanes.items():
+                self.lane_waiting.labels(m, name).set(s.waiting)
+                self.lane_in_use.labels(m, name).set(s.in_use)
+            for part, v in (("total", lanes.capacity), ("reserved", lanes.reserved), ("burst", lanes.burst),
+                            ("general", lanes.general)):
+                self.lane_capacity.labels(m, part).set(v)
+        if pool is not None:
+            for rep in pool.replicas:
+                self.up_outstanding.labels(m, rep.name).set(rep.outstanding_tokens)
+                self.up_in_flight.labels(m, rep.name).set(rep.in_flight)
+                self.up_waiting.labels(m, rep.name).set(rep.upstream_waiting)
+                self.up_healthy.labels(m, rep.name).set(1 if rep.available else 0)
+                opened = rep.breaker.opened_total - self._opened.get(rep.name, 0)
+                if opened > 0:
+                    self.up_breaker_open.labels(m, rep.name).inc(opened)
+                    self._opened[rep.name] = rep.breaker.opened_total

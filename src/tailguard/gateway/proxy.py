@@ -1,0 +1,227 @@
+"""The upstream backend: a request forwarded to a replica of an OpenAI-compatible engine, its stream read back as
+token events, with a retry on another replica when one fails before the first token.
+
+The client's JSON body is forwarded as it came (the gateway does not tokenize: the upstream owns its tokenizer), with
+``stream`` forced on so that every token's arrival is timed, ``stream_options.include_usage`` so that the token
+counts are the upstream's own, and the model name, ``max_tokens`` and (where the replica accepts it) ``priority`` set
+by the gateway. Each content chunk is one event; the final event carries the usage the upstream reported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from tailguard.engine.engine import EngineStats, TokenEvent
+from tailguard.gateway.upstream import NoReplica, Replica, UpstreamPool
+
+log = logging.getLogger("tailguard.gateway")
+perf_counter = time.perf_counter
+UNKNOWN_TOKEN = -1  # an upstream chunk's token id is not known to the gateway
+
+
+@dataclass
+class UpstreamEvent(TokenEvent):
+    replica: str | None = None
+    attempts: int = 1
+
+
+class UpstreamError(Exception):
+    """An upstream failed: ``status`` is what the client gets (the upstream's own 4xx, or 502/503)."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, retry_after: int | None = None,
+                 before_first_token: bool = True) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.retry_after = retry_after
+        self.before_first_token = before_first_token
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        obj = json.loads(raw)
+        err = obj.get("error", obj) if isinstance(obj, dict) else obj
+        if isinstance(err, dict):
+            return str(err.get("message") or err)[:500]
+        return str(err)[:500]
+    except ValueError:
+        return raw[:300].decode("utf-8", "replace")
+
+
+class UpstreamBackend:
+    """A ``Backend`` over a pool of upstream replicas. It takes the request as text, not token ids."""
+
+    takes_text = True
+    tokenizer = None
+
+    def __init__(self, pool: UpstreamPool, model_name: str | None = None, max_model_len: int = 0) -> None:
+        self.pool = pool
+        self._name = model_name
+        self.max_model_len = max_model_len
+        self.error: BaseException | None = None
+
+    @property
+    def model_name(self) -> str:
+        if self._name:
+            return self._name
+        for r in self.pool.replicas:
+            if r.model:
+                return r.model
+        return "upstream"
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def aclose(self) -> None:
+        await self.pool.close()
+
+    def shutdown(self) -> None:  # the pool is closed by ``aclose`` on the event loop
+        pass
+
+    def check_request(self, num_prompt_tokens: int, sampling: Any) -> None:
+        pass  # the upstream validates against its own model
+
+    def abort(self, request_id: str) -> None:
+        pass  # closing the event stream closes the upstream connection, which aborts the request there
+
+    def stats(self) -> EngineStats:
+        reps = self.pool.replicas
+        return EngineStats(running=sum(r.in_flight for r in reps), waiting=int(sum(r.upstream_waiting for r in reps)),
+                           kv_blocks_total=0, kv_blocks_used=0, num_preemptions=0, steps=0)
+
+    async def generate_request(self, body: dict[str, Any], chat: bool, request_id: str, *, priority: int = 0,
+                               est_tokens: int = 0, affinity_key: str | None = None,
+                               headers: dict[str, str] | None = None) -> AsyncIterator[UpstreamEvent]:
+        """Stream the request's tokens from a replica; retry elsewhere while no token has come back."""
+        pool = self.pool
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        tried: set[str] = set()
+        last: UpstreamError | None = None
+        for attempt in range(1, pool.routing.retries + 2):
+            try:
+                r = pool.pick(affinity_key, tried)
+            except NoReplica as exc:
+                if last is not None:
+                    raise last from None
+                raise UpstreamError(503, str(exc), code="no_upstream", retry_after=5) from None
+            tried.add(r.name)
+            out = dict(body)
+            out["stream"] = True
+            out["stream_options"] = {"include_usage": True}
+            if r.model:
+                out["model"] = r.model
+            if r.cfg.send_priority:
+                out["priority"] = priority
+            hdrs = {"Content-Type": "application/json", "X-Request-ID": request_id, **r.headers(), **(headers or {})}
+            produced = False
+            try:
+                async for ev in self._attempt(r, path, out, hdrs, request_id, est_tokens, chat):
+                    produced = produced or ev.token_id is not None
+                    ev.replica = r.name
+                    ev.attempts = attempt
+                    yield ev
+                return
+            except UpstreamError as exc:
+                if produced or not exc.before_first_token or exc.status < 500 and exc.status != 429:
+                    exc.before_first_token = not produced
+                    raise
+                last = exc
+                log.warning("upstream %s failed before the first token (%s); %s", r.name, exc.message,
+                            "retrying on another replica" if attempt <= pool.routing.retries else "giving up")
+        assert last is not None
+        raise last
+
+    async def _attempt(self, r: Replica, path: str, body: dict[str, Any], headers: dict[str, str],
+                       request_id: str, est_tokens: int, chat: bool) -> AsyncIterator[UpstreamEvent]:
+        session = self.pool.session
+        assert session is not None, "the upstream pool is not started"
+        r.in_flight += 1
+        r.requests += 1
+        r.outstanding_tokens += est_tokens
+        r.breaker.begin()
+        sent = perf_counter()
+        first: float | None = None
+        n_out = 0
+        usage: dict | None = None
+        finish: str | None = None
+        ok = False
+        try:
+            try:
+                async with session.post(r.url + path, data=json.dumps(body), headers=headers) as resp:
+                    if resp.status != 200:
+                        raw = await resp.read()
+                        raise UpstreamError(resp.status if resp.status < 500 else 502,
+                                            f"upstream {r.name} answered {resp.status}: {_error_message(raw)}",
+                                            code="upstream_error" if resp.status >= 500 else None,
+                                            retry_after=_retry_after(resp.headers.get("Retry-After")))
+                    async for line in resp.content:
+                        if not line.startswith(b"data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == b"[DONE]":
+                            ok = True
+                            break
+                        now = perf_counter()
+                        try:
+                            obj = json.loads(payload)
+                        except ValueError:
+                            raise UpstreamError(502, f"upstream {r.name} sent unparsable SSE data") from None
+                        if obj.get("error") and not obj.get("choices"):
+                            err = obj["error"]
+                            msg = err.get("message", err) if isinstance(err, dict) else err
+                            raise UpstreamError(502, f"upstream {r.name} failed mid-stream: {msg}",
+                                                code="upstream_error", before_first_token=first is None)
+                        if obj.get("usage"):
+                            usage = obj["usage"]
+                        for ch in obj.get("choices") or ():
+                            text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                            if ch.get("finish_reason"):
+                                finish = ch["finish_reason"]
+                            if text:
+                                if first is None:
+                                    first = now
+                                    r.ttft_ewma = (now - sent) if r.ttft_ewma is None else \
+                                        0.8 * r.ttft_ewma + 0.2 * (now - sent)
+                                n_out += 1
+                                r.outstanding_tokens -= 1
+                                yield UpstreamEvent(request_id, UNKNOWN_TOKEN, text, now)
+            except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
+                raise UpstreamError(502, f"upstream {r.name} connection failed: {type(exc).__name__}: {exc}"[:400],
+                                    code="upstream_unreachable", before_first_token=first is None) from None
+            if not ok:
+                raise UpstreamError(502, f"upstream {r.name} ended the stream without [DONE]",
+                                    code="upstream_error", before_first_token=first is None)
+            now = perf_counter()
+            yield UpstreamEvent(
+                request_id, None, "", now, finished=True, finish_reason=finish or "stop",  # type: ignore[arg-type]
+                num_prompt_tokens=int((usage or {}).get("prompt_tokens") or 0),
+                num_output_tokens=int((usage or {}).get("completion_tokens") or n_out),
+                first_token=first,
+            )
+            r.breaker.success()
+        except UpstreamError as exc:
+            if exc.status >= 500:
+                r.errors += 1
+                r.last_error = exc.message
+                r.breaker.failure()
+            else:
+                r.breaker.success()  # the replica works; the request was refused
+            raise
+        finally:
+            r.breaker.trial = False  # a trial the client abandoned decides nothing
+            r.in_flight -= 1
+            r.outstanding_tokens -= max(0, est_tokens - n_out)
+
+
+def _retry_after(value: str | None) -> int | None:
+    if value and value.strip().isdigit():
+        return int(value.strip())
+    return None

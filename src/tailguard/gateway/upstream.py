@@ -1,0 +1,242 @@
+"""Upstream replicas (vLLM, SGLang, llama.cpp's server, another tailguard): health, circuit breakers and routing.
+
+Routing picks, among the replicas that are healthy and whose breaker lets traffic through, the one with the least
+outstanding tokens by the power of two choices (two at random, the lighter wins: near-best balance without herding on
+one replica). With prefix affinity a request with a session key or a long shared prefix goes to the replica chosen by
+rendezvous hashing on that key, so that the replica's prefix cache is reused, unless that replica is much busier than
+the rest (bounded load). Where an upstream exposes vLLM-style ``/metrics``, its waiting queue is counted in its load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import re
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+log = logging.getLogger("tailguard.gateway")
+
+# Queue gauges of the engines we know: vLLM's, SGLang's and tailguard's own.
+_WAITING = re.compile(rb"^(?:vllm:num_requests_waiting|sglang:num_queue_reqs|tailguard_num_requests_waiting)"
+                      rb"(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+
+
+class UpstreamConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str
+    name: str | None = None
+    model: str | None = Field(None, description="the model name to send upstream; None: the first of its /v1/models")
+    api_key: SecretStr | None = None
+    max_concurrent: int = Field(64, ge=1, description="this replica's share of the gateway's capacity")
+    send_priority: bool = Field(False, description="send the lane's priority in the body (vLLM started with "
+                                                   "--scheduling-policy priority accepts it; others may refuse it)")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        v = v.rstrip("/")
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"upstream url must start with http:// or https:// (got {v!r})")
+        return v.removesuffix("/v1")
+
+
+class RoutingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    policy: str = Field("least_tokens", pattern="^(least_tokens|prefix)$")
+    prefix_chars: int = Field(512, ge=16, description="prompt characters hashed for prefix affinity")
+    affinity_slack: float = Field(1.5, ge=1, description="affinity holds while the replica's load <= slack x mean")
+    retries: int = Field(2, ge=0, description="other replicas tried when one fails before the first token")
+    health_interval_s: float = Field(2.0, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    breaker_failures: int = Field(3, ge=1, description="consecutive failures that open a replica's breaker")
+    breaker_cooldown_s: float = Field(10.0, gt=0, description="open breaker: time before one trial request")
+
+
+class CircuitBreaker:
+    """Closed -> (N consecutive failures) -> open -> (cooldown) -> half-open: one trial -> closed or open again."""
+
+    def __init__(self, failures: int, cooldown_s: float) -> None:
+        self.limit = failures
+        self.cooldown = cooldown_s
+        self.failures = 0
+        self.opened_at: float | None = None
+        self.trial = False
+        self.opened_total = 0
+
+    @property
+    def state(self) -> str:
+        if self.opened_at is None:
+            return "closed"
+        return "half_open" if time.monotonic() - self.opened_at >= self.cooldown else "open"
+
+    def allows(self) -> bool:
+        st = self.state
+        return st == "closed" or (st == "half_open" and not self.trial)
+
+    def begin(self) -> None:
+        if self.state == "half_open":
+            self.trial = True
+
+    def success(self) -> None:
+        self.failures = 0
+        self.opened_at = None
+        self.trial = False
+
+    def failure(self) -> None:
+        self.failures += 1
+        self.trial = False
+        if self.opened_at is not None or self.failures >= self.limit:
+            if self.opened_at is None:
+                self.opened_total += 1
+            self.opened_at = time.monotonic()
+
+
+@dataclass
+class Replica:
+    cfg: UpstreamConfig
+    breaker: CircuitBreaker
+    name: str = ""
+    model: str | None = None
+    healthy: bool = True  # optimistic until the first check says otherwise
+    in_flight: int = 0
+    outstanding_tokens: int = 0
+    upstream_waiting: float = 0.0  # from its /metrics, when it has them
+    requests: int = 0
+    errors: int = 0
+    last_error: str | None = None
+    ttft_ewma: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return self.cfg.url
+
+    @property
+    def available(self) -> bool:
+        return self.healthy and self.breaker.allows()
+
+    def load(self, tokens_per_waiting: int = 256) -> float:
+        return self.outstanding_tokens + self.upstream_waiting * tokens_per_waiting
+
+    def headers(self) -> dict[str, str]:
+        if self.cfg.api_key is None:
+            return {}
+        return {"Authorization": f"Bearer {self.cfg.api_key.get_secret_value()}"}
+
+
+class NoReplica(Exception):
+    pass
+
+
+class UpstreamPool:
+    def __init__(self, upstreams: list[UpstreamConfig], routing: RoutingConfig | None = None,
+                 rng: random.Random | None = None) -> None:
+        if not upstreams:
+            raise ValueError("at least one upstream is needed")
+        self.routing = routing or RoutingConfig()
+        self.replicas: list[Replica] = []
+        for i, u in enumerate(upstreams):
+            name = u.name or u.url.split("://", 1)[1]
+            if any(r.name == name for r in self.replicas):
+                name = f"{name}#{i}"
+            self.replicas.append(Replica(u, CircuitBreaker(self.routing.breaker_failures,
+                                                           self.routing.breaker_cooldown_s), name=name, model=u.model))
+        self.rng = rng or random.Random()
+        self.session: aiohttp.ClientSession | None = None
+        self._health: asyncio.Task | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        self.session = aiohttp.ClientSession(connector=conn, trust_env=False, auto_decompress=False,
+                                             timeout=aiohttp.ClientTimeout(total=None,
+                                                                           sock_connect=self.routing.connect_timeout_s))
+        await self.check_all()
+        self._health = asyncio.create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+        if self.session is not None:
+            await self.session.close()
+
+    @property
+    def capacity(self) -> int:
+        return sum(r.cfg.max_concurrent for r in self.replicas if r.available) or 1
+
+    # --- health -----------------------------------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.routing.health_interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # noqa: BLE001 - a failed round must not end health checking
+                log.exception("upstream health check")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(r) for r in self.replicas))
+
+    async def check(self, r: Replica) -> None:
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.routing.health_interval_s))
+        was = r.healthy
+        try:
+            async with self.session.get(r.url + "/v1/models", headers=r.headers(), timeout=timeout) as resp:
+                ok = resp.status == 200
+                if ok and r.model is None:
+                    data = await resp.json(content_type=None)
+                    models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
+                    r.model = models[0] if models else None
+            if ok:
+                await self._scrape(r, timeout)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            ok = False
+            r.last_error = f"health check: {type(exc).__name__}: {exc}"[:300]
+        r.healthy = ok
+        if ok and r.breaker.state != "closed" and r.in_flight == 0:
+            r.breaker.success()  # a replica that answers again is given traffic again
+        if was != ok:
+            log.warning("upstream %s is %s", r.name, "healthy" if ok else f"unhealthy ({r.last_error})")
+
+    async def _scrape(self, r: Replica, timeout: aiohttp.ClientTimeout) -> None:
+        assert self.session is not None
+        try:
+            async with self.session.get(r.url + "/metrics", headers=r.headers(), timeout=timeout) as resp:
+                if resp.status != 200:
+                    return
+                body = await resp.read()
+        except (aiohttp.ClientError, TimeoutError):
+            return
+        found = [float(m) for m in _WAITING.findall(body)]
+        r.upstream_waiting = sum(found) if found else 0.0
+
+    # --- routing ----------------------------------------------------------------------------------------------------
+    def pick(self, affinity_key: str | None = None, exclude: set[str] | None = None) -> Replica:
+        pool = [r for r in self.replicas if r.available and (not exclude or r.name not in exclude)]
+        if not pool:
+            down = "; ".join(f"{r.name}: {'breaker ' + r.breaker.state if r.healthy else 'unhealthy'}"
+                             for r in self.replicas)
+            raise NoReplica(f"no upstream replica is available ({down})")
+        if len(pool) == 1:
+            return pool[0]
+        if affinity_key is not None and self.routing.policy == "prefix":
+            best = max(pool, key=lambda r: hashlib.blake2b(f"{r.name}\0{affinity_key}".encode(),
+                                                           digest_size=8).digest())
+            mean = sum(r.load() for r in pool) / len(pool)
+            if best.load() <= self.routing.affinity_slack * mean + 256:
+                return best
+        a, b = self.rng.sample(pool, 2)
+        return a if a.load() <= b.load() else b
+
+    def affinity_key(self, session: str | None, prompt: str) -> str | None:
+        if self.routing.policy != "prefix":
+            return None
+        if session:
+            return "s:" + session
+        return "p:" + prompt[: self.routing.prefix_chars] if prompt else None

@@ -1,0 +1,275 @@
+"""The gateway's parts on their own: lanes and reserved capacity, tenants and rate limits, breakers, routing and the
+stall watch. Deterministic: no servers, injected clocks where time matters."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from tailguard.gateway.lanes import CapacityConfig, LaneConfig, Lanes, Overloaded, default_lanes
+from tailguard.gateway.streams import KEEPALIVE, Stalled, watch
+from tailguard.gateway.tenants import KeyFile, RateLimited, Tenant, TenantConfig, Tenants, TokenBucket, hash_key
+from tailguard.gateway.upstream import CircuitBreaker, RoutingConfig, UpstreamConfig, UpstreamPool
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def spin() -> None:
+    """Let woken waiters run (an admission resolves a future; its task needs a few loop turns)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+# --- lanes --------------------------------------------------------------------------------------------------------
+def test_capacity_split_and_vip_admitted_while_batch_saturates():
+    async def main():
+        lanes = Lanes(default_lanes(), 20)
+        assert (lanes.reserved, lanes.burst, lanes.general) == (4, 1, 15)
+        # Batch alone may borrow the idle reserve but never the burst pool: 15 general + 4 reserved.
+        for _ in range(19):
+            await lanes.acquire("batch", "crawler")
+        waiter = asyncio.create_task(lanes.acquire("batch", "crawler"))
+        await asyncio.sleep(0)
+        assert not waiter.done() and lanes.lanes["batch"].waiting == 1
+        # A VIP arrival is admitted at once, even though batch borrowed its reserve (the engine preempts by
+        # priority); while VIP is busy, batch gets nothing back.
+        for _ in range(4):
+            assert await asyncio.wait_for(lanes.acquire("vip", "acme"), 0.1) == 0.0
+        assert lanes.lanes["vip"].in_use == 4
+        lanes.release("batch")
+        await spin()
+        assert not waiter.done()  # the freed slot was borrowed reserve: it goes back to VIP, not to batch
+        waiter.cancel()
+    run(main())
+
+
+def test_standard_may_burst_batch_may_not_and_priority_order_on_release():
+    async def main():
+        lanes = Lanes(default_lanes(), 20)
+        await lanes.acquire("vip", "acme")  # VIP busy: no borrowing of the reserve
+        for _ in range(15):
+            await lanes.acquire("batch", "b")
+        std = asyncio.create_task(lanes.acquire("standard", "s"))
+        await asyncio.sleep(0)
+        assert std.done()  # the burst pool
+        more_batch = asyncio.create_task(lanes.acquire("batch", "b"))
+        more_std = asyncio.create_task(lanes.acquire("standard", "s"))
+        await asyncio.sleep(0)
+        assert not more_batch.done() and not more_std.done()
+        lanes.release("batch")
+        await spin()
+        assert more_std.done() and not more_batch.done()  # the more important lane is served first
+        more_batch.cancel()
+    run(main())
+
+
+def test_fair_queueing_round_robin_between_tenants():
+    async def main():
+        lanes = Lanes({"std": LaneConfig(priority=1)}, 1, CapacityConfig(reserved_share=0, burst_share=0))
+        await lanes.acquire("std", "holder")
+        order: list[str] = []
+
+        async def one(tenant: str) -> None:
+            await lanes.acquire("std", tenant)
+            order.append(tenant)
+
+        tasks = [asyncio.create_task(one("flood")) for _ in range(4)]
+        await asyncio.sleep(0)
+        tasks += [asyncio.create_task(one("small")) for _ in range(2)]
+        await asyncio.sleep(0)
+        for _ in range(6):
+            lanes.release("std")
+            await spin()
+        await asyncio.gather(*tasks)
+        assert order == ["flood", "small", "flood", "small", "flood", "flood"]
+    run(main())
+
+
+def test_bounded_queue_and_deadline_give_429_with_retry_after():
+    async def main():
+        cfg = LaneConfig(max_queue=2, max_queue_wait_s=0.05)
+        lanes = Lanes({"std": cfg}, 1, CapacityConfig(reserved_share=0, burst_share=0))
+        await lanes.acquire("std")
+        waiting = [asyncio.create_task(lanes.acquire("std")) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded) as full:
+            await lanes.acquire("std")
+        assert 1 <= full.value.retry_after <= 60
+        for t in waiting:
+            with pytest.raises(Overloaded):
+                await t  # past the 50 ms deadline
+        snap = lanes.snapshot()["std"]
+        assert snap["waiting"] == 0 and snap["in_use"] == 1 and snap["refused"] == 3
+    run(main())
+
+
+def test_refused_at_once_when_the_drain_rate_says_the_deadline_cannot_be_met():
+    async def main():
+        cfg = LaneConfig(max_queue=100, max_queue_wait_s=1.0)
+        lanes = Lanes({"std": cfg}, 1, CapacityConfig(reserved_share=0, burst_share=0, drain_window_s=10))
+        for _ in range(8):  # 8 admissions in 10 s: 0.8/s, so the next would wait ~1.25 s > 1 s
+            await lanes.acquire("std")
+            lanes.release("std")
+        await lanes.acquire("std")
+        with pytest.raises(Overloaded) as exc:
+            await lanes.acquire("std")
+        assert exc.value.retry_after == 2  # ceil(9 / 8 admissions per 10 s)
+        assert lanes.lanes["std"].waiting == 0  # it never took a queue place
+    run(main())
+
+
+def test_a_cancelled_waiter_leaves_the_queue_and_releases_admit_the_next():
+    async def main():
+        lanes = Lanes({"std": LaneConfig()}, 1, CapacityConfig(reserved_share=0, burst_share=0))
+        await lanes.acquire("std")
+        gone = asyncio.create_task(lanes.acquire("std", "a"))
+        stays = asyncio.create_task(lanes.acquire("std", "b"))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await spin()
+        assert lanes.lanes["std"].waiting == 1
+        lanes.release("std")
+        await asyncio.wait_for(stays, 1)
+        assert lanes.lanes["std"].in_use == 1
+    run(main())
+
+
+# --- tenants --------------------------------------------------------------------------------------------------------
+def test_key_file_round_trip_keeps_only_hashes(tmp_path):
+    path = tmp_path / "keys.yaml"
+    kf = KeyFile()
+    key = kf.add_key("acme", "vip", requests_per_s=5.0)
+    kf.save(path)
+    text = path.read_text()
+    assert key not in text and hash_key(key) in text
+    tenants = Tenants.load(path)
+    t = tenants.lookup(key)
+    assert t is not None and t.name == "acme" and t.lane == "vip"
+    assert tenants.lookup("tg-wrong") is None and tenants.lookup(None) is None
+    path.write_text("tenants: {}\nkeys: [{sha256: " + "a" * 64 + ", tenant: ghost}]\n")
+    with pytest.raises(ValueError, match="ghost"):
+        KeyFile.load(path)
+
+
+def test_token_bucket_and_tenant_limits():
+    b = TokenBucket(rate=2.0, capacity=4.0, now=0.0)
+    assert [b.take(1, now=0.0) for _ in range(4)] == [0.0] * 4
+    assert b.take(1, now=0.0) == pytest.approx(0.5)
+    assert b.take(1, now=0.5) == 0.0
+    t = Tenant("acme", TenantConfig(requests_per_s=1, burst_s=1), now=0.0)
+    t.charge(10, now=0.0)
+    with pytest.raises(RateLimited, match="request rate") as exc:
+        t.charge(10, now=0.5)  # half a request saved up
+    assert exc.value.retry_after == 1
+    t.charge(10, now=1.0)
+    t = Tenant("acme", TenantConfig(tokens_per_s=100, burst_s=1), now=0.0)
+    t.charge(60, now=0.0)
+    with pytest.raises(RateLimited, match="token rate"):
+        t.charge(60, now=0.1)  # 40 left + 10 refilled < 60
+    t.refund(20)  # output charged but never produced
+    t.charge(60, now=0.1)
+
+
+def test_breaker_opens_after_failures_and_half_opens_after_cooldown():
+    br = CircuitBreaker(failures=3, cooldown_s=0.05)
+    for _ in range(2):
+        br.failure()
+    assert br.allows() and br.state == "closed"
+    br.failure()
+    assert br.state == "open" and not br.allows()
+    import time
+
+    time.sleep(0.06)
+    assert br.state == "half_open" and br.allows()
+    br.begin()
+    assert not br.allows()  # one trial at a time
+    br.failure()
+    assert br.state == "open"
+    time.sleep(0.06)
+    br.begin()
+    br.success()
+    assert br.state == "closed" and br.allows()
+
+
+# --- routing ----------------------------------------------------------------------------------------------------------
+def _pool(n: int, policy: str = "least_tokens") -> UpstreamPool:
+    ups = [UpstreamConfig(url=f"http://127.0.0.1:{9000 + i}") for i in range(n)]
+    return UpstreamPool(ups, RoutingConfig(policy=policy), rng=random.Random(7))
+
+
+def test_power_of_two_choices_prefers_the_lighter_replica():
+    pool = _pool(3)
+    pool.replicas[0].outstanding_tokens = 5000
+    pool.replicas[1].outstanding_tokens = 10
+    pool.replicas[2].outstanding_tokens = 4000
+    picks = [pool.pick().name for _ in range(300)]
+    assert picks.count(pool.replicas[0].name) == 0  # the heaviest never wins a pair
+    assert picks.count(pool.replicas[1].name) > 150
+    pool.replicas[1].healthy = False
+    assert pool.replicas[1].name not in {pool.pick().name for _ in range(50)}
+    assert pool.pick(exclude={pool.replicas[2].name}).name == pool.replicas[0].name
+
+
+def test_prefix_affinity_is_stable_and_yields_to_load():
+    pool = _pool(4, "prefix")
+    key = pool.affinity_key(None, "You are a helpful assistant. " * 10)
+    chosen = {pool.pick(key).name for _ in range(20)}
+    assert len(chosen) == 1
+    keys = [pool.affinity_key(f"session-{i}", "") for i in range(200)]
+    spread = {pool.pick(k).name for k in keys}
+    assert len(spread) == 4  # sessions spread over every replica
+    (name,) = chosen
+    busy = next(r for r in pool.replicas if r.name == name)
+    busy.outstanding_tokens = 100_000
+    assert pool.pick(key).name != name  # bounded load: affinity gives way
+
+
+# --- the stall watch ------------------------------------------------------------------------------------------------
+class _Ev:
+    def __init__(self, token_id, finished=False):
+        self.token_id = token_id
+        self.finished = finished
+
+
+async def _scripted(gaps: list[float], closed: list[bool]):
+    try:
+        for g in gaps:
+            await asyncio.sleep(g)
+            yield _Ev(1)
+        yield _Ev(None, finished=True)
+    finally:
+        closed.append(True)
+
+
+def test_watch_passes_on_time_streams_and_stalls_after_consecutive_misses():
+    async def main():
+        closed: list[bool] = []
+        got = [e async for e in watch(_scripted([0.0, 0.01, 0.01], closed), ttft_deadline=0.2, itl_deadline=0.2)]
+        assert len(got) == 4 and closed == [True]
+        closed.clear()
+        misses: list[str] = []
+        with pytest.raises(Stalled) as exc:
+            async for _ in watch(_scripted([0.0, 0.01, 5.0], closed), ttft_deadline=0.2, itl_deadline=0.03,
+                                 misses=3, on_miss=misses.append):
+                pass
+        assert misses == ["itl"] * 3 and not exc.value.before_first_token
+        assert closed == [True]  # the backend's stream was closed (its request aborted)
+    run(main())
+
+
+def test_watch_late_tokens_keep_the_streak_and_keepalives_come_before_the_first_token():
+    async def main():
+        closed: list[bool] = []
+        with pytest.raises(Stalled):
+            # Each gap misses its deadline once: a late token does not clear the streak.
+            async for _ in watch(_scripted([0.0, 0.05, 0.05, 0.05], closed), ttft_deadline=1, itl_deadline=0.03):
+                pass
+        out = [e async for e in watch(_scripted([0.12, 0.0], []), ttft_deadline=None, itl_deadline=None,
+                                      keepalive=0.05)]
+        assert out[0] is KEEPALIVE and out[1] is KEEPALIVE and out[2] is not KEEPALIVE
+        assert sum(e is KEEPALIVE for e in out) == 2
+    run(main())
