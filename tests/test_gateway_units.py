@@ -10,7 +10,15 @@ import pytest
 
 from tailguard.gateway.lanes import CapacityConfig, LaneConfig, Lanes, Overloaded, default_lanes
 from tailguard.gateway.streams import KEEPALIVE, Stalled, watch
-from tailguard.gateway.tenants import KeyFile, RateLimited, Tenant, TenantConfig, Tenants, TokenBucket, hash_key
+from tailguard.gateway.tenants import (
+    KeyFile,
+    RateLimited,
+    Tenant,
+    TenantConfig,
+    Tenants,
+    TokenBucket,
+    hash_key,
+)
 from tailguard.gateway.upstream import CircuitBreaker, RoutingConfig, UpstreamConfig, UpstreamPool
 
 

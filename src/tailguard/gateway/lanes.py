@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
 MIN_DRAIN_SAMPLES = 8  # admissions in the window before the drain rate is trusted to refuse a request at once
 
 

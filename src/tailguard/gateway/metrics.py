@@ -18,27 +18,27 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry, model: str) -> None:
         r = registry
         self.model = model
-        lane = ["model_name", "lane"]
-        rep = ["model_name", "replica"]
+        lane = ["model", "lane"]
+        rep = ["model", "replica"]
         self.lane_waiting = Gauge("tailguard_lane_waiting_requests", "Requests waiting for admission, per lane.",
                                   lane, registry=r)
         self.lane_in_use = Gauge("tailguard_lane_in_use_sequences", "Admitted sequences in flight, per lane.", lane,
                                  registry=r)
         self.lane_capacity = Gauge("tailguard_lane_capacity_sequences",
                                    "Capacity split: total, reserved, burst and general sequences.",
-                                   ["model_name", "part"], registry=r)
+                                   ["model", "part"], registry=r)
         self.lane_refused = Counter("tailguard_lane_refused_requests",
                                     "Requests refused with 429 by the lanes (queue full or deadline).", lane, registry=r)
         self.lane_wait = Histogram("tailguard_lane_wait_seconds", "Time a request waited for its lane to admit it.",
                                    lane, buckets=LATENCY_BUCKETS, registry=r)
         self.rate_limited = Counter("tailguard_tenant_rate_limited_requests",
                                     "Requests refused by a tenant's request or token rate limit.",
-                                    ["model_name", "tenant"], registry=r)
+                                    ["model", "tenant"], registry=r)
         self.lane_claims_ignored = Counter("tailguard_lane_header_ignored_requests",
                                            "Requests whose X-Lane header was ignored (lanes come from the API key).",
-                                           ["model_name"], registry=r)
+                                           ["model"], registry=r)
         self.stalls = Counter("tailguard_stream_stall_misses", "Missed TTFT or inter-token deadlines.",
-                              ["model_name", "lane", "kind"], registry=r)
+                              ["model", "lane", "kind"], registry=r)
         self.degraded = Counter("tailguard_stream_degraded_requests",
                                 "Streams switched to a degraded answer after consecutive stalls.", lane, registry=r)
         self.interrupted = Counter("tailguard_stream_interrupted_requests",

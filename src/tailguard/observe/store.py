@@ -530,6 +530,8 @@ class RequestStore:
             if tl.logprobs is not None:
                 logprobs = self._logprobs(tl, output_text)
         body = {k: rec[k] for k in ("timestamps", "token_times", "token_sent", "resources", "preemptions", "owner")}
+        if rec.get("gateway"):
+            body["gateway"] = rec["gateway"]  # tenant, lane wait, replica, attempts, stalls
         body["sampling"] = self._sampling(rec["sampling"])
         action = json.dumps(tl.slo_action, separators=(",", ":")) if tl.slo_action else None
         return tuple(_safe(v) for v in (
@@ -719,6 +721,7 @@ def row_to_record(row: sqlite3.Row) -> dict[str, Any]:
         "region": row["region"] or "default",
         "degraded": bool(row["degraded"]),
         "slo_action": json.loads(row["slo_action"]) if row["slo_action"] else None,
+        "gateway": body.get("gateway"),
     }
     if any(row[k] is not None for k in ("prompt_text", "output_text", "prompt_token_ids", "logprobs")):
         rec["prompt_text"] = row["prompt_text"]

@@ -1,0 +1,263 @@
+"""The gateway in front of real replica processes (``tailguard serve`` with the fake engine, whose timings the test
+sets, or the tiny model): routing spreads load, failures before the first token are retried elsewhere, a replica
+killed mid-stream ends the stream with a clean error event, a stalled replica degrades the answer, lanes come from API
+keys only, VIP is admitted while batch saturates, overload gets 429 + Retry-After, and aborted streams give their
+capacity back."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from tailguard.gateway.tenants import KeyFile
+from tailguard.serving.backend import build_backend
+from tailguard.serving.server import ThreadedServer
+from tests.serving_helpers import ADMIN, make_config, settle, wait_until
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Replica:
+    url: str
+    proc: subprocess.Popen
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def replica(tmp: Path, name: str, model: str = "fake", **fake: Any) -> Iterator[Replica]:
+    """A real ``tailguard serve`` process on a free loopback port."""
+    port = _free_port()
+    cfg = tmp / f"{name}.yaml"
+    cfg.write_text(yaml.safe_dump({"fake": fake, "slo": {"enabled": False}}))
+    cmd = [sys.executable, "-m", "tailguard.cli", "serve", "--model", model, "--port", str(port), "--config",
+           str(cfg), "--store", str(tmp / f"{name}.sqlite3"), "--no-access-log", "--log-level", "warning"]
+    if model != "fake":
+        cmd += ["--threads", "1", "--max-num-seqs", "8", "--kv-cache-tokens", "2048"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    rep = Replica(f"http://127.0.0.1:{port}", proc)
+    try:
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"replica {name} exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                return httpx.get(rep.url + "/ready", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+        assert wait_until(ready, timeout=90, interval=0.1), f"replica {name} did not get ready"
+        yield rep
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@contextlib.contextmanager
+def gateway(tmp: Path, urls: list[str], **cfg: Any) -> Iterator[ThreadedServer]:
+    config = make_config(tmp, upstreams=[{"url": u, "max_concurrent": cfg.pop("per_replica", 64)} for u in urls],
+                         **cfg)
+    with ThreadedServer(config, engine_factory=lambda: build_backend(config)) as server:
+        assert wait_until(lambda: server.state.ready, timeout=30)
+        yield server
+
+
+def chat(url: str, key: str | None = None, max_tokens: int = 4, stream: bool = False, client: Any = None,
+         **headers: str) -> httpx.Response:
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": max_tokens,
+            "stream": stream}
+    hdrs = {**headers, **({"Authorization": f"Bearer {key}"} if key else {})}
+    return (client or httpx).post(url + "/v1/chat/completions", json=body, headers=hdrs, timeout=60)
+
+
+def record(server: ThreadedServer, r: httpx.Response) -> dict:
+    settle(server)
+    rec = server.state.store.get(r.headers["x-request-id"])
+    assert rec is not None
+    return rec
+
+
+def keyfile(tmp: Path) -> tuple[Path, dict[str, str]]:
+    kf = KeyFile()
+    keys = {"vip": kf.add_key("acme", "vip"), "batch": kf.add_key("crawler", "batch"),
+            "std": kf.add_key("shop", "standard")}
+    path = tmp / "keys.yaml"
+    kf.save(path)
+    return path, keys
+
+
+def test_routing_spreads_load_and_reports_replicas(tmp_path):
+    with replica(tmp_path, "a", ttft=0.02, itl=0.005) as a, replica(tmp_path, "b", ttft=0.02, itl=0.005) as b, \
+            gateway(tmp_path, [a.url, b.url]) as gw:
+        with httpx.Client() as c, ThreadPoolExecutor(8) as pool:
+            out = list(pool.map(lambda _: chat(gw.url, client=c, max_tokens=8), range(32)))
+        assert all(r.status_code == 200 for r in out), [r.text for r in out if r.status_code != 200]
+        body = out[0].json()
+        assert body["choices"][0]["message"]["content"] and body["usage"]["completion_tokens"] == 8
+        reps = [record(gw, r)["gateway"]["replica"] for r in out]
+        assert {reps.count(n) for n in set(reps)} and len(set(reps)) == 2
+        assert min(reps.count(n) for n in set(reps)) >= 6  # both carry a fair share
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert "tailguard_upstream_healthy" in metrics and "tailguard_lane_in_use_sequences" in metrics
+        s = chat(gw.url, stream=True, max_tokens=5)
+        events = [line for line in s.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 6
+
+
+def test_failure_before_first_token_is_retried_elsewhere_and_opens_the_breaker(tmp_path):
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    with replica(tmp_path, "a", ttft=0.01, itl=0.001) as a, \
+            gateway(tmp_path, [dead, a.url], routing={"health_interval_s": 60, "breaker_failures": 2}) as gw:
+        pool = gw.state.engine.pool
+        dead_rep = next(r for r in pool.replicas if r.url == dead)
+        dead_rep.healthy = True  # as if it had just died: the health check has not noticed yet
+        out = [chat(gw.url) for _ in range(12)]
+        assert all(r.status_code == 200 for r in out), [r.text for r in out]
+        attempts = [record(gw, r)["gateway"]["attempts"] for r in out]
+        assert 2 in attempts  # some went to the dead replica first and were retried on the live one
+        assert dead_rep.breaker.state in ("open", "half_open") and dead_rep.errors >= 2
+
+
+def test_replica_killed_mid_stream_gives_a_clean_error_event(tmp_path):
+    with replica(tmp_path, "a", ttft=0.01, itl=0.05) as a, gateway(tmp_path, [a.url]) as gw:
+        with httpx.Client(timeout=30) as c, c.stream(
+                "POST", gw.url + "/v1/chat/completions",
+                json={"model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200,
+                      "stream": True}) as resp:
+            assert resp.status_code == 200
+            lines = []
+            for line in resp.iter_lines():
+                lines.append(line)
+                if sum(1 for x in lines if x.startswith("data: {")) == 3:
+                    a.kill()
+            data = [x for x in lines if x.startswith("data: ")]
+        assert data[-1] == "data: [DONE]"
+        err = json.loads(data[-2][6:])["error"]
+        assert err["code"] in ("upstream_unreachable", "upstream_error") and "request id" in err["message"]
+        rec = record(gw, resp)
+        assert rec["status"] == 502 and rec["outcome"] == "error"
+
+
+def test_stalled_replica_degrades_after_three_misses(tmp_path):
+    lanes = {"standard": {"priority": 1, "itl_deadline_s": 0.1, "ttft_deadline_s": 1.0}}
+    with replica(tmp_path, "slow", ttft=0.01, itl=1.0) as a, gateway(tmp_path, [a.url], lanes=lanes) as gw:
+        t0 = time.perf_counter()
+        r = chat(gw.url, max_tokens=20, stream=True)
+        took = time.perf_counter() - t0
+        assert r.status_code == 200 and took < 3.0  # not 20 s: the stream was cut after 3 missed deadlines
+        assert "service is overloaded" in r.text and r.text.rstrip().endswith("data: [DONE]")
+        last = json.loads([x for x in r.text.splitlines() if x.startswith("data: {")][-1][6:])
+        assert last["system_fingerprint"] == "tailguard-degraded:stall"
+        rec = record(gw, r)
+        assert rec["degraded"] is True and rec["slo_action"]["mode"] == "stall"
+        assert rec["gateway"]["itl_misses"] == 3
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert 'tailguard_stream_degraded_requests_total{lane="standard",model="fake"}' in metrics
+
+
+def test_lanes_come_from_keys_and_a_header_cannot_claim_vip(tmp_path):
+    path, keys = keyfile(tmp_path)
+    with replica(tmp_path, "a", ttft=0.01, itl=0.001) as a, gateway(tmp_path, [a.url], keys_file=str(path)) as gw:
+        assert chat(gw.url).status_code == 401  # a key file means keys are required
+        assert chat(gw.url, key="tg-not-a-key").status_code == 401
+        r = chat(gw.url, key=keys["batch"], **{"X-Lane": "vip"})
+        assert r.status_code == 200
+        rec = record(gw, r)
+        assert rec["lane"] == "batch"
+        assert rec["gateway"] == {**rec["gateway"], "tenant": "crawler",
+                                            "lane_header_ignored": "vip"}
+        assert record(gw, chat(gw.url, key=keys["vip"]))["lane"] == "vip"
+        assert "tailguard_lane_header_ignored_requests_total" in httpx.get(gw.url + "/metrics").text
+
+
+def test_vip_admitted_while_batch_saturates_and_overload_gets_429(tmp_path):
+    path, keys = keyfile(tmp_path)
+    lanes = {"vip": {"priority": 0, "reserved": True, "sheddable": False},
+             "standard": {"priority": 1},
+             "batch": {"priority": 2, "burst": False, "max_queue": 6, "max_queue_wait_s": 20}}
+    with replica(tmp_path, "a", ttft=0.01, itl=0.02) as a, \
+            gateway(tmp_path, [a.url], keys_file=str(path), lanes=lanes, capacity={"max_concurrent": 10}) as gw:
+        lanes_state = gw.state.lanes
+        with httpx.Client(timeout=60) as c, ThreadPoolExecutor(24) as pool:
+            flood = [pool.submit(chat, gw.url, keys["batch"], 60, False, c) for _ in range(24)]
+            assert wait_until(lambda: lanes_state.lanes["batch"].in_use == 10, timeout=10)  # 8 general + 2 borrowed
+            t0 = time.perf_counter()
+            vip = chat(gw.url, keys["vip"], 2, False, c)
+            vip_took = time.perf_counter() - t0
+            results = [f.result() for f in flood]
+        assert vip.status_code == 200 and vip_took < 1.0  # no wait behind 60-token batch streams (1.2 s each)
+        assert record(gw, vip)["gateway"]["lane_wait"] < 0.05
+        codes = [r.status_code for r in results]
+        assert codes.count(200) >= 8 and codes.count(429) >= 1 and set(codes) <= {200, 429}
+        refused = next(r for r in results if r.status_code == 429)
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["code"] == "lane_overloaded"
+        settle(gw)
+        assert all(s.in_use == 0 and s.waiting == 0 for s in lanes_state.lanes.values())
+
+
+def test_aborted_streams_give_their_capacity_back(tmp_path):
+    with replica(tmp_path, "a", ttft=0.01, itl=0.05) as a, gateway(tmp_path, [a.url]) as gw:
+        lanes_state = gw.state.lanes
+        for i in range(3):
+            with httpx.Client(timeout=30) as c, c.stream(
+                    "POST", gw.url + "/v1/chat/completions",
+                    json={"model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": 500,
+                          "stream": True}, headers={"X-Request-ID": f"gone-{i}"}) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        break  # hang up after the first event
+        assert wait_until(lambda: lanes_state.lanes["standard"].in_use == 0, timeout=10)
+        assert wait_until(lambda: gw.state.engine.pool.replicas[0].in_flight == 0, timeout=10)
+        settle(gw)
+        rec = gw.state.store.get("gone-0")
+        assert rec["status"] == 499 and rec["outcome"] == "aborted"
+        # The replica saw its request aborted too (the gateway closed the upstream connection).
+        up = httpx.get(a.url + "/metrics").text
+        assert "tailguard_num_requests_running" in up and wait_until(
+            lambda: 'tailguard_num_requests_running{model="fake"} 0.0' in httpx.get(a.url + "/metrics").text)
+        assert httpx.get(gw.url + "/v1/requests/gone-0", headers=ADMIN).status_code == 200
+
+
+def test_gateway_over_two_tiny_model_replicas(tmp_path):
+    """Real engines behind the gateway: the tiny model in two ``tailguard serve`` processes."""
+    with replica(tmp_path, "t1", model="tiny") as a, replica(tmp_path, "t2", model="tiny") as b, \
+            gateway(tmp_path, [a.url, b.url]) as gw:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8,
+                "temperature": 0}
+        with ThreadPoolExecutor(4) as pool:
+            out = list(pool.map(lambda _: httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=60),
+                                range(8)))
+        assert all(r.status_code == 200 for r in out), [r.text for r in out]
+        texts = {r.json()["choices"][0]["message"]["content"] for r in out}
+        assert len(texts) == 1  # greedy: the same answer from either replica
+        direct = httpx.post(a.url + "/v1/chat/completions", json=body, timeout=60).json()
+        assert direct["choices"][0]["message"]["content"] in texts
+        reps = {record(gw, r)["gateway"]["replica"] for r in out}
+        assert len(reps) == 2
+        assert all(record(gw, r)["output_tokens"] == 8 for r in out)
