@@ -3,8 +3,9 @@
 Each step the scheduler hands the runner a list of chunks, one per sequence: a decode step is a chunk of one token, a
 prefill is cut into chunks so that a long prompt shares steps with running streams instead of freezing them. Running
 sequences in decode go first (they cost one token each), then running prefills, then newly admitted requests, in
-priority order (lower value first, then arrival). When the KV pool runs short the lowest-priority, latest request is
-preempted: its blocks are freed and it is recomputed later from its prompt plus the tokens it already produced.
+priority order (lower value first, then arrival). When the KV pool runs short, or every sequence slot is taken and a
+strictly more important request waits, the lowest-priority, latest request is preempted: its blocks are freed and it
+is recomputed later from its prompt plus the tokens it already produced.
 """
 
 from __future__ import annotations
@@ -161,12 +162,20 @@ class Scheduler:
 
         # 2. Admit waiting requests while budget, sequence slots and KV blocks (above the watermark) allow.
         # No admission in a step where running sequences already ran short of blocks. A preemption made below, for a
-        # more important request, does not stop the loop: that request is retried (and admitted) in this same step.
+        # more important request (KV blocks or sequence slots), does not stop the loop: that request is retried (and admitted) in this same step.
         running_short = bool(out.preempted)
-        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not running_short:
+        while self._waiting and budget > 0 and not running_short:
             seq = self._waiting[0][3]
             if any(seq is p for p in out.preempted):
                 break  # just pushed out to make room; it does not come straight back
+            if len(self.running) >= self.config.max_num_seqs:
+                # Every sequence slot is taken: a strictly more important request takes the slot of the least
+                # important, latest running one (otherwise a VIP waits behind batch work for a whole generation).
+                victim = victim_for(seq, self.running)
+                if victim is None or victim.priority <= seq.priority:
+                    break
+                preempt(victim)
+                continue
             n = min(seq.num_pending_tokens, budget, self.config.max_prefill_chunk)
             table = self.tables[seq.request_id]
             need = table.blocks_needed(seq.num_computed_tokens + n)
