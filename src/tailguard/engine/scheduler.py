@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tailguard.engine.blocks import BlockPool, BlockTable
@@ -38,7 +39,10 @@ class SchedulerConfig:
 class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed in this step (= tokens already in the KV cache)
-    num_tokens: int
+    num_tokens: int  # including the draft's guessed tokens
+    # Speculative guesses appended after the sequence's pending token: a verifying chunk computes the pending token
+    # and every guess in one pass, and each of its positions yields a token (speculative.py).
+    draft: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -47,11 +51,15 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so its last position yields a new token."""
-        return self.end == self.seq.num_tokens
+        return self.end - len(self.draft) == self.seq.num_tokens
 
     @property
     def is_decode(self) -> bool:
         return self.num_tokens == 1 and self.start > 0 and self.samples
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids_slice(self.start, self.end - len(self.draft)) + self.draft
 
 
 @dataclass
@@ -124,7 +132,9 @@ class Scheduler:
         return bool(self.running or self._waiting)
 
     # --- the step -------------------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, draft_for: Callable[[Sequence], list[int]] | None = None) -> SchedulerOutput:
+        """Plan one step. ``draft_for`` (speculative decoding) gives guesses for a sequence about to decode; they are
+        verified in its chunk when budget and KV blocks allow, never at the cost of another sequence's decode."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunk_of: dict[str, ScheduledChunk] = {}
@@ -143,11 +153,22 @@ class Scheduler:
             return max(pool, key=lambda s: (s.priority, s.arrival_time), default=None)
 
         # 1. Running sequences: decodes first so that prefill never starves streams, then unfinished prefills.
+        decodes_left = sum(s.in_decode for s in self.running)
         for seq in sorted(self.running, key=lambda s: (not s.in_decode, s.priority, s.arrival_time)):
             if seq.status is not SequenceStatus.RUNNING or budget <= 0:
                 continue
             n = min(seq.num_pending_tokens, budget, self.config.max_prefill_chunk)
             table = self.tables[seq.request_id]
+            draft: list[int] = []
+            if seq.in_decode:
+                decodes_left -= 1
+                if draft_for is not None:
+                    # Guesses take only budget no later decode needs, and only blocks the pool has free now.
+                    room = min(budget - 1 - decodes_left, self.config.max_prefill_chunk - 1)
+                    draft = draft_for(seq)[:room] if room > 0 else []
+                    if draft and not table.ensure(seq.num_computed_tokens + 1 + len(draft)):
+                        draft = []
+                    n += len(draft)
             while not table.ensure(seq.num_computed_tokens + n):
                 victim = victim_for(seq, self.running)
                 preempt(victim)
@@ -155,7 +176,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            chunk = ScheduledChunk(seq, seq.num_computed_tokens, n)
+            chunk = ScheduledChunk(seq, seq.num_computed_tokens, n, draft)
             out.chunks.append(chunk)
             chunk_of[seq.request_id] = chunk
             budget -= n
@@ -215,7 +236,17 @@ class Scheduler:
     # --- after the step -------------------------------------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> None:
         for chunk in out.chunks:
-            chunk.seq.num_computed_tokens = chunk.end
+            # A verifying chunk's KV is valid up to its pending token and the guesses that were accepted; the engine
+            # rolls it back (roll_back) once it knows how many. Until then, only the pending token counts.
+            chunk.seq.num_computed_tokens = chunk.end - len(chunk.draft)
+
+    def roll_back(self, seq: Sequence, num_accepted: int) -> None:
+        """Keep the KV of ``num_accepted`` verified guesses; positions past them are never read again (attention
+        masks stop at each sequence's length) and blocks no longer needed go back to the pool."""
+        seq.num_computed_tokens += num_accepted
+        table = self.tables.get(seq.request_id)
+        if table is not None and seq.status is SequenceStatus.RUNNING:
+            table.trim(seq.num_tokens)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         table = self.tables.pop(seq.request_id, None)
