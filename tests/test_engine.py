@@ -62,8 +62,8 @@ def spy_schedule(engine, monkeypatch) -> list[tuple[int, int, int]]:
     record: list[tuple[int, int, int]] = []
     original = engine.scheduler.schedule
 
-    def schedule():
-        out = original()
+    def schedule(*args, **kwargs):
+        out = original(*args, **kwargs)
         decodes = sum(c.is_decode for c in out.chunks)
         record.append((decodes, len(out.chunks) - decodes, out.num_tokens))
         return out
@@ -513,7 +513,7 @@ def test_fake_engine_stop_strings_match_the_real_engine(tiny_engine, monkeypatch
     # The real engine's model replaced by a script that produces ``text`` token by token (BPE tokens, where the fake
     # produces bytes): what is compared is the engine's own stop-string and detokenization logic.
     monkeypatch.setattr(tiny_engine.runner, "execute", lambda chunks, tables, stop_ids: [
-        SampledToken(next(script)) if c.samples else None for c in chunks])
+        [SampledToken(next(script))] if c.samples else [] for c in chunks])
     sp = SamplingParams(max_tokens=40, stop=stop)
     tiny_engine.add_request([3, 4, 5], sp, request_id="real-stop")
     real: list[TokenEvent] = []

@@ -333,3 +333,58 @@ def test_finish_frees_blocks_and_removes_from_queues():
     assert running.times.finished is not None
     assert sched.pool.num_used == 0 and not sched.has_unfinished() and sched.tables == {}
     assert sched.schedule().is_empty
+
+
+def test_vip_arrival_preempts_batch_work_at_the_sequence_cap():
+    # Plenty of KV blocks: only the sequence cap stands between the VIP and a slot.
+    sched = make_scheduler(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64)
+    batch = [make_seq(f"batch{i}", 6, max_tokens=50, priority=5) for i in range(4)]
+    for s in batch:
+        sched.add(s)
+    step(sched)
+    step(sched)
+    assert len(sched.running) == 4 and all(s.in_decode for s in batch)
+
+    # An equally important arrival waits for a free slot: equal priorities never preempt each other.
+    peer = make_seq("peer", 6, max_tokens=2, priority=5)
+    sched.add(peer)
+    for _ in range(3):
+        out = step(sched)
+        assert out.preempted == [] and peer.status is SequenceStatus.WAITING
+    sched.finish(peer, FinishReason.ABORT)
+
+    vip = make_seq("vip", 6, max_tokens=3, priority=0)
+    sched.add(vip)
+    out = step(sched)
+    latest = max(batch, key=lambda s: s.arrival_time)
+    assert out.preempted == [latest], "the least important, latest running sequence gives up its slot"
+    assert vip.status is SequenceStatus.RUNNING and "vip" in {c.seq.request_id for c in out.chunks}
+    assert latest.status is SequenceStatus.WAITING and latest.num_computed_tokens == 0
+    assert len(sched.running) == 4
+    # The preempted sequence does not take a slot back from the VIP, and gets it back once the VIP is done.
+    while not vip.is_finished:
+        out = step(sched)
+        assert latest.status is SequenceStatus.WAITING or vip.is_finished
+    run_to_completion(sched)
+    assert latest.num_preemptions == 1 and len(latest.output_token_ids) == 50
+    assert sched.pool.num_used == 0
+
+
+def test_priority_tiers_at_the_cap_preempt_only_strictly_worse():
+    sched = make_scheduler(num_blocks=256, max_num_seqs=2, max_num_batched_tokens=32)
+    mid = make_seq("mid", 4, max_tokens=20, priority=3)
+    low = make_seq("low", 4, max_tokens=20, priority=5)
+    sched.add(mid)
+    sched.add(low)
+    step(sched)
+    other_mid = make_seq("mid2", 4, max_tokens=2, priority=3)
+    sched.add(other_mid)
+    out = step(sched)
+    assert out.preempted == [low], "a better request preempts the worse one, never its equal"
+    assert {s.request_id for s in sched.running} == {"mid", "mid2"}
+    third_mid = make_seq("mid3", 4, max_tokens=2, priority=3)
+    sched.add(third_mid)
+    out = step(sched)
+    assert out.preempted == [] and third_mid.status is SequenceStatus.WAITING
+    run_to_completion(sched)
+    assert sched.pool.num_used == 0

@@ -20,6 +20,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
     p.add_argument("--max-prefill-chunk", type=int, default=256)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--speculative", default="off", choices=["off", "ngram"],
+                   help="speculative decoding: ngram (prompt lookup, exact for greedy) or off (default)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="most tokens guessed per step and request (adaptive: fewer when a request accepts few)")
+    p.add_argument("--speculative-max-running", type=int, default=4,
+                   help="no speculation while more sequences than this run (the step is then compute-bound)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> Any:
@@ -37,4 +43,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_prefill_chunk=ns.max_prefill_chunk,
         num_threads=ns.threads,
+        speculative=ns.speculative,
+        num_speculative_tokens=ns.num_speculative_tokens,
+        speculative_max_running=ns.speculative_max_running,
     )

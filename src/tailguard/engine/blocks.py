@@ -81,6 +81,13 @@ class BlockTable:
         self.blocks.extend(self.pool.allocate(need, self.owner))
         return True
 
+    def trim(self, num_tokens: int) -> None:
+        """Give back the blocks past those that hold ``num_tokens`` tokens (speculative guesses rolled back)."""
+        keep = self.pool.blocks_for(num_tokens)
+        if len(self.blocks) > keep:
+            self.pool.free(self.blocks[keep:])
+            del self.blocks[keep:]
+
     def release(self) -> None:
         if self.blocks:
             self.pool.free(self.blocks)

@@ -27,6 +27,7 @@ from tailguard.engine.model_store import cache_dir, resolve_model_path
 from tailguard.engine.request import EngineClosed, FinishReason, RequestError, SamplingParams, Sequence
 from tailguard.engine.runner import ModelRunner, pick_device
 from tailguard.engine.scheduler import Scheduler, SchedulerConfig
+from tailguard.engine.speculative import SpeculationPolicy, make_proposer
 from tailguard.engine.tokenizer import GGUFTokenizer, IncrementalDetokenizer
 
 logger = logging.getLogger("tailguard.engine")
@@ -49,6 +50,11 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int = 256
     num_threads: int | None = None
+    # Speculative decoding: off | ngram (prompt lookup). Up to num_speculative_tokens guesses per step and request,
+    # and none at all while more than speculative_max_running sequences run (benchmarks/speculative.py measured it).
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    speculative_max_running: int = 4
 
 
 @dataclass
@@ -71,6 +77,8 @@ class TokenEvent:
     first_scheduled: float | None = None
     first_token: float | None = None
     num_preemptions: int = 0
+    num_spec_proposed: int = 0  # speculative guesses verified for this request
+    num_spec_accepted: int = 0  # of which the target accepted (its output is the same either way)
 
 
 @dataclass
@@ -81,6 +89,9 @@ class EngineStats:
     kv_blocks_used: int
     num_preemptions: int
     steps: int
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
+    num_spec_steps: int = 0  # verifications (one per speculating sequence and step)
 
 
 @dataclass
@@ -130,6 +141,7 @@ class LLMEngine:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.args = args
+        proposer = make_proposer(args.speculative)  # a bad value fails before the model loads
         if args.model == "tiny":
             path = tiny_model_path(resolve_model_path("smollm2"))
         else:
@@ -170,6 +182,8 @@ class LLMEngine:
             self.pool,
         )
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.kv_dtype)
+        self.speculation = (SpeculationPolicy(proposer, args.num_speculative_tokens, args.speculative_max_running)
+                            if proposer is not None else None)
         logger.info("%s", self.describe())
         self.stop_ids = set(self.tokenizer.stop_token_ids)
         self._tracked: dict[str, _Tracked] = {}
@@ -238,11 +252,16 @@ class LLMEngine:
             kv_blocks_used=self.pool.num_used,
             num_preemptions=self.scheduler.num_preemptions,
             steps=self.steps,
+            num_spec_proposed=self.speculation.total_proposed if self.speculation else 0,
+            num_spec_accepted=self.speculation.total_accepted if self.speculation else 0,
+            num_spec_steps=self.speculation.num_verify_steps if self.speculation else 0,
         )
 
     # --- the step -------------------------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        out = self.scheduler.schedule()
+        spec = self.speculation
+        draft_for = spec.draft if spec is not None and spec.batch_speculates(len(self.scheduler.running)) else None
+        out = self.scheduler.schedule(draft_for)
         if out.is_empty:
             return []
         sampled = self.runner.execute(out.chunks, self.scheduler.tables, self.stop_ids)
@@ -250,9 +269,19 @@ class LLMEngine:
         self.scheduler.advance(out)
         self.steps += 1
         events: list[TokenEvent] = []
-        for chunk, token in zip(out.chunks, sampled):
-            if token is not None:
-                events.append(self._post_process(self._tracked[chunk.seq.request_id], token, now))
+        for chunk, tokens in zip(out.chunks, sampled):
+            if chunk.draft:
+                assert spec is not None
+                spec.record(chunk.seq.request_id, len(chunk.draft), len(tokens) - 1)
+            tracked = self._tracked[chunk.seq.request_id]
+            # Several tokens at once (accepted guesses): each goes through the stop checks in order, and the first
+            # that ends the request drops the rest, so EOS, stop strings and max_tokens hold exactly.
+            for token in tokens:
+                events.append(self._post_process(tracked, token, now))
+                if events[-1].finished:
+                    break
+            if chunk.draft and not chunk.seq.is_finished:
+                self.scheduler.roll_back(chunk.seq, len(tokens) - 1)
         return events
 
     def _post_process(self, tracked: _Tracked, token, now: float) -> TokenEvent:
@@ -299,6 +328,7 @@ class LLMEngine:
 
     def _final_event(self, tracked: _Tracked, delta: str, now: float) -> TokenEvent:
         seq = tracked.seq
+        spec_state = self.speculation.forget(seq.request_id) if self.speculation else None
         return TokenEvent(
             seq.request_id,
             None,
@@ -312,6 +342,8 @@ class LLMEngine:
             first_scheduled=seq.times.first_scheduled,
             first_token=seq.times.first_token,
             num_preemptions=seq.num_preemptions,
+            num_spec_proposed=spec_state.proposed if spec_state else 0,
+            num_spec_accepted=spec_state.accepted if spec_state else 0,
         )
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None) -> list[list[int]]:

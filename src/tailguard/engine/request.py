@@ -40,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives to return with each token (T3)
+    speculative: bool = True  # False opts this request out of speculative decoding (when the engine has it on)
 
     def validate(self) -> None:
         if self.max_tokens < 1:

@@ -45,12 +45,14 @@ class ModelRunner:
         dev = self.device
         bs = self.block_size
         for chunk in chunks:
-            seq, table = chunk.seq, tables[chunk.seq.request_id]
+            table = tables[chunk.seq.request_id]
             start_tok = len(ids)
-            ids.extend(seq.token_ids_slice(chunk.start, chunk.end))
+            ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, chunk.end))
             slots.extend(table.slot(p) for p in range(chunk.start, chunk.end))
-            if chunk.samples:
+            if chunk.draft:  # verification: every position yields the target's token there
+                logits_indices.extend(range(len(ids) - 1 - len(chunk.draft), len(ids)))
+            elif chunk.samples:
                 logits_indices.append(len(ids) - 1)
             used_blocks = table.blocks[: -(-chunk.end // bs)]
             if chunk.is_decode:
@@ -86,15 +88,85 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, torch.tensor(logits_indices, dtype=torch.long, device=dev)
 
     # --- the step -------------------------------------------------------------------------------------------------
-    def execute(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable], stop_ids: set[int]) -> list[SampledToken | None]:
-        """Run one step; returns a sampled token for each chunk that reaches the end of its known tokens."""
+    def execute(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable],
+                stop_ids: set[int]) -> list[list[SampledToken]]:
+        """Run one step; returns each chunk's new tokens: none for a prefill chunk that does not reach the end of its
+        prompt, one for a decode or a last prefill chunk, one to K+1 for a chunk verifying K guesses."""
         if not chunks:
             return []
         input_ids, meta, logits_indices = self._build(chunks, tables)
         logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices)
-        sampling_seqs = [c.seq for c in chunks if c.samples]
-        sampled = iter(self.sample(logits, sampling_seqs, stop_ids))
-        return [next(sampled) if c.samples else None for c in chunks]
+        plain_rows: list[int] = []
+        row = 0
+        for c in chunks:
+            if c.draft:
+                row += len(c.draft) + 1
+            elif c.samples:
+                plain_rows.append(row)
+                row += 1
+        plain_seqs = [c.seq for c in chunks if c.samples and not c.draft]
+        if len(plain_rows) < row:  # some rows verify guesses: the plain sampler sees only its own rows
+            plain_logits = logits.index_select(0, torch.tensor(plain_rows, dtype=torch.long, device=logits.device))
+        else:
+            plain_logits = logits
+        plain = iter(self.sample(plain_logits, plain_seqs, stop_ids))
+        results: list[list[SampledToken]] = []
+        row = 0
+        for c in chunks:
+            if c.draft:
+                width = len(c.draft) + 1
+                results.append(self.verify(logits[row : row + width], c.seq, c.draft))
+                row += width
+            elif c.samples:
+                results.append([next(plain)])
+                row += 1
+            else:
+                results.append([])
+        return results
+
+    def verify(self, logits: torch.Tensor, seq: Sequence, draft: list[int]) -> list[SampledToken]:
+        """The target's tokens for a chunk that guessed ``draft``: the accepted guesses, then one token of its own.
+
+        ``logits`` has a row per position: row i scores the token after the pending token and the first i guesses.
+        Greedy: guesses are accepted while they equal the argmax, and the first mismatch is replaced by the argmax,
+        so the output is exactly the non-speculative one. Sampling (a deterministic proposer puts all its mass on its
+        guess x): accept x with probability p(x); on a rejection draw from p with x removed and renormalized. Each
+        token is then distributed as p, with p the same transformed distribution (temperature, top-k, top-p) the
+        plain sampler draws from. The scheduler proposes nothing while min_tokens bans stop tokens.
+        """
+        sp = seq.sampling
+        picks: list[int] = []
+        if sp.greedy:
+            target = logits.argmax(dim=-1).tolist()
+            for i, guess in enumerate(draft):
+                picks.append(target[i])
+                if target[i] != guess:
+                    break
+            else:
+                picks.append(target[len(draft)])
+        else:
+            gen = self._generator(seq)
+            for i, guess in enumerate(draft):
+                probs = self._probs(logits[i], sp)
+                u = torch.rand(1, generator=gen, device=probs.device).item()
+                if u < float(probs[guess]):
+                    picks.append(guess)
+                    continue
+                probs[guess] = 0.0
+                picks.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+                break
+            else:
+                probs = self._probs(logits[len(draft)], sp)
+                picks.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+        if sp.logprobs is None:
+            return [SampledToken(t) for t in picks]
+        logprobs = torch.log_softmax(logits[: len(picks)], dim=-1)
+        out = []
+        for i, tok in enumerate(picks):
+            top = torch.topk(logprobs[i], sp.logprobs) if sp.logprobs else None
+            top_list = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            out.append(SampledToken(tok, float(logprobs[i, tok]), top_list))
+        return out
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], stop_ids: set[int]) -> list[SampledToken]:
         results: list[SampledToken] = []
@@ -134,8 +206,13 @@ class ModelRunner:
         return logits
 
     def _sample_one(self, logits: torch.Tensor, seq: Sequence, stop_ids: set[int]) -> int:
-        sp: SamplingParams = seq.sampling
-        row = self._mask_early_stop(logits, [seq], stop_ids)[0] / sp.temperature
+        probs = self._probs(self._mask_early_stop(logits, [seq], stop_ids)[0], seq.sampling)
+        return int(torch.multinomial(probs, 1, generator=self._generator(seq)).item())
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+        """The distribution a sampled token is drawn from: temperature, then top-k, then top-p (a new tensor)."""
+        row = logits / sp.temperature
         if sp.top_k:
             kth = torch.topk(row, min(sp.top_k, row.shape[-1])).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -147,12 +224,16 @@ class ModelRunner:
             drop = cumulative - sorted_probs >= sp.top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return probs
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        """A seeded request's own random stream (None: torch's global one)."""
         gen = self._generators.get(seq.request_id)
-        if gen is None and sp.seed is not None:
-            gen = torch.Generator(device=probs.device)
-            gen.manual_seed(sp.seed)
+        if gen is None and seq.sampling.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seq.sampling.seed)
             self._generators[seq.request_id] = gen
-        return int(torch.multinomial(probs, 1, generator=gen).item())
+        return gen
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

@@ -3,8 +3,9 @@
 Each step the scheduler hands the runner a list of chunks, one per sequence: a decode step is a chunk of one token, a
 prefill is cut into chunks so that a long prompt shares steps with running streams instead of freezing them. Running
 sequences in decode go first (they cost one token each), then running prefills, then newly admitted requests, in
-priority order (lower value first, then arrival). When the KV pool runs short the lowest-priority, latest request is
-preempted: its blocks are freed and it is recomputed later from its prompt plus the tokens it already produced.
+priority order (lower value first, then arrival). When the KV pool runs short, or every sequence slot is taken and a
+strictly more important request waits, the lowest-priority, latest request is preempted: its blocks are freed and it
+is recomputed later from its prompt plus the tokens it already produced.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tailguard.engine.blocks import BlockPool, BlockTable
@@ -37,7 +39,10 @@ class SchedulerConfig:
 class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed in this step (= tokens already in the KV cache)
-    num_tokens: int
+    num_tokens: int  # including the draft's guessed tokens
+    # Speculative guesses appended after the sequence's pending token: a verifying chunk computes the pending token
+    # and every guess in one pass, and each of its positions yields a token (speculative.py).
+    draft: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -46,11 +51,15 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so its last position yields a new token."""
-        return self.end == self.seq.num_tokens
+        return self.end - len(self.draft) == self.seq.num_tokens
 
     @property
     def is_decode(self) -> bool:
         return self.num_tokens == 1 and self.start > 0 and self.samples
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids_slice(self.start, self.end - len(self.draft)) + self.draft
 
 
 @dataclass
@@ -123,7 +132,9 @@ class Scheduler:
         return bool(self.running or self._waiting)
 
     # --- the step -------------------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, draft_for: Callable[[Sequence], list[int]] | None = None) -> SchedulerOutput:
+        """Plan one step. ``draft_for`` (speculative decoding) gives guesses for a sequence about to decode; they are
+        verified in its chunk when budget and KV blocks allow, never at the cost of another sequence's decode."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunk_of: dict[str, ScheduledChunk] = {}
@@ -142,11 +153,22 @@ class Scheduler:
             return max(pool, key=lambda s: (s.priority, s.arrival_time), default=None)
 
         # 1. Running sequences: decodes first so that prefill never starves streams, then unfinished prefills.
+        decodes_left = sum(s.in_decode for s in self.running)
         for seq in sorted(self.running, key=lambda s: (not s.in_decode, s.priority, s.arrival_time)):
             if seq.status is not SequenceStatus.RUNNING or budget <= 0:
                 continue
             n = min(seq.num_pending_tokens, budget, self.config.max_prefill_chunk)
             table = self.tables[seq.request_id]
+            draft: list[int] = []
+            if seq.in_decode:
+                decodes_left -= 1
+                if draft_for is not None:
+                    # Guesses take only budget no later decode needs, and only blocks the pool has free now.
+                    room = min(budget - 1 - decodes_left, self.config.max_prefill_chunk - 1)
+                    draft = draft_for(seq)[:room] if room > 0 else []
+                    if draft and not table.ensure(seq.num_computed_tokens + 1 + len(draft)):
+                        draft = []
+                    n += len(draft)
             while not table.ensure(seq.num_computed_tokens + n):
                 victim = victim_for(seq, self.running)
                 preempt(victim)
@@ -154,19 +176,27 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            chunk = ScheduledChunk(seq, seq.num_computed_tokens, n)
+            chunk = ScheduledChunk(seq, seq.num_computed_tokens, n, draft)
             out.chunks.append(chunk)
             chunk_of[seq.request_id] = chunk
             budget -= n
 
         # 2. Admit waiting requests while budget, sequence slots and KV blocks (above the watermark) allow.
         # No admission in a step where running sequences already ran short of blocks. A preemption made below, for a
-        # more important request, does not stop the loop: that request is retried (and admitted) in this same step.
+        # more important request (KV blocks or sequence slots), does not stop the loop: that request is retried (and admitted) in this same step.
         running_short = bool(out.preempted)
-        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not running_short:
+        while self._waiting and budget > 0 and not running_short:
             seq = self._waiting[0][3]
             if any(seq is p for p in out.preempted):
                 break  # just pushed out to make room; it does not come straight back
+            if len(self.running) >= self.config.max_num_seqs:
+                # Every sequence slot is taken: a strictly more important request takes the slot of the least
+                # important, latest running one (otherwise a VIP waits behind batch work for a whole generation).
+                victim = victim_for(seq, self.running)
+                if victim is None or victim.priority <= seq.priority:
+                    break
+                preempt(victim)
+                continue
             n = min(seq.num_pending_tokens, budget, self.config.max_prefill_chunk)
             table = self.tables[seq.request_id]
             need = table.blocks_needed(seq.num_computed_tokens + n)
@@ -206,7 +236,17 @@ class Scheduler:
     # --- after the step -------------------------------------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> None:
         for chunk in out.chunks:
-            chunk.seq.num_computed_tokens = chunk.end
+            # A verifying chunk's KV is valid up to its pending token and the guesses that were accepted; the engine
+            # rolls it back (roll_back) once it knows how many. Until then, only the pending token counts.
+            chunk.seq.num_computed_tokens = chunk.end - len(chunk.draft)
+
+    def roll_back(self, seq: Sequence, num_accepted: int) -> None:
+        """Keep the KV of ``num_accepted`` verified guesses; positions past them are never read again (attention
+        masks stop at each sequence's length) and blocks no longer needed go back to the pool."""
+        seq.num_computed_tokens += num_accepted
+        table = self.tables.get(seq.request_id)
+        if table is not None and seq.status is SequenceStatus.RUNNING:
+            table.trim(seq.num_tokens)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         table = self.tables.pop(seq.request_id, None)
