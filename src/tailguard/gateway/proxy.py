@@ -66,7 +66,15 @@ class UpstreamBackend:
         self.pool = pool
         self._name = model_name
         self.max_model_len = max_model_len
-        self.error: BaseException | None = None
+
+        self.error: BaseException | None = None  # never fatal: replicas come back
+
+    def unavailable(self) -> str | None:
+        """Why ``/ready`` says no: no replica is available (the gateway itself stays live for ``/health``)."""
+        if any(r.available for r in self.pool.replicas):
+            return None
+        return ("no upstream replica is available: " + "; ".join(
+            f"{r.name}: {r.last_error or 'breaker ' + r.breaker.state}" for r in self.pool.replicas))
 
     @property
     def model_name(self) -> str:

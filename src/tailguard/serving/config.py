@@ -136,6 +136,6 @@ class ServerConfig(BaseModel):
 
     def model_names(self, engine_name: str) -> list[str]:
         names = [engine_name, *self.served_model_names]
-        if self.model not in names and not self.model.endswith(".gguf"):
+        if self.model not in names and not self.model.endswith(".gguf") and not self.upstreams:
             names.append(self.model)
         return list(dict.fromkeys(names))

@@ -93,11 +93,15 @@ class ServerState:
         if self.metrics is not None:
             self.metrics.sample(s.running, s.waiting, s.kv_blocks_total, s.kv_blocks_used, s.num_preemptions,
                                 adm.depth, adm.in_flight, adm.capacity)
+        pool = getattr(eng, "pool", None)
+        if pool is not None:  # upstream replicas: their model names as their health checks find them
+            names = self.config.model_names(eng.model_name) + [r.model for r in pool.replicas if r.model]
+            self.model_names = list(dict.fromkeys(names))
         if self.lanes is not None:
             self.capacity_changed()
             self.snapshot["lanes"] = self.lanes.snapshot()
         if self.gateway_metrics is not None:
-            self.gateway_metrics.sample(self.lanes, getattr(eng, "pool", None))
+            self.gateway_metrics.sample(self.lanes, pool)
 
     def store_sample(self) -> None:
         snap = self.snapshot

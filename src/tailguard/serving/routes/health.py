@@ -22,7 +22,11 @@ async def health(request: Request) -> Response:
 async def ready(request: Request) -> Response:
     state = state_of(request)
     if state.ready and state.engine is not None and state.engine_error() is None:
-        return JSONResponse({"status": "ready", "model": state.engine.model_name})
+        unavailable = getattr(state.engine, "unavailable", None)
+        why = unavailable() if unavailable is not None else None
+        if why is None:
+            return JSONResponse({"status": "ready", "model": state.engine.model_name})
+        return JSONResponse({"status": "unavailable", "error": why[:500]}, 503)
     status = "failed" if state.load_error else "loading"
     return JSONResponse({"status": status, "error": state.load_error}, 503)
 

@@ -1,0 +1,241 @@
+"""Lanes on vs off on the embedded engine, same run: does a VIP tenant stay inside its SLO while batch saturates?
+
+    .venv/bin/python benchmarks/lanes.py            # ~3 min; benchmarks/results/lanes.json
+    .venv/bin/python benchmarks/lanes.py --batch-clients 24 --vip-requests 30 --seconds 40
+
+Three phases against a ``tailguard serve`` subprocess (the real model, default weight format):
+1. *VIP alone*: VIP requests one after another on an idle server (the reference for E2E);
+2. *lanes on*: a key file puts tenant ``acme`` in the ``vip`` lane and ``crawler`` in ``batch``; ``--batch-clients``
+   closed-loop batch clients saturate the engine while VIP requests arrive every ``--vip-interval`` seconds;
+3. *lanes off*: the same load with no lanes (plain API keys; every request the same priority, first come first
+   served, as an engine without lanes would run it).
+Phases 2 and 3 alternate ``--repeats`` times. Reported: VIP TTFT and E2E P50/P99 (client-side, streaming), batch
+output tokens/s, and the ratios the issue sets targets on (VIP P99 TTFT <= 200 ms; VIP P99 E2E <= 1.2x VIP alone;
+batch throughput >= 75% of lanes off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from tailguard.gateway.tenants import KeyFile
+
+VIP_PROMPTS = ["What is the capital of France? Answer in one sentence.", "用一句话解释什么是光合作用。",
+               "Give me three tips for writing clear emails.", "Summarize the plot of Romeo and Juliet briefly."]
+ADMIN_KEY = "lanes-bench-admin"
+BATCH_PROMPT = "Write a long, detailed essay about the history of printing, from woodblocks to digital presses."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+async def stream(session: aiohttp.ClientSession, url: str, key: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "stream": True, "temperature": 0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    async with session.post(url + "/v1/chat/completions", json=body,
+                            headers={"Authorization": f"Bearer {key}"}) as resp:
+        rid = resp.headers.get("x-request-id")
+        if resp.status != 200:
+            return {"status": resp.status, "ttft": None, "e2e": time.perf_counter() - t0, "tokens": 0, "id": rid}
+        async for line in resp.content:
+            if line.startswith(b"data: {") and b'"content"' in line:
+                n += 1
+                if first is None:
+                    first = time.perf_counter()
+    return {"status": 200, "ttft": (first or time.perf_counter()) - t0, "e2e": time.perf_counter() - t0, "tokens": n,
+            "id": rid}
+
+
+async def stages(session: aiohttp.ClientSession, url: str, results: list[dict]) -> dict[str, float]:
+    """Median server-side stage times of these requests (tokenize, queue, prefill, decode, stream), in seconds."""
+    per: dict[str, list[float]] = {}
+    for r in results:
+        if r.get("id") is None or r["status"] != 200:
+            continue
+        async with session.get(url + f"/v1/requests/{r['id']}",
+                               headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as resp:
+            if resp.status != 200:
+                continue
+            rec = await resp.json()
+        for k, v in rec["stages"].items():
+            per.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+class Server:
+    def __init__(self, tmp: Path, lanes: bool, keys: dict[str, str], args: argparse.Namespace) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg: dict = {"slo": {"enabled": False}, "admin_key": ADMIN_KEY}
+        if lanes:
+            cfg["keys_file"] = str(tmp / "keys.yaml")
+        else:
+            cfg["api_keys"] = list(keys.values())
+        (tmp / "serve.yaml").write_text(yaml.safe_dump(cfg))
+        cmd = [sys.executable, "-m", "tailguard.cli", "serve", "--port", str(self.port), "--config",
+               str(tmp / "serve.yaml"), "--store", str(tmp / f"r{self.port}.sqlite3"), "--no-access-log",
+               "--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+
+    async def ready(self, session: aiohttp.ClientSession) -> None:
+        for _ in range(600):
+            try:
+                async with session.get(self.url + "/ready") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+        raise RuntimeError("server did not get ready")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+async def vip_alone(session, url, key, args) -> list[dict]:
+    out = []
+    for i in range(args.vip_requests):
+        out.append(await stream(session, url, key, VIP_PROMPTS[i % len(VIP_PROMPTS)], args.vip_tokens))
+    return out
+
+
+async def loaded(session, url, keys, args) -> tuple[list[dict], float]:
+    stop = time.perf_counter() + args.seconds
+    batch_tokens = 0
+
+    async def batch_client() -> None:
+        nonlocal batch_tokens
+        while time.perf_counter() < stop:
+            r = await stream(session, url, keys["batch"], BATCH_PROMPT, args.batch_tokens)
+            if time.perf_counter() <= stop:
+                batch_tokens += r["tokens"]
+            if r["status"] != 200:
+                await asyncio.sleep(0.5)
+
+    clients = [asyncio.create_task(batch_client()) for _ in range(args.batch_clients)]
+    await asyncio.sleep(args.warmup)  # let batch fill the engine
+    t0 = time.perf_counter()
+    vips = []
+    i = 0
+    while time.perf_counter() < stop - 5 and i < args.vip_requests:
+        vips.append(asyncio.create_task(stream(session, url, keys["vip"], VIP_PROMPTS[i % len(VIP_PROMPTS)],
+                                               args.vip_tokens)))
+        i += 1
+        await asyncio.sleep(args.vip_interval)
+    results = await asyncio.gather(*vips)
+    await asyncio.gather(*clients)
+    elapsed = min(time.perf_counter(), stop) - (t0 - args.warmup)
+    await asyncio.sleep(0.5)  # records close just after the last byte
+    return results, batch_tokens / elapsed, await stages(session, url, results)
+
+
+def summarize(rs: list[dict]) -> dict:
+    ok = [r for r in rs if r["status"] == 200]
+    ttft = [r["ttft"] for r in ok]
+    e2e = [r["e2e"] for r in ok]
+    return {"n": len(rs), "ok": len(ok), "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+            "e2e_p50": pct(e2e, 50), "e2e_p99": pct(e2e, 99)}
+
+
+async def main(args: argparse.Namespace) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="tg-lanes-"))
+    kf = KeyFile()
+    keys = {"vip": kf.add_key("acme", "vip"), "batch": kf.add_key("crawler", "batch")}
+    kf.save(tmp / "keys.yaml")
+    timeout = aiohttp.ClientTimeout(total=600)
+    out: dict = {"config": vars(args), "alone": None, "on": [], "off": []}
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        srv = Server(tmp, True, keys, args)
+        try:
+            await srv.ready(session)
+            await vip_alone(session, srv.url, keys["vip"], argparse.Namespace(**{**vars(args), "vip_requests": 3}))
+            alone = await vip_alone(session, srv.url, keys["vip"], args)
+            out["alone"] = summarize(alone)
+            print(f"VIP alone: {out['alone']}", flush=True)
+        finally:
+            srv.stop()
+        for rep in range(args.repeats):
+            for mode in ("on", "off"):
+                srv = Server(tmp, mode == "on", keys, args)
+                try:
+                    await srv.ready(session)
+                    vips, batch_rate, vip_stages = await loaded(session, srv.url, keys, args)
+                finally:
+                    srv.stop()
+                row = {**summarize(vips), "batch_tokens_per_s": batch_rate, "vip_stages": vip_stages}
+                out[mode].append(row)
+                print(f"repeat {rep + 1} lanes {mode}: {row}", flush=True)
+    return out
+
+
+def report(res: dict) -> None:
+    def med(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in res[mode])
+
+    alone = res["alone"]
+    print("\n| | VIP TTFT P50 | VIP TTFT P99 | VIP E2E P50 | VIP E2E P99 | batch tok/s |")
+    print("|---|---|---|---|---|---|")
+    print(f"| VIP alone (idle) | {alone['ttft_p50'] * 1e3:.0f} ms | {alone['ttft_p99'] * 1e3:.0f} ms | "
+          f"{alone['e2e_p50']:.2f} s | {alone['e2e_p99']:.2f} s | - |")
+    for mode in ("on", "off"):
+        print(f"| lanes {mode} (batch saturating) | {med(mode, 'ttft_p50') * 1e3:.0f} ms | "
+              f"{med(mode, 'ttft_p99') * 1e3:.0f} ms | {med(mode, 'e2e_p50'):.2f} s | {med(mode, 'e2e_p99'):.2f} s | "
+              f"{med(mode, 'batch_tokens_per_s'):.0f} |")
+    ratios = {
+        "vip_ttft_p99_on_ms": med("on", "ttft_p99") * 1e3,
+        "vip_e2e_p99_on_over_alone": med("on", "e2e_p99") / alone["e2e_p99"],
+        "batch_throughput_on_over_off": med("on", "batch_tokens_per_s") / med("off", "batch_tokens_per_s"),
+        "vip_ttft_p99_off_over_on": med("off", "ttft_p99") / med("on", "ttft_p99"),
+    }
+    res["ratios"] = ratios
+    print("\n" + "\n".join(f"{k}: {v:.2f}" for k, v in ratios.items()))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-clients", type=int, default=24)
+    p.add_argument("--batch-tokens", type=int, default=96)
+    p.add_argument("--vip-requests", type=int, default=25)
+    p.add_argument("--vip-tokens", type=int, default=32)
+    p.add_argument("--vip-interval", type=float, default=1.0)
+    p.add_argument("--seconds", type=float, default=40.0)
+    p.add_argument("--warmup", type=float, default=5.0)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results/lanes.json")
+    a = p.parse_args()
+    result = asyncio.run(main(a))
+    report(result)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out}")
