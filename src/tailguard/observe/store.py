@@ -137,16 +137,36 @@ def is_postgres_url(target: str | os.PathLike) -> bool:
     return isinstance(target, str) and target.lower().startswith(POSTGRES_SCHEMES)
 
 
+def check_store_target(target: str | os.PathLike) -> str:
+    """``target`` as a string if it names a store this tailguard can open (a path, sqlite:///PATH or a postgresql://
+    URL), else ValueError. Imports no backend (config validation calls it)."""
+    text = str(target).strip()
+    if not text:
+        raise ValueError("the request store target is empty: give a file path or a postgresql:// URL")
+    if "://" in text and not is_postgres_url(text) and not text.startswith("sqlite://"):
+        scheme = text.split("://", 1)[0]
+        raise ValueError(f"unsupported request store URL scheme {scheme!r}: use a file path, sqlite:///PATH or "
+                         "postgresql://USER@HOST:PORT/DB")
+    return text
+
+
+def describe_store_target(target: str | os.PathLike) -> str:
+    """``target`` fit for a log line: a URL's password masked."""
+    text = str(target)
+    if not is_postgres_url(text):
+        return text
+    from tailguard.observe.store_pg import redact_url
+
+    return redact_url(text)
+
+
 def store_class(target: str | os.PathLike) -> type[RequestStore]:
     """The backend for ``target``: PostgreSQL for a postgresql:// URL, SQLite for a path or sqlite:/// URL."""
+    check_store_target(target)
     if is_postgres_url(target):
         from tailguard.observe.store_pg import PostgresStore
 
         return PostgresStore
-    if isinstance(target, str) and "://" in target and not target.startswith("sqlite://"):
-        scheme = target.split("://", 1)[0]
-        raise ValueError(f"unsupported request store URL scheme {scheme!r}: use a file path, sqlite:///PATH or "
-                         "postgresql://USER@HOST:PORT/DB")
     from tailguard.observe.store_sqlite import SQLiteStore
 
     return SQLiteStore
@@ -472,7 +492,7 @@ class RequestStore:
             where.append("kind = ?")
             params.append(kind)
         sql = "SELECT * FROM slo_alerts" + (f" WHERE {' AND '.join(where)}" if where else "")
-        rows = self._reader().execute(sql + " ORDER BY seq DESC LIMIT ?", (*params, limit)).fetchall()
+        rows = self.query(sql + " ORDER BY seq DESC LIMIT ?", (*params, limit))
         return [alert_row_to_record(r) for r in reversed(rows)]
 
     # --- writer thread ------------------------------------------------------------------------------------------------
