@@ -47,7 +47,8 @@ def _free_port() -> int:
 
 
 class PgCluster:
-    def __init__(self) -> None:
+    def __init__(self, fsync: bool = False) -> None:
+        self.fsync = fsync
         self.bindir = _bindir()
         self.runas: list[str] = []
         self.root = Path(tempfile.mkdtemp(prefix="tailguard-pg-"))
@@ -73,8 +74,9 @@ class PgCluster:
             raise RuntimeError(f"{tool} {' '.join(args)} failed ({out.returncode}): {out.stdout}{out.stderr}{tail}")
 
     def start(self) -> None:
-        # fsync off: a throwaway server; a clean stop (the restart test) still writes everything out.
-        opts = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
+        # fsync off for the tests (a throwaway server; a clean stop, as in the restart test, still writes everything
+        # out); on for the benchmark, whose figures should hold for a real server.
+        opts = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync={'on' if self.fsync else 'off'} "
                 "-c max_connections=200")
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "server.log"), "-w", "-t", "60", "-o", opts,
                   "start")

@@ -13,9 +13,10 @@ behind it into the bounded backlog; only when the backlog is full are records dr
 ``on_drop``: the server exports it as ``tailguard_store_dropped_records_total``) and logged. A batch that fails for
 any other reason is retried one row at a time, so that one bad row loses only itself, as with SQLite.
 
-Every row carries a random ``write_key`` (UUID, unique): a commit whose acknowledgement was lost with the connection
-is retried, and ``ON CONFLICT (write_key) DO NOTHING`` keeps it from being stored twice. Queue samples carry no key
-(a repeated gauge sample costs nothing).
+A batch goes in with COPY, in one transaction with its queue samples and alerts. Every row carries a random
+``write_key`` (UUID, unique): a commit whose acknowledgement was lost with the connection is retried as an INSERT
+with ``ON CONFLICT (write_key) DO NOTHING``, which keeps it from being stored twice. Queue samples carry no key (a
+repeated gauge sample costs nothing).
 
 Retention runs in the database (``DELETE ... WHERE received_at < extract(epoch FROM now()) - ...``) at start and
 every ``retention_interval`` seconds, by one gateway at a time (a try-lock). ``query`` takes the SQLite dialect the
@@ -134,6 +135,9 @@ def _insert(table: str, columns: tuple[str, ...]) -> str:
 
 
 _INSERT = _insert("requests", _COLUMNS)
+# A batch's first attempt: COPY, about a third cheaper per row than the INSERT (no conflict check needed: its keys
+# are new). Any attempt after a failure uses the INSERT, in case the failed one did commit.
+_COPY = f"COPY requests ({', '.join([*map(_quote, _COLUMNS), 'write_key'])}) FROM STDIN"
 _INSERT_ALERT = _insert("slo_alerts", _ALERT_COLUMNS)
 _INSERT_SAMPLE = "INSERT INTO queue_samples VALUES (%s, %s, %s, %s, %s, %s)"
 
@@ -389,13 +393,18 @@ class PostgresStore(RequestStore):
         alert_rows = [(*r, uuid.uuid4()) for r in alert_rows]
         one_by_one: list[tuple[str, tuple]] | None = None
         settled = bad  # records of the batch done with: not even a row (bad), or written or failed one by one
-        backoff, lost_at = _RETRY_FIRST_S, None
+        backoff, lost_at, first = _RETRY_FIRST_S, None, True
         while True:
             try:
                 conn = writer.connection()
                 if one_by_one is None:
                     with conn.transaction(), conn.cursor() as cur:
-                        if rows:
+                        if rows and first:
+                            first = False
+                            with cur.copy(_COPY) as copy:
+                                for row in rows:
+                                    copy.write_row(row)
+                        elif rows:
                             cur.executemany(_INSERT, rows)
                         if samples:
                             cur.executemany(_INSERT_SAMPLE, samples)
