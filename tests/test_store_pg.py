@@ -4,6 +4,9 @@ database agree, and a server with ``store_path=postgresql://...`` serves its rec
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -192,3 +195,35 @@ def test_server_writes_to_postgresql_and_another_gateway_reads_the_records(tmp_p
         assert got["request_id"] == "pg-3" and got["received_at"] == rec["received_at"]
         assert got["stages"] == rec["stages"] and got["e2e"] == rec["e2e"]
         assert httpx.get(other.url + "/v1/alerts", headers=ADMIN, timeout=10).status_code == 200
+
+
+def test_serve_command_line_takes_a_postgresql_store(url):
+    """``tailguard serve --store postgresql://...`` as a user runs it; SIGTERM flushes the record into the database."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tailguard.cli", "serve", "--model", "fake", "--port", str(port),
+                             "--store", url, "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(base + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.1)
+        r = httpx.post(base + "/v1/chat/completions", headers={"X-Request-ID": "cli-1"}, timeout=30,
+                       json={"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert _rows(url, "SELECT request_id, outcome FROM requests") == [("cli-1", "success")]
