@@ -70,6 +70,7 @@ def test_an_unreachable_database_is_a_clear_error_without_the_password():
 def test_restart_mid_run_loses_and_duplicates_nothing(cluster, url):
     """The server stops while records stream in and starts again: every record is written exactly once."""
     s = RequestStore(url, flush_interval=0.01, batch_size=64)
+    assert s.count() == 0  # a read connection from before the restart, pooled: it must be replaced, not reused
     total, restarted = 3000, threading.Event()
 
     def restart():

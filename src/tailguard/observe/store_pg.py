@@ -151,6 +151,7 @@ _READ_ONLY = "25006"  # a standby after failover, until the client finds the new
 _RETRY_FIRST_S = 0.05
 _RETRY_MAX_S = 2.0
 _OUTAGE_LOG_EVERY_S = 10.0
+_MAX_READERS = 4  # read connections per store (per gateway)
 # libpq settings the store wants unless the URL says otherwise: give up connecting after 10 s, and notice a dead
 # peer (a cut network sends no reset) within about 30 s instead of the kernel's 15 minutes.
 _CONNECT_DEFAULTS = {"connect_timeout": "10", "application_name": "tailguard", "keepalives": "1",
@@ -265,9 +266,10 @@ class PostgresStore(RequestStore):
         self.path = redact_url(target)
         given = conninfo_to_dict(target)
         self._conn_kwargs = {k: v for k, v in _CONNECT_DEFAULTS.items() if k not in given}
-        self._reader_local = threading.local()
-        self._readers: list[psycopg.Connection] = []
+        self._idle_readers: list[psycopg.Connection] = []
         self._readers_lock = threading.Lock()
+        self._readers_closed = False  # after close: reads still work, on connections closed after each query
+        self._reader_slots = threading.BoundedSemaphore(_MAX_READERS)
         self.outages = 0  # times the writer lost the database and held its batch
         self.retries = 0  # attempts made while it was gone
         self._outage_logged = 0.0
@@ -314,35 +316,54 @@ class PostgresStore(RequestStore):
                      (os.urandom(32).hex(),))
         return bytes.fromhex(conn.execute("SELECT value FROM tailguard_meta WHERE name = 'pseudonym_key'").fetchone()[0])
 
-    # --- reads (any thread: one connection per thread) --------------------------------------------------------------
-    def _reader(self, fresh: bool = False) -> psycopg.Connection:
-        conn = getattr(self._reader_local, "conn", None)
-        if fresh or conn is None or conn.closed or conn.broken:
-            if conn is not None:
-                conn.close()
-            conn = psycopg.connect(self._url, autocommit=True, row_factory=_row_factory, **self._conn_kwargs)
-            with self._readers_lock:
-                self._readers = [c for c in self._readers if not c.closed]
-                self._readers.append(conn)
-            self._reader_local.conn = conn
-        return conn
+    # --- reads (any thread: a few pooled connections) --------------------------------------------------------------
+    def _take_reader(self) -> psycopg.Connection:
+        with self._readers_lock:
+            while self._idle_readers:
+                conn = self._idle_readers.pop()
+                if not conn.closed and not conn.broken:
+                    return conn
+        return psycopg.connect(self._url, autocommit=True, row_factory=_row_factory, **self._conn_kwargs)
+
+    def _give_back_reader(self, conn: psycopg.Connection) -> None:
+        if conn.closed or conn.broken:
+            return
+        with self._readers_lock:
+            if not self._readers_closed:
+                self._idle_readers.append(conn)
+                return
+        conn.close()
 
     def query(self, sql: str, params: tuple = ()) -> list[Row]:
-        """Rows of a read query written for SQLite (``?`` placeholders); retried once on a fresh connection when the
-        thread's connection broke (a database restart)."""
+        """Rows of a read query written for SQLite (``?`` placeholders). At most ``_MAX_READERS`` run at once (the
+        server reads from a thread pool; each would otherwise hold a connection of the database's limited number);
+        a connection broken by a database restart is replaced and the query tried once more."""
         pg_sql = to_postgres_sql(sql)
-        conn = self._reader()
-        try:
-            return conn.execute(pg_sql, tuple(params)).fetchall()
-        except psycopg.OperationalError:
-            if not conn.broken and not conn.closed:
-                raise
-        return self._reader(fresh=True).execute(pg_sql, tuple(params)).fetchall()
+        with self._reader_slots:
+            conn = self._take_reader()
+            try:
+                return conn.execute(pg_sql, tuple(params)).fetchall()
+            except psycopg.OperationalError:
+                if not (conn.broken or conn.closed):
+                    raise
+            finally:
+                self._give_back_reader(conn)
+            # The database went away since this connection was made: so did the idle ones; start afresh.
+            with self._readers_lock:
+                stale, self._idle_readers = self._idle_readers, []
+            for old in stale:
+                old.close()
+            conn = self._take_reader()
+            try:
+                return conn.execute(pg_sql, tuple(params)).fetchall()
+            finally:
+                self._give_back_reader(conn)
 
     def _close_readers(self) -> None:
         with self._readers_lock:
-            readers, self._readers = self._readers, []
-        for conn in readers:
+            idle, self._idle_readers = self._idle_readers, []
+            self._readers_closed = True
+        for conn in idle:
             try:
                 conn.close()
             except Exception:  # noqa: BLE001
