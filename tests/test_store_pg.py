@@ -65,6 +65,8 @@ def test_an_unreachable_database_is_a_clear_error_without_the_password():
         RequestStore(bad)
     assert "hunter2" not in str(err.value) and "***" in str(err.value)
     assert redact_url(bad) == bad.replace("hunter2", "***")
+    with pytest.raises(ValueError, match="bad PostgreSQL URL"):
+        RequestStore("postgresql://tailguard@127.0.0.1/db?nonsense_option=1")
 
 
 def test_restart_mid_run_loses_and_duplicates_nothing(cluster, url):

@@ -264,7 +264,10 @@ class PostgresStore(RequestStore):
     def _open_backend(self, target: str, secret: str | bytes | None) -> None:
         self._url = target
         self.path = redact_url(target)
-        given = conninfo_to_dict(target)
+        try:
+            given = conninfo_to_dict(target)
+        except psycopg.ProgrammingError as exc:
+            raise ValueError(f"bad PostgreSQL URL {self.path}: {exc}") from exc
         self._conn_kwargs = {k: v for k, v in _CONNECT_DEFAULTS.items() if k not in given}
         self._idle_readers: list[psycopg.Connection] = []
         self._readers_lock = threading.Lock()
