@@ -51,8 +51,10 @@ class PgCluster:
         self.fsync = fsync
         self.bindir = _bindir()
         self.runas: list[str] = []
-        self.root = Path(tempfile.mkdtemp(prefix="tailguard-pg-"))
-        if os.geteuid() == 0:
+        as_root = os.geteuid() == 0
+        # As root the server runs as nobody, who must reach the directory: /tmp, not a $TMPDIR only root can enter.
+        self.root = Path(tempfile.mkdtemp(prefix="tailguard-pg-", dir="/tmp" if as_root else None))
+        if as_root:
             runuser = shutil.which("runuser")
             if runuser is None:
                 raise ClusterUnavailable("running as root without runuser: PostgreSQL refuses to run as root")
