@@ -9,12 +9,14 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import httpx
 import psycopg
 import pytest
 from pydantic import ValidationError
 
+from tailguard.observe import store_pg
 from tailguard.observe.store import SCHEMA_VERSION, SECRET_ENV, RequestStore, SchemaError, open_store
 from tailguard.observe.store_pg import PostgresStore, StoreUnavailableError, redact_url, to_postgres_sql
 from tailguard.serving.config import ServerConfig
@@ -230,3 +232,16 @@ def test_serve_command_line_takes_a_postgresql_store(url):
             out, _ = proc.communicate()
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert _rows(url, "SELECT request_id, outcome FROM requests") == [("cli-1", "success")]
+
+
+def test_a_retried_commit_is_not_stored_twice(url):
+    """A batch whose commit went through but whose acknowledgement was lost is retried with the same write keys;
+    the retry (the INSERT every attempt after the first uses) must leave one row per record."""
+    s = RequestStore(url, flush_interval=0.01)
+    row = (*s._row(_tl(1)), uuid.uuid4())
+    with psycopg.connect(url, autocommit=True) as conn:
+        with conn.cursor() as cur, cur.copy(store_pg._COPY) as copy:  # the first attempt
+            copy.write_row(row)
+        conn.execute(store_pg._INSERT, row)  # the retry
+    assert s.count() == 1
+    s.close()
