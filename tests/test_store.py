@@ -1,7 +1,12 @@
-"""The request store: WAL, schema version, exactly-once batch writes off the caller's thread, retention, text rules."""
+"""The request store: WAL, schema version, exactly-once batch writes off the caller's thread, retention, text rules.
+
+Most tests run against both backends: SQLite (a file in tmp_path) and PostgreSQL (a fresh database on the session's
+throwaway server, tests/pg_cluster.py). The PostgreSQL-only ones (restarts, outages, the server) are in
+test_store_pg.py."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -15,6 +20,7 @@ import pytest
 
 from tailguard.observe.store import SCHEMA_VERSION, SECRET_ENV, SECRET_FILE, RequestStore, SchemaError
 from tailguard.observe.timeline import Outcome, Timeline
+from tests.pg_cluster import shared_cluster
 
 
 def _tl(i: int, age_days: float = 0.0, **kw) -> Timeline:
@@ -26,14 +32,40 @@ def _tl(i: int, age_days: float = 0.0, **kw) -> Timeline:
     return tl
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def make_store(request, tmp_path):
+    """``make_store(name, **kw)``: a store on this test's backend. SQLite: one file per name; PostgreSQL: one database
+    per test (a second store on it is a second gateway on the same database). Every store is closed at the end."""
+    opened: list[RequestStore] = []
+    with contextlib.ExitStack() as stack:
+        if request.param == "postgresql":
+            url = stack.enter_context(shared_cluster().database())
+
+            def target(name: str = "r") -> str:
+                return url
+        else:
+            def target(name: str = "r") -> str:
+                return str(tmp_path / f"{name}.sqlite3")
+
+        def make(name: str = "r", **kw) -> RequestStore:
+            s = RequestStore(target(name), **kw)
+            opened.append(s)
+            return s
+
+        make.backend = request.param
+        make.target = target
+        yield make
+        for s in opened:
+            s.close(deadline_s=5)
+
+
 @pytest.fixture
-def store(tmp_path):
-    s = RequestStore(tmp_path / "r.sqlite3", flush_interval=0.01)
-    yield s
-    s.close()
+def store(make_store):
+    return make_store(flush_interval=0.01)
 
 
-def test_schema_and_wal(store, tmp_path):
+def test_schema_and_wal(tmp_path):
+    RequestStore(tmp_path / "r.sqlite3").close()
     conn = sqlite3.connect(tmp_path / "r.sqlite3")
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
@@ -70,9 +102,8 @@ def test_repeated_request_id_keeps_both_and_get_returns_latest(store):
     assert store.get("req-1")["status"] == 201
 
 
-def test_retention(tmp_path):
-    path = tmp_path / "r.sqlite3"
-    s = RequestStore(path, retention_days=15, flush_interval=0.01)
+def test_retention(make_store):
+    s = make_store(retention_days=15, flush_interval=0.01)
     s.put(_tl(1, age_days=16))
     s.put(_tl(2, age_days=14))
     s.put_sample(time.time() - 20 * 86400, 1, 0, 0, 0, 10)
@@ -84,7 +115,7 @@ def test_retention(tmp_path):
     s.put(_tl(3, age_days=30))
     s.close()
     # Opening the store sweeps at once.
-    s2 = RequestStore(path, retention_days=15)
+    s2 = make_store(retention_days=15)
     s2.flush()
     deadline = time.monotonic() + 5
     while s2.count() != 1 and time.monotonic() < deadline:
@@ -93,29 +124,35 @@ def test_retention(tmp_path):
     s2.close()
 
 
-def test_newer_schema_refused(tmp_path):
-    path = tmp_path / "r.sqlite3"
-    RequestStore(path).close()
-    conn = sqlite3.connect(path)
-    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
-    conn.close()
-    with pytest.raises(SchemaError):
-        RequestStore(path)
+def test_newer_schema_refused(make_store):
+    make_store().close()
+    if make_store.backend == "sqlite":
+        conn = sqlite3.connect(make_store.target())
+        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+        conn.close()
+    else:
+        import psycopg
+
+        with psycopg.connect(make_store.target(), autocommit=True) as conn:
+            conn.execute("UPDATE tailguard_meta SET value = %s WHERE name = 'schema_version'",
+                         (str(SCHEMA_VERSION + 1),))
+    with pytest.raises(SchemaError, match="schema version"):
+        make_store()
 
 
-def test_text_needs_a_redactor(tmp_path):
+def test_text_needs_a_redactor(make_store):
     with pytest.raises(ValueError):
-        RequestStore(tmp_path / "r.sqlite3", store_text=True)
+        make_store(store_text=True)
 
 
-def test_text_is_redacted_and_tokens_follow_the_redacted_text(tmp_path):
+def test_text_is_redacted_and_tokens_follow_the_redacted_text(make_store):
     def redact(text):
         return None if text is None else text.replace("secret", "<X>")
 
     def encode(text):
         return [ord(c) for c in text]
 
-    s = RequestStore(tmp_path / "r.sqlite3", store_text=True, redact=redact, encode=encode, flush_interval=0.01)
+    s = make_store("r", store_text=True, redact=redact, encode=encode, flush_interval=0.01)
     tl = _tl(1, prompt_text="my secret", output_text="no secret here", prompt_token_ids=[1, 2, 3],
              logprobs=[{"id": 5, "logprob": -0.1, "top": [[5, -0.1], [6, -2.0]]}])
     s.put(tl)
@@ -134,7 +171,7 @@ def test_text_is_redacted_and_tokens_follow_the_redacted_text(tmp_path):
 
 def test_unencodable_strings_do_not_lose_the_batch(store):
     bad = _tl(1, user="\ud800 lone surrogate")
-    bad.error = "\udfff"
+    bad.error = "\udfff\x00"  # PostgreSQL text cannot hold NUL
     store.put(bad)
     store.put(_tl(2))
     store.flush()
@@ -142,9 +179,9 @@ def test_unencodable_strings_do_not_lose_the_batch(store):
     assert store.get("req-1")["user"] == store.pseudonym("\ud800 lone surrogate")
 
 
-def test_backlog_bound_drops_and_counts(tmp_path):
+def test_backlog_bound_drops_and_counts(make_store):
     dropped = []
-    s = RequestStore(tmp_path / "r.sqlite3", max_backlog=0, on_drop=dropped.append)
+    s = make_store("r", max_backlog=0, on_drop=dropped.append)
     assert not s.put(_tl(1))
     assert s.dropped == 1 and dropped == [1]
     s.close()
@@ -164,9 +201,9 @@ class _Gate:
         return text
 
 
-def test_put_after_close_is_refused_and_counted(tmp_path, caplog):
+def test_put_after_close_is_refused_and_counted(make_store, caplog):
     dropped = []
-    s = RequestStore(tmp_path / "r.sqlite3", flush_interval=0.01, on_drop=dropped.append)
+    s = make_store("r", flush_interval=0.01, on_drop=dropped.append)
     assert s.put(_tl(1))
     assert s.close() == 0
     with caplog.at_level(logging.ERROR, logger="tailguard.store"):
@@ -177,9 +214,9 @@ def test_put_after_close_is_refused_and_counted(tmp_path, caplog):
     assert s.count() == 1
 
 
-def test_close_drains_the_backlog_it_holds(tmp_path):
+def test_close_drains_the_backlog_it_holds(make_store):
     gate = _Gate()
-    s = RequestStore(tmp_path / "r.sqlite3", store_text=True, redact=gate, batch_size=1, flush_interval=0.01)
+    s = make_store("r", store_text=True, redact=gate, batch_size=1, flush_interval=0.01)
     for i in range(40):
         assert s.put(_tl(i, prompt_text="p"))
     assert gate.entered.wait(10)
@@ -191,11 +228,11 @@ def test_close_drains_the_backlog_it_holds(tmp_path):
     assert s.count() == 40 and s.dropped == 0 and s.backlog == 0
 
 
-def test_close_deadline_counts_and_logs_what_was_not_written(tmp_path, caplog):
+def test_close_deadline_counts_and_logs_what_was_not_written(make_store, caplog):
     gate = _Gate()
     dropped = []
-    s = RequestStore(tmp_path / "r.sqlite3", store_text=True, redact=gate, batch_size=1, flush_interval=0.01,
-                     on_drop=dropped.append)
+    s = make_store("r", store_text=True, redact=gate, batch_size=1, flush_interval=0.01,
+                   on_drop=dropped.append)
     for i in range(50):
         assert s.put(_tl(i, prompt_text="p"))
     assert gate.entered.wait(10)
@@ -215,11 +252,11 @@ def test_close_deadline_counts_and_logs_what_was_not_written(tmp_path, caplog):
     assert "49 records could not be written" in caplog.text
 
 
-def test_backlog_is_bounded_by_bytes(tmp_path):
+def test_backlog_is_bounded_by_bytes(make_store):
     gate = _Gate()
     dropped = []
-    s = RequestStore(tmp_path / "r.sqlite3", store_text=True, redact=gate, batch_size=1, flush_interval=0.01,
-                     max_backlog_bytes=4 << 20, on_drop=dropped.append)
+    s = make_store("r", store_text=True, redact=gate, batch_size=1, flush_interval=0.01,
+                   max_backlog_bytes=4 << 20, on_drop=dropped.append)
     assert s.put(_tl(0, prompt_text="x"))
     assert gate.entered.wait(10)  # the writer holds record 0; the rest queue up
     big = "y" * (1 << 20)
@@ -263,12 +300,11 @@ def test_user_is_stored_as_a_keyed_pseudonym(tmp_path, monkeypatch):
     assert not (tmp_path / "c" / SECRET_FILE).exists()
 
 
-def test_prompt_digest_is_salted(tmp_path):
+def test_prompt_digest_is_salted(make_store):
     ids = [1, 2, 3]
 
     def store_digest(secret):
-        s = RequestStore(tmp_path / secret / "r.sqlite3", store_text=True, redact=lambda t: t, encode=list,
-                         secret=secret, flush_interval=0.01)
+        s = make_store(secret, store_text=True, redact=lambda t: t, encode=list, secret=secret, flush_interval=0.01)
         s.put(_tl(1, prompt_text="abc", prompt_token_ids=ids))
         s.flush()
         digest = s.get("req-1")["prompt_token_hmac"]
@@ -282,13 +318,13 @@ def test_prompt_digest_is_salted(tmp_path):
     assert store_digest("k1") == a  # but a replay in the same deployment matches
 
 
-def test_logprob_ids_only_where_their_text_needed_no_redaction(tmp_path):
+def test_logprob_ids_only_where_their_text_needed_no_redaction(make_store):
     def redact(text):
         return None if text is None else text.replace("secret", "<X>")
 
     vocab = {1: "all ", 2: "fine", 3: "secret"}
     lps = [{"id": i, "logprob": -0.5, "top": [[i, -0.5], [9, -3.0]]} for i in (1, 2)]
-    s = RequestStore(tmp_path / "r.sqlite3", store_text=True, redact=redact, flush_interval=0.01)
+    s = make_store("r", store_text=True, redact=redact, flush_interval=0.01)
     s.put(_tl(1, output_text="all fine", logprobs=lps))  # clean output: the full candidate set (T3)
     s.put(_tl(2, output_text=None, logprobs=lps))  # no output recorded (aborted): cannot check, so withhold
     s.flush()
@@ -296,8 +332,8 @@ def test_logprob_ids_only_where_their_text_needed_no_redaction(tmp_path):
     assert all(e["id"] is None and e["ids_withheld"] for e in s.get("req-2")["logprobs"])
     s.close()
     # With a decoder, the ids themselves are judged: they may run past the text that was sent (stop strings).
-    d = RequestStore(tmp_path / "d.sqlite3", store_text=True, redact=redact, flush_interval=0.01,
-                     decode=lambda ids: "".join(vocab[i] for i in ids))
+    d = make_store("d", store_text=True, redact=redact, flush_interval=0.01,
+                   decode=lambda ids: "".join(vocab[i] for i in ids))
     spelled = [*lps, {"id": 3, "logprob": -0.1, "top": [[3, -0.1]]}]
     d.put(_tl(1, output_text="all fine", logprobs=spelled))
     d.put(_tl(2, output_text=None, logprobs=lps))
@@ -307,15 +343,15 @@ def test_logprob_ids_only_where_their_text_needed_no_redaction(tmp_path):
     d.close()
 
 
-def test_stop_strings_are_client_text(tmp_path):
+def test_stop_strings_are_client_text(make_store):
     sampling = {"max_tokens": 4, "stop": ["my secret"]}
-    s = RequestStore(tmp_path / "r.sqlite3", flush_interval=0.01)
+    s = make_store("r", flush_interval=0.01)
     s.put(_tl(1, sampling=sampling))
     s.flush()
     assert s.get("req-1")["sampling"] == {"max_tokens": 4, "stop": None, "stop_count": 1}
     s.close()
-    t = RequestStore(tmp_path / "t.sqlite3", store_text=True, redact=lambda x: x and x.replace("secret", "<X>"),
-                     flush_interval=0.01)
+    t = make_store("t", store_text=True, redact=lambda x: x and x.replace("secret", "<X>"),
+                   flush_interval=0.01)
     t.put(_tl(1, sampling=sampling))
     t.flush()
     assert t.get("req-1")["sampling"]["stop"] == ["my <X>"]
@@ -369,8 +405,8 @@ def test_schema_2_database_is_migrated_and_stays_readable(tmp_path):
     assert os.path.exists(path)
 
 
-def test_a_dead_writer_loses_nothing_silently(tmp_path, caplog):
-    s = RequestStore(tmp_path / "r.sqlite3", flush_interval=0.01)
+def test_a_dead_writer_loses_nothing_silently(make_store, caplog):
+    s = make_store("r", flush_interval=0.01)
     real = s._q
 
     class Broken:  # the writer's next read fails as if something below it broke
@@ -394,8 +430,8 @@ def test_a_dead_writer_loses_nothing_silently(tmp_path, caplog):
     assert s.written + s.failed + s.dropped == 8 and lost == accepted - s.written - s.failed
 
 
-def test_a_record_still_in_memory_reads_like_the_stored_one(tmp_path):
-    s = RequestStore(tmp_path / "r.sqlite3", flush_interval=0.01)
+def test_a_record_still_in_memory_reads_like_the_stored_one(make_store):
+    s = make_store("r", flush_interval=0.01)
     tl = _tl(1, user="carol", sampling={"max_tokens": 4, "stop": ["carol's phone"]})
     live = s.record_of(tl)
     s.put(tl)

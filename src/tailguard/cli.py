@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1: loopback only)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
     serve.add_argument("--config", default=None, help="YAML file of server settings (flags override it)")
-    serve.add_argument("--store", dest="store_path", default=None, help="SQLite request store path")
+    serve.add_argument("--store", dest="store_path", default=None, metavar="PATH_OR_URL",
+                       help="request store: a SQLite file path (the default store) or postgresql://USER@HOST:PORT/DB")
     serve.add_argument("--store-text", action="store_true", default=None,
                        help="also store prompts and outputs, redacted (e-mails, phones, IDs, IPs, cards)")
     serve.add_argument("--retention-days", type=float, default=None, help="request store retention (default 15)")

@@ -1,19 +1,25 @@
-"""The request store: one SQLite (WAL) row per request, written by a background batch writer.
+"""The request store: one row per request, written by a background batch writer, in SQLite or PostgreSQL.
+
+``RequestStore(target)`` (or :func:`open_store`) picks the backend from ``target``: a file path (or ``sqlite:///path``)
+gives the embedded SQLite store (:mod:`tailguard.observe.store_sqlite`, the default); a ``postgresql://`` URL gives
+the PostgreSQL store (:mod:`tailguard.observe.store_pg`) that several gateways can share. Both keep the same schema
+(version ``SCHEMA_VERSION``), the same rules and the same read API (``get``, ``query``, ``count``, ``alerts``).
 
 The event loop only appends the finished Timeline to an in-memory queue (no I/O, no serialization, no lock held for
 long); a writer thread turns records into rows, redacts text when text storage is on, and commits in batches. Rows
-older than the retention period (15 days by default) are deleted at start and then periodically. The schema is
-versioned with ``PRAGMA user_version``; a store written by a newer tailguard is refused, not silently mangled.
+older than the retention period (15 days by default) are deleted at start and then periodically, by the database.
+The schema is versioned; a store written by a newer tailguard is refused, not silently mangled.
 
 Nothing is lost silently. The backlog is bounded (records and approximate bytes); when it is full, ``put`` drops the
 record and counts it rather than blocking: ``put`` runs on the event loop that serves every stream, and stalling it
-would turn a slow disk or slow redaction into latency for every request in flight. ``close`` drains the backlog until
-it is empty or its deadline passes; whatever is refused after close or left at the deadline is counted (``dropped``,
-``on_drop``) and logged.
+would turn a slow disk, an unreachable database or slow redaction into latency for every request in flight. ``close``
+drains the backlog until it is empty or its deadline passes; whatever is refused after close or left at the deadline
+is counted (``dropped``, ``on_drop``) and logged.
 
 Pseudonyms: ``user`` and the prompt-token digest are HMAC-SHA256 under a per-deployment secret (``secret``, else
-``$TAILGUARD_STORE_SECRET``, else a random key generated once and kept beside the database), so records can be grouped
-by user and matched against a replay, but not reversed by guessing and hashing.
+``$TAILGUARD_STORE_SECRET``, else a random key generated once and kept beside the SQLite file, or in the PostgreSQL
+database so that every gateway sharing it agrees), so records can be grouped by user and matched against a replay, but
+not reversed by guessing and hashing.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ import logging
 import os
 import queue
 import secrets
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +53,8 @@ _STUCK_WRITER_GRACE_S = 10.0  # after the deadline, how long the batch in hand m
 SECRET_ENV = "TAILGUARD_STORE_SECRET"
 SECRET_FILE = "store.secret"  # beside the database, mode 0600
 
+
+# The schema, in SQLite's dialect (store_pg.py translates the types for PostgreSQL).
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -115,22 +122,65 @@ CREATE TABLE IF NOT EXISTS slo_alerts (
 CREATE INDEX IF NOT EXISTS idx_slo_alerts_at ON slo_alerts(at);
 """
 
-# Columns added after schema version 1, for files written by an older tailguard.
-_ADDED_COLUMNS = (
-    ("lane", "TEXT"), ("client", "TEXT"), ("region", "TEXT"), ("degraded", "INTEGER NOT NULL DEFAULT 0"),
-    ("slo_action", "TEXT"),
-)
 _ALERT_COLUMNS = ("id", "kind", "name", "event", "scope", "tier", "at", "started_at", "ended_at", "dry_run",
                   "alert_id", "figures", "details")
-_INSERT_ALERT = f"INSERT INTO slo_alerts ({', '.join(_ALERT_COLUMNS)}) VALUES ({', '.join('?' * len(_ALERT_COLUMNS))})"
-
 _COLUMNS = (
     "request_id", "received_at", "endpoint", "model", "user", "business_type", "stream", "status", "outcome",
     "finish_reason", "error", "prompt_tokens", "output_tokens", "e2e", "ttft", "tpot", "tokenize", "queue", "prefill",
     "decode", "stream_time", "record", "prompt_text", "output_text", "prompt_token_ids", "prompt_token_hmac",
     "logprobs", "lane", "client", "region", "degraded", "slo_action",
 )
-_INSERT = f"INSERT INTO requests ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def is_postgres_url(target: str | os.PathLike) -> bool:
+    return isinstance(target, str) and target.lower().startswith(POSTGRES_SCHEMES)
+
+
+def check_store_target(target: str | os.PathLike) -> str:
+    """``target`` as a string if it names a store this tailguard can open (a path, sqlite:///PATH or a postgresql://
+    URL), else ValueError. Imports no backend (config validation calls it)."""
+    text = str(target).strip()
+    if not text:
+        raise ValueError("the request store target is empty: give a file path or a postgresql:// URL")
+    if "://" in text and not is_postgres_url(text) and not text.startswith("sqlite://"):
+        scheme = text.split("://", 1)[0]
+        raise ValueError(f"unsupported request store URL scheme {scheme!r}: use a file path, sqlite:///PATH or "
+                         "postgresql://USER@HOST:PORT/DB")
+    return text
+
+
+def describe_store_target(target: str | os.PathLike) -> str:
+    """``target`` fit for a log line: a URL's password masked."""
+    text = str(target)
+    if not is_postgres_url(text):
+        return text
+    from tailguard.observe.store_pg import redact_url
+
+    return redact_url(text)
+
+
+def store_class(target: str | os.PathLike) -> type[RequestStore]:
+    """The backend for ``target``: PostgreSQL for a postgresql:// URL, SQLite for a path or sqlite:/// URL."""
+    check_store_target(target)
+    if is_postgres_url(target):
+        from tailguard.observe.store_pg import PostgresStore
+
+        return PostgresStore
+    from tailguard.observe.store_sqlite import SQLiteStore
+
+    return SQLiteStore
+
+
+def sqlite_path(target: str | os.PathLike) -> str:
+    """A SQLite target as a path: ``sqlite:///abs/path`` and ``sqlite://rel/path`` lose their scheme."""
+    text = str(target)
+    return text[len("sqlite://"):] if text.startswith("sqlite://") else text
+
+
+def open_store(target: str | os.PathLike, **kwargs: Any) -> RequestStore:
+    """Open the request store at ``target`` (a SQLite path or a postgresql:// URL); see :class:`RequestStore`."""
+    return store_class(target)(target, **kwargs)
 
 
 def _safe(value: Any) -> Any:
@@ -203,70 +253,6 @@ def withhold_ids(logprobs: list[dict]) -> list[dict]:
     return out
 
 
-# --- schema ---------------------------------------------------------------------------------------------------------
-def _connect(path: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, timeout=10, check_same_thread=False, isolation_level=None)
-    conn.execute("PRAGMA busy_timeout=10000")
-    return conn
-
-
-def _migrate_to_3(conn: sqlite3.Connection, key: bytes) -> None:
-    """Rows written before schema 3 kept the raw user id, an unsalted prompt digest and token ids beside redacted
-    text: pseudonymize the first, drop the second (it cannot be salted without the tokens), withhold the third."""
-    have = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
-    if "prompt_token_sha256" in have and "prompt_token_hmac" not in have:
-        conn.execute("ALTER TABLE requests RENAME COLUMN prompt_token_sha256 TO prompt_token_hmac")
-        conn.execute("UPDATE requests SET prompt_token_hmac = NULL")
-    conn.create_function("tailguard_pseudonym", 1, lambda v: pseudonym(key, v), deterministic=True)
-    conn.execute("UPDATE requests SET user = tailguard_pseudonym(user) WHERE user IS NOT NULL AND user != ''")
-    rows = conn.execute("SELECT id, logprobs FROM requests WHERE logprobs IS NOT NULL").fetchall()
-    for row_id, raw in rows:
-        try:
-            cleaned = json.dumps(withhold_ids(json.loads(raw)), separators=(",", ":"))
-        except (ValueError, TypeError, AttributeError):
-            cleaned = None  # unreadable: dropping it is the safe side
-        conn.execute("UPDATE requests SET logprobs = ? WHERE id = ?", (cleaned, row_id))
-
-
-def open_schema(path: str, key: bytes | None = None) -> int:
-    """Create, migrate or check the schema; returns the version in the file. ``key`` pseudonymizes old rows."""
-    conn = _connect(path)
-    try:
-        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if mode.lower() != "wal" and path != ":memory:":
-            log.warning("SQLite refused WAL mode (%s); writes may block readers", mode)
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise SchemaError(f"{path} has schema version {version}; this tailguard understands up to {SCHEMA_VERSION}")
-        exists = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'requests'").fetchone() is not None
-        conn.executescript(_SCHEMA)  # idempotent; outside the transaction below (executescript commits first)
-        if version == SCHEMA_VERSION:
-            return version
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]  # another process may have migrated it
-            if not exists:
-                version = SCHEMA_VERSION  # a new file: nothing to migrate
-            elif version == 0:
-                version = 1  # written before the schema had a version
-            have = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
-            for name, decl in _ADDED_COLUMNS:  # version 1 -> 2
-                if name not in have:
-                    conn.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
-            if version < 3:
-                _migrate_to_3(conn, key if key is not None else load_secret(path))
-                log.info("request store %s migrated from schema %d to %d", path, version, SCHEMA_VERSION)
-            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            conn.execute("COMMIT")
-        except BaseException:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-            raise
-        return SCHEMA_VERSION
-    finally:
-        conn.close()
-
-
 def _backlog_cost(kind: str, item: Any) -> int:
     """Approximate bytes a queued item holds (Python objects, not the row): enough to bound memory, cheap to compute."""
     if kind != "request":
@@ -283,12 +269,26 @@ def _backlog_cost(kind: str, item: Any) -> int:
     return cost
 
 
+
 class RequestStore:
     """Background-batched, exactly-once request records. ``put`` never blocks and never raises.
 
     Every record is either written, or counted in ``dropped`` (backlog full, put after close, close deadline passed)
-    or ``failed`` (a row SQLite refused), each reported through ``on_drop`` / ``on_error`` and the log.
+    or ``failed`` (a row the database refused), each reported through ``on_drop`` / ``on_error`` and the log.
+
+    ``RequestStore(target, ...)`` returns the backend that ``target`` names (see :func:`store_class`); the backends
+    implement ``_open_backend``, ``query``, ``enforce_retention`` and the writer's ``_open_writer`` / ``_write`` /
+    ``_close_writer``; everything else (the backlog, the writer loop, rows, pseudonyms, reads) is shared here.
     """
+
+    path: str
+    schema_version: int
+    _key: bytes
+
+    def __new__(cls, target: str | os.PathLike, *args: Any, **kwargs: Any) -> RequestStore:
+        if cls is RequestStore:
+            cls = store_class(target)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -310,9 +310,6 @@ class RequestStore:
     ) -> None:
         if store_text and redact is None:
             raise ValueError("text storage needs a redactor: prompts are never stored unredacted")
-        self.path = str(path)
-        if self.path != ":memory:":
-            Path(self.path).expanduser().parent.mkdir(parents=True, exist_ok=True)
         self.retention_days = retention_days
         self.store_text = store_text
         self._redact = redact
@@ -339,11 +336,38 @@ class RequestStore:
         self.dropped = 0
         self.dropped_samples = 0
         self._drop_logged: dict[str, float] = {}
-        self._key = load_secret(self.path, secret)
-        self.schema_version = open_schema(self.path, self._key)
-        self._reader_local = threading.local()
+        # Sets path, _key and schema_version (creating or migrating the schema); raises if the store is unusable.
+        self._open_backend(sqlite_path(path) if not is_postgres_url(path) else str(path), secret)
         self._thread = threading.Thread(target=self._run, name="tailguard-store", daemon=True)
         self._thread.start()
+
+    # --- what a backend provides ------------------------------------------------------------------------------------
+    def _open_backend(self, target: str, secret: str | bytes | None) -> None:
+        raise NotImplementedError
+
+    def query(self, sql: str, params: tuple = ()) -> list[Any]:
+        """Rows of a read-only SQL query with ``?`` placeholders; each row reads by column name and by index."""
+        raise NotImplementedError
+
+    def enforce_retention(self, conn: Any = None, now: float | None = None) -> int:
+        """Delete records (and queue samples, alerts) older than the retention period; returns requests deleted."""
+        raise NotImplementedError
+
+    def _open_writer(self) -> Any:
+        raise NotImplementedError
+
+    def _close_writer(self, conn: Any) -> None:
+        raise NotImplementedError
+
+    def _write(self, conn: Any, timelines: list[Timeline], samples: list[tuple],
+               alerts: list[dict[str, Any]] | None = None) -> bool:
+        """Commit one batch; False when the close deadline abandoned it unwritten (``close`` then counts it)."""
+        raise NotImplementedError
+
+    def _close_readers(self) -> None:
+        """Release read connections at close (a later read opens new ones)."""
+
+    _clean = staticmethod(_safe)  # how a value is made storable
 
     def pseudonym(self, user: str | None) -> str | None:
         """How ``user`` is stored (and so how to look a user's records up)."""
@@ -446,29 +470,17 @@ class RequestStore:
             self._report_drop(lost, "the close deadline passed")
             log.error("request store: %d records could not be written within the %.0f s close deadline",
                       lost, deadline_s)
+        self._close_readers()
         return lost
 
-    # --- reads (any thread; WAL lets them run beside the writer) ----------------------------------------------------
-    def _reader(self) -> sqlite3.Connection:
-        conn = getattr(self._reader_local, "conn", None)
-        if conn is None:
-            conn = _connect(self.path)
-            conn.row_factory = sqlite3.Row
-            self._reader_local.conn = conn
-        return conn
-
+    # --- reads (any thread) -----------------------------------------------------------------------------------------
     def get(self, request_id: str) -> dict[str, Any] | None:
         """The most recent record with this request id (ids from clients may repeat), or None."""
-        row = self._reader().execute(
-            "SELECT * FROM requests WHERE request_id = ? ORDER BY id DESC LIMIT 1", (request_id,)
-        ).fetchone()
-        return None if row is None else row_to_record(row)
-
-    def query(self, sql: str, params: tuple = ()) -> list[sqlite3.Row]:
-        return self._reader().execute(sql, params).fetchall()
+        rows = self.query("SELECT * FROM requests WHERE request_id = ? ORDER BY id DESC LIMIT 1", (request_id,))
+        return row_to_record(rows[0]) if rows else None
 
     def count(self) -> int:
-        return self._reader().execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+        return self.query("SELECT COUNT(*) FROM requests")[0][0]
 
     def alerts(self, limit: int = 100, since: float | None = None, kind: str | None = None) -> list[dict[str, Any]]:
         """The most recent ``limit`` SLO alert/action records (oldest first), optionally since a unix time."""
@@ -480,7 +492,7 @@ class RequestStore:
             where.append("kind = ?")
             params.append(kind)
         sql = "SELECT * FROM slo_alerts" + (f" WHERE {' AND '.join(where)}" if where else "")
-        rows = self._reader().execute(sql + " ORDER BY seq DESC LIMIT ?", (*params, limit)).fetchall()
+        rows = self.query(sql + " ORDER BY seq DESC LIMIT ?", (*params, limit))
         return [alert_row_to_record(r) for r in reversed(rows)]
 
     # --- writer thread ------------------------------------------------------------------------------------------------
@@ -534,7 +546,7 @@ class RequestStore:
             body["gateway"] = rec["gateway"]  # tenant, lane wait, replica, attempts, stalls
         body["sampling"] = self._sampling(rec["sampling"])
         action = json.dumps(tl.slo_action, separators=(",", ":")) if tl.slo_action else None
-        return tuple(_safe(v) for v in (
+        return tuple(self._clean(v) for v in (
             rec["request_id"], rec["received_at"], rec["endpoint"], rec["model"], self.pseudonym(rec["user"]),
             rec["business_type"], int(rec["stream"]), rec["status"], rec["outcome"] or "unknown",
             rec["finish_reason"], rec["error"], rec["prompt_tokens"], rec["output_tokens"], rec["e2e"], rec["ttft"],
@@ -544,33 +556,18 @@ class RequestStore:
             int(rec["degraded"]), action,
         ))
 
-    @staticmethod
-    def _alert_row(r: dict[str, Any]) -> tuple:
-        return tuple(_safe(v) for v in (
+    def _alert_row(self, r: dict[str, Any]) -> tuple:
+        return tuple(self._clean(v) for v in (
             str(r["id"]), r["kind"], r["name"], r["event"], r.get("scope"), r.get("tier"), float(r["at"]),
             r.get("started_at"), r.get("ended_at"), int(bool(r.get("dry_run"))), r.get("alert_id"),
             json.dumps(r.get("figures") or {}, default=str, separators=(",", ":")),
             json.dumps(r.get("details") or {}, default=str, separators=(",", ":")),
         ))
 
-    def enforce_retention(self, conn: sqlite3.Connection | None = None, now: float | None = None) -> int:
-        """Delete records (and queue samples) older than the retention period; returns rows deleted."""
-        own = conn is None
-        conn = conn or _connect(self.path)
-        try:
-            cutoff = (now if now is not None else time.time()) - self.retention_days * 86400.0
-            deleted = conn.execute("DELETE FROM requests WHERE received_at < ?", (cutoff,)).rowcount
-            conn.execute("DELETE FROM queue_samples WHERE t < ?", (cutoff,))
-            conn.execute("DELETE FROM slo_alerts WHERE at < ?", (cutoff,))
-            return deleted
-        finally:
-            if own:
-                conn.close()
-
-    def _write(self, conn: sqlite3.Connection, timelines: list[Timeline], samples: list[tuple],
-               alerts: list[dict[str, Any]] | None = None) -> None:
-        rows, bad = [], 0
-        alert_rows = []
+    def _build_rows(self, timelines: list[Timeline], alerts: list[dict[str, Any]] | None) -> tuple[
+            list[tuple], list[tuple], int]:
+        """The rows of a batch, and how many records could not even be made into one (each loses only itself)."""
+        rows, alert_rows, bad = [], [], 0
         for a in alerts or ():
             try:
                 alert_rows.append(self._alert_row(a))
@@ -583,26 +580,9 @@ class RequestStore:
             except Exception:  # noqa: BLE001 - one bad record must not take the batch down
                 log.exception("could not build the record of request %s", getattr(tl, "request_id", "?"))
                 bad += 1
-        try:
-            conn.execute("BEGIN")
-            conn.executemany(_INSERT, rows)
-            if samples:
-                conn.executemany("INSERT INTO queue_samples VALUES (?, ?, ?, ?, ?, ?)", samples)
-            if alert_rows:
-                conn.executemany(_INSERT_ALERT, alert_rows)
-            conn.execute("COMMIT")
-            self.written += len(rows)
-        except Exception:  # noqa: BLE001 - retry one by one so a single bad row loses only itself
-            log.exception("request store: a batch of %d records failed; retrying one by one", len(rows))
-            self._rollback(conn)
-            for sql, row in [*((_INSERT, r) for r in rows), *((_INSERT_ALERT, r) for r in alert_rows)]:
-                try:
-                    conn.execute(sql, row)
-                    if sql is _INSERT:
-                        self.written += 1
-                except Exception:  # noqa: BLE001
-                    log.exception("request store: record %s could not be written", row[0])
-                    bad += 1
+        return rows, alert_rows, bad
+
+    def _count_failed(self, bad: int) -> None:
         if bad:
             self.failed += bad
             if self._on_error:
@@ -616,11 +596,6 @@ class RequestStore:
                 self._pending_bytes = 0
                 self._idle.notify_all()
 
-    @staticmethod
-    def _rollback(conn: sqlite3.Connection) -> None:
-        with contextlib.suppress(sqlite3.Error):
-            conn.execute("ROLLBACK")
-
     def _run(self) -> None:
         try:
             self._loop()
@@ -629,14 +604,21 @@ class RequestStore:
             with self._lock:
                 self._closed = True  # refuse (and count) new records rather than queue them for nobody
 
-    def _loop(self) -> None:
-        conn = _connect(self.path)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; a crash may lose the last batch only
+    def _sweep(self, conn: Any) -> None:
         try:
             self.enforce_retention(conn)
-        except sqlite3.Error:
+        except Exception:  # noqa: BLE001 - the next sweep tries again
             log.exception("retention sweep failed")
+
+    def _loop(self) -> None:
+        conn = self._open_writer()
+        try:
+            self._sweep(conn)
+            self._drain(conn)
+        finally:
+            self._close_writer(conn)
+
+    def _drain(self, conn: Any) -> None:
         next_sweep = time.monotonic() + self._retention_interval
         stopping = False
         while not stopping:
@@ -671,23 +653,20 @@ class RequestStore:
                     break
             if timelines or samples or alerts:
                 try:
-                    self._write(conn, timelines, samples, alerts)
+                    finished = self._write(conn, timelines, samples, alerts)
                 except Exception:  # noqa: BLE001 - the writer thread must outlive any bad batch
                     log.exception("request store: a batch of %d records lost", len(timelines) + len(alerts))
-                    self.failed += len(timelines) + len(alerts)
-                    if self._on_error:
-                        self._on_error(len(timelines) + len(alerts))
+                    self._count_failed(len(timelines) + len(alerts))
+                    finished = True
+                if not finished:
+                    break  # abandoned at the close deadline: close() counts the batch in hand with the rest
                 self._done(len(timelines) + len(alerts), nbytes)
             if time.monotonic() >= next_sweep and not stopping:
-                try:
-                    self.enforce_retention(conn)
-                except sqlite3.Error:
-                    log.exception("retention sweep failed")
+                self._sweep(conn)
                 next_sweep = time.monotonic() + self._retention_interval
-        conn.close()
 
 
-def row_to_record(row: sqlite3.Row) -> dict[str, Any]:
+def row_to_record(row: Any) -> dict[str, Any]:
     """A stored row as the API's record (the shape of ``Timeline.to_record`` plus the text audit fields)."""
     body = json.loads(row["record"])
     rec: dict[str, Any] = {
@@ -732,7 +711,7 @@ def row_to_record(row: sqlite3.Row) -> dict[str, Any]:
     return rec
 
 
-def alert_row_to_record(row: sqlite3.Row) -> dict[str, Any]:
+def alert_row_to_record(row: Any) -> dict[str, Any]:
     """A stored SLO alert/action row as the dict the monitor emitted."""
     rec = {k: row[k] for k in _ALERT_COLUMNS}
     rec["dry_run"] = bool(rec["dry_run"])

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from tailguard.gateway.lanes import CapacityConfig, LaneConfig, default_lanes
 from tailguard.gateway.upstream import RoutingConfig, UpstreamConfig
@@ -49,7 +49,8 @@ class ServerConfig(BaseModel):
     max_queue: int = Field(512, ge=1, description="requests admitted but without a first token; beyond: 429")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     default_max_tokens: int | None = Field(None, ge=1, description="chat default; None = the rest of the context")
-    store_path: str = Field(default_factory=default_store_path)
+    store_path: str = Field(default_factory=default_store_path, validation_alias=AliasChoices("store_path", "store"),
+                            description="request store: a SQLite file path, or a postgresql:// URL ('store' too)")
     store_text: bool = False
     retention_days: float = Field(15.0, gt=0)
     sample_interval: float = Field(0.25, gt=0, le=0.5, description="gauge sampling period (<= 500 ms)")
@@ -76,6 +77,13 @@ class ServerConfig(BaseModel):
     default_lane: str = Field("standard", description="the lane of a caller whose key names no tenant")
     trust_lane_header: bool = Field(False, description="take X-Lane from the client (only behind a proxy that "
                                                        "sets it): otherwise a claimed lane is ignored and recorded")
+
+    @field_validator("store_path")
+    @classmethod
+    def _store_target(cls, v: str) -> str:
+        from tailguard.observe.store import check_store_target
+
+        return check_store_target(v)
 
     @field_validator("log_level")
     @classmethod

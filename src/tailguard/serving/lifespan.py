@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 
-from tailguard.observe.store import RequestStore
+from tailguard.observe.store import RequestStore, open_store
 from tailguard.serving.backend import Backend
 from tailguard.serving.state import ServerState
 
@@ -81,7 +81,7 @@ class Lifespan:
             return inc
 
         return await asyncio.to_thread(
-            RequestStore, config.store_path, retention_days=config.retention_days, store_text=config.store_text,
+            open_store, config.store_path, retention_days=config.retention_days, store_text=config.store_text,
             redact=red.redact if red is not None else None, encode=encode,
             on_error=count("store_errors"), on_drop=count("store_dropped"),
         )
