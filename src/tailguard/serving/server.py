@@ -12,6 +12,7 @@ from typing import Any
 
 import uvicorn
 
+from tailguard.observe.store import describe_store_target
 from tailguard.serving.app import create_app
 from tailguard.serving.backend import Backend, build_backend
 from tailguard.serving.config import ServerConfig
@@ -49,7 +50,7 @@ def serve(config: ServerConfig, engine_args: Any | None = None) -> int:
     app = create_app(config, engine_factory=lambda: build_backend(config, engine_args))
     server = uvicorn.Server(_uvicorn_config(app, config))
     log.info("tailguard serving %s on http://%s:%d (store: %s, text storage %s)", config.model, config.host,
-             config.port, config.store_path, "on, redacted" if config.store_text else "off")
+             config.port, describe_store_target(config.store_path), "on, redacted" if config.store_text else "off")
     server.run()
     return 0
 

@@ -17,7 +17,16 @@ async def get_request(request: Request) -> Response:
     state = state_of(request)
     caller = state.keys.owner(request.headers.get("authorization"))
     rid = request.path_params["request_id"]
-    rec = await asyncio.to_thread(_stored, state, rid, caller)
+    try:
+        rec = await asyncio.to_thread(_stored, state, rid, caller)
+    except (OSError, ConnectionError) as exc:  # the store cannot be read right now
+        raise APIError(503, f"the request store is unavailable: {type(exc).__name__}", code="store_unavailable",
+                       headers={"Retry-After": "5"}) from None
+    except Exception as exc:
+        if type(exc).__module__.startswith("psycopg"):  # OperationalError while PostgreSQL restarts
+            raise APIError(503, "the request store is unavailable right now", code="store_unavailable",
+                           headers={"Retry-After": "5"}) from None
+        raise
     recent = state.recent.get(rid)
     if recent is not None and not _may_read(caller, recent.owner):
         recent = None
