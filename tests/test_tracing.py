@@ -3,6 +3,7 @@ the protobuf payloads (``ExportTraceServiceRequest``) the way a collector does; 
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import signal
@@ -29,7 +30,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: 
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status  # noqa: E402
 
 from tailguard.engine.fake import FakeEngine, FakeTiming  # noqa: E402
-from tailguard.observe.tracing import upstream_call  # noqa: E402
+from tailguard.observe.tracing import upstream_call, upstream_headers  # noqa: E402
 from tailguard.serving.config import ServerConfig  # noqa: E402
 from tests.serving_helpers import fake_server, settle  # noqa: E402
 
@@ -287,15 +288,22 @@ class ForwardingEngine(FakeEngine):
     def __init__(self, upstream: str) -> None:
         super().__init__(FakeTiming(ttft=0.005, itl=0.001))
         self.upstream = upstream
+        self.dead = f"http://127.0.0.1:{_free_port()}/v1/completions"  # nothing listens there
         self.sent: list[dict[str, str]] = []
 
     async def generate(self, prompt_token_ids, sampling, request_id, priority=0,
                        arrival_time=None) -> AsyncIterator:
         url = self.upstream + "/v1/completions"
-        with upstream_call(url_full=url, server_address="127.0.0.1") as headers:
-            self.sent.append(dict(headers))
-            async with httpx.AsyncClient(timeout=30) as client:
-                r = await client.post(url, json={"model": "fake", "prompt": "hi", "max_tokens": 3}, headers=headers)
+        async with httpx.AsyncClient(timeout=30) as client:
+            # The first attempt fails before it is sent (a replica that refuses), the retry gets through: two calls.
+            with contextlib.suppress(httpx.ConnectError), upstream_call({"url.full": self.dead}) as call:
+                self.sent.append(dict(call.headers))
+                await client.post(self.dead, json={}, headers=call.headers)
+            with upstream_call({"url.full": url, "server.address": "127.0.0.1"}) as call:
+                self.sent.append(dict(call.headers))
+                r = await client.post(url, json={"model": "fake", "prompt": "hi", "max_tokens": 3},
+                                      headers=call.headers)
+                call.attributes["http.response.status_code"] = r.status_code
                 r.raise_for_status()
         async for ev in super().generate(prompt_token_ids, sampling, request_id, priority, arrival_time):
             yield ev
@@ -317,17 +325,22 @@ def test_trace_propagates_through_a_gateway_to_its_upstream(tmp_path, receiver):
     assert {s["name"] for s in servers} == {"chat fake", "text_completion fake"}
     gw = next(s for s in servers if s["name"] == "chat fake")
     up = next(s for s in servers if s["name"] == "text_completion fake")
-    call = next(s for s in spans if s["kind"] == Span.SPAN_KIND_CLIENT)
-    # client -> gateway request span -> its upstream span -> the upstream's request span -> its stages
+    failed, call = sorted((s for s in spans if s["kind"] == Span.SPAN_KIND_CLIENT), key=lambda s: s["start"])
+    # client -> gateway request span -> its upstream calls -> the upstream's request span -> its stages
     assert gw["parent"] == CLIENT_SPAN
-    assert call["name"] == "upstream" and call["parent"] == gw["span_id"]
-    assert call["attrs"]["url.full"] == upstream.url + "/v1/completions"
+    assert call["name"] == failed["name"] == "upstream"
+    assert call["parent"] == failed["parent"] == gw["span_id"]
+    assert failed["status"] == Status.STATUS_CODE_ERROR and failed["status_message"] == "ConnectError"
+    assert call["status"] == Status.STATUS_CODE_UNSET
+    assert call["attrs"] == {"url.full": upstream.url + "/v1/completions", "server.address": "127.0.0.1",
+                             "http.response.status_code": 200}
     assert up["parent"] == call["span_id"]
-    assert gateway_engine.sent == [{"traceparent": f"00-{CLIENT_TRACE}-{call['span_id']}-01", "tracestate": "k=v"}]
+    assert gateway_engine.sent == [{"traceparent": f"00-{CLIENT_TRACE}-{s['span_id']}-01", "tracestate": "k=v"}
+                                   for s in (failed, call)]
     assert sorted(s["name"] for s in spans if s["parent"] == up["span_id"]) == sorted(STAGES)
     # The upstream call happened inside the gateway's request, and the upstream's request inside the call
     # (one machine, one wall clock; each server anchors its own spans).
-    assert gw["start"] <= call["start"] <= call["end"] <= gw["end"]
+    assert gw["start"] <= failed["start"] <= failed["end"] <= call["start"] <= call["end"] <= gw["end"]
     assert call["start"] - 5_000_000 <= up["start"] and up["end"] <= call["end"] + 5_000_000
 
 
@@ -337,6 +350,10 @@ def test_tracing_off_changes_nothing(tmp_path):
         r = _chat(server.url, {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
         assert r.status_code == 200 and "traceresponse" not in r.headers
         assert not any(type(m.cls).__name__ == "TraceContextMiddleware" for m in server.app.user_middleware)
+    # A gateway's calls outside a traced request send nothing and record nothing.
+    assert upstream_headers() == {}
+    with upstream_call({"url.full": "http://x"}) as call:
+        assert call.headers == {}
 
 
 def test_endpoint_from_settings_flag_and_environment(monkeypatch):

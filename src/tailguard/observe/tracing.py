@@ -2,7 +2,7 @@
 
 One span per request (kind SERVER, named ``chat MODEL`` or ``text_completion MODEL`` as the gen_ai semantic
 conventions name spans) with a child span per stage that the request reached (``tokenize``, ``queue``, ``prefill``,
-``decode``, ``stream``), and a CLIENT child ``upstream`` when a gateway called another server for it.
+``decode``, ``stream``), and a CLIENT child ``upstream`` for each call a gateway made to another server for it.
 
 The spans are not timed by the SDK: they are made once, when the record closes, from the timeline's monotonic
 boundaries (the same ones the metrics, the store and ``Server-Timing`` use), converted to epoch nanoseconds through
@@ -12,8 +12,8 @@ them, never the request's task.
 
 W3C Trace Context: :class:`TraceContextMiddleware` reads the client's ``traceparent`` (and ``tracestate``), so the
 request span becomes a child of the client's span, and answers with ``traceresponse`` (Trace Context Level 2: the
-server span's id). A gateway sends :func:`upstream_headers` (or uses :func:`upstream_call`) to its upstream, so the
-upstream's request span is a child of this one's ``upstream`` span.
+server span's id). A gateway sends the headers of :func:`upstream_call` (or :func:`upstream_headers`) to its
+upstream, so the upstream's request span is a child of this one's ``upstream`` span.
 
 Nothing here is imported, installed or run when no OTLP endpoint is configured.
 """
@@ -53,6 +53,7 @@ __all__ = [
     "RequestTrace",
     "RequestTracer",
     "TraceContextMiddleware",
+    "UpstreamCall",
     "current_trace",
     "traces_url",
     "upstream_call",
@@ -86,35 +87,45 @@ def _header(trace_id: int, span_id: int, sampled: bool) -> str:
 
 
 @dataclass
+class UpstreamCall:
+    """One call a gateway made upstream for a request: a CLIENT span, child of the request span, and the parent of
+    the upstream's own request span. ``attributes`` may be added to until the request's record closes (e.g.
+    ``http.response.status_code``, a replica id)."""
+
+    span_id: int
+    headers: dict[str, str]  # what to send upstream: ``traceparent`` and, when the client sent one, ``tracestate``
+    attributes: dict[str, Any] = field(default_factory=dict)
+    start: float | None = None  # perf_counter; None: from the hand-off to the engine
+    end: float | None = None  # perf_counter; None: to the request's last byte
+    error: str | None = None
+
+
+@dataclass
 class RequestTrace:
-    """Where one request sits in its trace: ids chosen at arrival, spans made when its record closes."""
+    """Where one request sits in its trace: ids chosen at arrival, spans made after its record closes."""
 
     trace_id: int
     span_id: int  # the request (SERVER) span
     sampled: bool
     parent: SpanContext | None = None  # the client's span, from a valid ``traceparent``
     trace_state: TraceState = field(default_factory=TraceState)
-    # The gateway's call to its upstream (perf_counter seconds), when there was one.
-    upstream_span_id: int | None = None
-    upstream_start: float | None = None
-    upstream_end: float | None = None
-    upstream_attributes: dict[str, Any] = field(default_factory=dict)
-    upstream_error: str | None = None
+    upstream: list[UpstreamCall] = field(default_factory=list)  # a gateway's calls (retries included), in order
 
     @property
     def traceparent(self) -> str:
         """This request's span as a W3C ``traceparent`` value (also what ``traceresponse`` carries)."""
         return _header(self.trace_id, self.span_id, self.sampled)
 
-    def upstream_headers(self) -> dict[str, str]:
-        """Headers for the upstream request: its parent is this request's ``upstream`` span (allocated once)."""
-        if self.upstream_span_id is None:
-            self.upstream_span_id = _IDS.generate_span_id()
-        headers = {"traceparent": _header(self.trace_id, self.upstream_span_id, self.sampled)}
+    def new_upstream_call(self, attributes: dict[str, Any] | None = None) -> UpstreamCall:
+        """A new upstream call (a span id of its own) and the headers that make it the upstream's parent."""
+        span_id = _IDS.generate_span_id()
+        headers = {"traceparent": _header(self.trace_id, span_id, self.sampled)}
         state = self.trace_state.to_header()
         if state:
             headers["tracestate"] = state
-        return headers
+        call = UpstreamCall(span_id, headers, dict(attributes or {}))
+        self.upstream.append(call)
+        return call
 
 
 def current_trace() -> RequestTrace | None:
@@ -122,35 +133,36 @@ def current_trace() -> RequestTrace | None:
     return _current.get()
 
 
-def upstream_headers() -> dict[str, str]:
+def upstream_headers(attributes: dict[str, Any] | None = None) -> dict[str, str]:
     """For a gateway: the ``traceparent`` (and ``tracestate``) to send upstream for the request being served, or
-    ``{}`` when it is not traced. Call it from the request's task (where the backend's ``generate`` runs): the
-    trace is found there, not through the timeline, because a backend is handed no timeline."""
+    ``{}`` when it is not traced. Each call is one upstream call (one CLIENT span, from the hand-off to the engine
+    to the last byte; :func:`upstream_call` times it exactly). Call it from the request's task, where the backend's
+    ``generate`` runs: the trace is found there, since a backend is handed no timeline."""
     trace = _current.get()
-    return trace.upstream_headers() if trace is not None else {}
+    return trace.new_upstream_call(attributes).headers if trace is not None else {}
 
 
 @contextlib.contextmanager
-def upstream_call(**attributes: Any) -> Iterator[dict[str, str]]:
-    """For a gateway: time the upstream call as the request's ``upstream`` span and yield the headers to send.
+def upstream_call(attributes: dict[str, Any] | None = None) -> Iterator[UpstreamCall]:
+    """For a gateway: time one upstream call as a CLIENT span of the request being served; send ``call.headers``.
 
-    ``attributes`` go on the span (e.g. ``url_full=...`` becomes ``url.full``; ``server_address``, a replica id).
-    An exception leaving the block marks the span as failed and propagates.
+    ``attributes`` (semantic-convention names, e.g. ``{"url.full": url, "server.address": host}``) go on the span,
+    and so does whatever is put in ``call.attributes`` inside the block. An exception leaving the block marks the
+    span as failed and propagates. Outside a traced request the call is a no-op with empty headers.
     """
     trace = _current.get()
     if trace is None:
-        yield {}
+        yield UpstreamCall(0, {}, dict(attributes or {}))
         return
-    headers = trace.upstream_headers()
-    trace.upstream_attributes.update({k.replace("_", "."): v for k, v in attributes.items() if v is not None})
-    trace.upstream_start = time.perf_counter()
+    call = trace.new_upstream_call(attributes)
+    call.start = time.perf_counter()
     try:
-        yield headers
+        yield call
     except BaseException as exc:
-        trace.upstream_error = type(exc).__name__
+        call.error = type(exc).__name__
         raise
     finally:
-        trace.upstream_end = time.perf_counter()
+        call.end = time.perf_counter()
 
 
 class RequestTracer:
@@ -229,13 +241,13 @@ class RequestTracer:
         for i, name in enumerate(STAGES):
             if opened[i] is not None:
                 out.append(child(name, bounds[i], bounds[i + 1], attributes={"tailguard.stage": name}))
-        if trace.upstream_span_id is not None:
-            start = trace.upstream_start if trace.upstream_start is not None else (tl.queued or bounds[1])
-            end = trace.upstream_end if trace.upstream_end is not None else bounds[-1]
-            end = min(max(end, start), bounds[-1])
-            status = Status(StatusCode.ERROR, trace.upstream_error) if trace.upstream_error else None
-            out.append(child("upstream", max(start, bounds[0]), end, SpanKind.CLIENT, dict(trace.upstream_attributes),
-                             span_id=trace.upstream_span_id, status=status))
+        for call in trace.upstream:
+            start = call.start if call.start is not None else (tl.queued or bounds[1])
+            start = min(max(start, bounds[0]), bounds[-1])
+            end = min(max(call.end if call.end is not None else bounds[-1], start), bounds[-1])
+            status = Status(StatusCode.ERROR, call.error) if call.error else None
+            out.append(child("upstream", start, end, SpanKind.CLIENT, dict(call.attributes), span_id=call.span_id,
+                             status=status))
 
         events: list[Event] = []
         if s.ttft is not None:
