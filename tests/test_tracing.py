@@ -157,6 +157,7 @@ def test_request_span_joins_the_clients_trace_with_stage_children(tmp_path, rece
                "X-Request-ID": "traced-1", "X-Lane": "vip", "X-Business-Type": "finance"}
     wall_before = time.time_ns()
     with fake_server(tmp_path, FakeTiming(ttft=0.02, itl=0.004), tracing=_tracing(receiver)) as server:
+        assert [m.cls.__name__ for m in server.app.user_middleware] == ["TraceContextMiddleware"]
         r = _chat(server.url, headers, max_tokens=6, temperature=0.5)
         assert r.status_code == 200
         _flush(server)
@@ -349,7 +350,7 @@ def test_tracing_off_changes_nothing(tmp_path):
         assert server.state.tracer is None
         r = _chat(server.url, {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
         assert r.status_code == 200 and "traceresponse" not in r.headers
-        assert not any(type(m.cls).__name__ == "TraceContextMiddleware" for m in server.app.user_middleware)
+        assert not any(m.cls.__name__ == "TraceContextMiddleware" for m in server.app.user_middleware)
     # A gateway's calls outside a traced request send nothing and record nothing.
     assert upstream_headers() == {}
     with upstream_call({"url.full": "http://x"}) as call:
