@@ -357,7 +357,6 @@ class _SpanMaker(SpanExporter):
         # Python threads share one lock: a thread that computes for long makes the event loop wait up to the switch
         # interval (5 ms) at each of its turns. So the work goes in small pieces, and the lock is handed back after
         # each request's spans and each POST (measured: P99 of a loaded server 2x without this, see observability.md).
-        result = SpanExportResult.SUCCESS
         for i in range(0, len(items), REQUESTS_PER_POST):
             spans: list[ReadableSpan] = []
             for item in items[i:i + REQUESTS_PER_POST]:
@@ -367,9 +366,11 @@ class _SpanMaker(SpanExporter):
                     log.exception("tracing: could not make the spans of request %s", item.tl.request_id)
                 time.sleep(0)
             if spans and self.exporter.export(spans) is not SpanExportResult.SUCCESS:
-                result = SpanExportResult.FAILURE
+                # The collector refused or is unreachable (after the exporter's own retries): the rest of this batch
+                # would fare no better, and the queue behind it should not wait for it.
+                return SpanExportResult.FAILURE
             time.sleep(0)
-        return result
+        return SpanExportResult.SUCCESS
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.exporter.force_flush(timeout_millis)
