@@ -418,3 +418,16 @@ def test_serve_subprocess_exports_on_shutdown(tmp_path, receiver):
     req = _request_span(receiver.trace(CLIENT_TRACE))
     assert req["attrs"]["tailguard.request_id"] == "cli-1" and req["parent"] == CLIENT_SPAN
     assert json.loads(json.dumps(req["attrs"]))["gen_ai.usage.output_tokens"] == r.json()["usage"]["completion_tokens"]
+
+
+def test_an_unreachable_collector_never_fails_or_holds_a_request(tmp_path):
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    with fake_server(tmp_path, tracing={"otlp_endpoint": dead, "export_timeout_s": 1}) as server:
+        for i in range(40):
+            r = _chat(server.url, {"X-Request-ID": f"lost-{i}"})
+            assert r.status_code == 200 and "traceresponse" in r.headers
+        settle(server)
+        assert server.state.tracer.force_flush(30) is True  # the export failed and was given up, not hung
+    # The lifespan shut the tracer down and the server stopped (its thread ended within ThreadedServer's 15 s).
+    assert not server._thread.is_alive()
+    assert server.state.tracer is None
