@@ -66,11 +66,13 @@ def available_metrics() -> dict[str, MetricInfo]:
     SLOMetrics(slo_registry)
     out: dict[str, MetricInfo] = {}
     for registry in (server.registry, slo_registry):
-        # The registry knows each collector's families; prometheus_client keeps the label names on the collector.
-        for collector in list(registry._collector_to_names):  # noqa: SLF001 - no public way to list collectors
-            labels = tuple(getattr(collector, "_labelnames", ()))
-            for fam in collector.describe():
-                out[fam.name] = MetricInfo(fam.name, fam.type, labels)
+        # Names and types are public (collect() yields every family, sampled or not); label names are kept on the
+        # collectors only, which the registry lists privately: without that list, panels of discovered metrics
+        # are not split by label.
+        collectors = getattr(registry, "_collector_to_names", None)
+        labels = {fam.name: tuple(getattr(c, "_labelnames", ())) for c in (collectors or ()) for fam in c.describe()}
+        for fam in registry.collect():
+            out[fam.name] = MetricInfo(fam.name, fam.type, labels.get(fam.name, ()))
     return out
 
 
