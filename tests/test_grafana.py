@@ -246,3 +246,9 @@ def test_dashboard_reads_the_label_names_the_server_exports():
                                                                      "tailguard_inter_token_latency_seconds",
                                                                      "tailguard_e2e_request_latency_seconds"):
             assert {"model", "business_type"} <= set(info.labels), info
+
+
+def test_unknown_profile_is_a_clear_error(tmp_path, capsys):
+    assert main(["slo", "grafana", "--profile", "no-such-profile", "-o", str(tmp_path / "d.json")]) == 2
+    assert "no-such-profile" in capsys.readouterr().err
+    assert not (tmp_path / "d.json").exists()
