@@ -63,7 +63,11 @@ def create_app(
     if config.tracing.enabled:  # W3C trace context in and out; without tracing, nothing is in the request's path
         from starlette.middleware import Middleware
 
-        from tailguard.observe.tracing import TraceContextMiddleware
+        try:
+            from tailguard.observe.tracing import TraceContextMiddleware
+        except ImportError as exc:
+            raise RuntimeError(f"tracing.otlp_endpoint is set, but OpenTelemetry is not installed ({exc}): "
+                               "pip install 'tailguard[server]'") from exc
 
         middleware.append(Middleware(TraceContextMiddleware, state=state))
     app = Starlette(
