@@ -26,6 +26,7 @@ from tailguard.slo.grafana import (
     available_metrics,
     build_dashboard,
     expand_variables,
+    le_matcher,
     panel_queries,
 )
 from tailguard.slo.profiles import builtin_profiles
@@ -252,3 +253,15 @@ def test_unknown_profile_is_a_clear_error(tmp_path, capsys):
     assert main(["slo", "grafana", "--profile", "no-such-profile", "-o", str(tmp_path / "d.json")]) == 2
     assert "no-such-profile" in capsys.readouterr().err
     assert not (tmp_path / "d.json").exists()
+
+
+def test_bucket_matcher_reads_both_prometheus_2_and_3_spellings():
+    """prometheus_client writes le="2.0"; Prometheus 3 normalizes it to le="2". The burn panels must find either."""
+    import re
+
+    matcher = le_matcher(2.0)
+    assert matcher.startswith('le=~"') and matcher.endswith('"')
+    regex = matcher[len('le=~"'):-1].encode().decode("unicode_escape")  # the PromQL string literal's value
+    assert re.fullmatch(regex, "2.0") and re.fullmatch(regex, "2")
+    assert not re.fullmatch(regex, "20") and not re.fullmatch(regex, "2.05")
+    assert le_matcher(1.2) == 'le="1.2"'

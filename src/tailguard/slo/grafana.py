@@ -22,7 +22,8 @@ from typing import Any
 from tailguard.slo.profiles import Metric, SLOProfile
 from tailguard.slo.rules import HISTOGRAMS, le, slo_rules_from
 
-__all__ = ["SCHEMA_VERSION", "MetricInfo", "available_metrics", "build_dashboard", "expand_variables", "panel_queries"]
+__all__ = ["SCHEMA_VERSION", "MetricInfo", "available_metrics", "build_dashboard", "expand_variables", "le_matcher",
+           "panel_queries"]
 
 SCHEMA_VERSION = 39
 GRID_WIDTH = 24
@@ -143,6 +144,15 @@ def _panel(title: str, targets: Sequence[tuple[str, str]], unit: str, descriptio
 def _quantiles(series: str, matcher: str = REQ) -> list[tuple[str, str]]:
     return [(f"histogram_quantile({q}, sum by (le) (rate({series}_bucket{{{matcher}}}[{RATE}])))", name)
             for q, name in PERCENTILES]
+
+
+def le_matcher(threshold: float) -> str:
+    """The ``le`` matcher of the bucket at ``threshold``: prometheus_client writes ``2.0`` and Prometheus 2 keeps it,
+    Prometheus 3 normalizes it to ``2``; a regex that takes both works with either."""
+    value = le(threshold)
+    if value.endswith(".0"):
+        return 'le=~"' + value[:-2] + r'(\\.0)?"'
+    return f'le="{value}"'
 
 
 def _error_ratio(matcher: str, window: str) -> str:
@@ -295,7 +305,7 @@ class _Builder:
     def _bad_ratio(rule: Any, m: str, w: str) -> str:
         if rule.kind == "latency":
             h = HISTOGRAMS[rule.metric]
-            return (f'1 - sum(rate({h}_bucket{{{m}, le="{le(rule.threshold)}"}}[{w}])) / '
+            return (f"1 - sum(rate({h}_bucket{{{m}, {le_matcher(rule.threshold)}}}[{w}])) / "
                     f"sum(rate({h}_count{{{m}}}[{w}]))")
         return _error_ratio(m, w)
 
