@@ -357,7 +357,7 @@ def test_tracing_off_changes_nothing(tmp_path):
         assert call.headers == {}
 
 
-def test_endpoint_from_settings_flag_and_environment(monkeypatch):
+def test_endpoint_from_settings_flag_and_environment(monkeypatch, tmp_path):
     for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SERVICE_NAME"):
         monkeypatch.delenv(var, raising=False)
     assert not ServerConfig.load(model="fake").tracing.enabled
@@ -371,6 +371,14 @@ def test_endpoint_from_settings_flag_and_environment(monkeypatch):
     # The flag (an override) wins over the environment.
     cfg = ServerConfig.load(model="fake", tracing={"otlp_endpoint": "http://flag:4318"})
     assert cfg.tracing.otlp_endpoint == "http://flag:4318"
+    # The file's section and the environment combine; an empty section is no section.
+    (tmp_path / "a.yaml").write_text("model: fake\ntracing:\n  sample_ratio: 0.25\n")
+    cfg = ServerConfig.load(tmp_path / "a.yaml")
+    assert cfg.tracing.sample_ratio == 0.25 and cfg.tracing.otlp_endpoint == "http://other:4318/custom"
+    (tmp_path / "b.yaml").write_text("model: fake\ntracing:\n")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
+    assert not ServerConfig.load(tmp_path / "b.yaml").tracing.enabled
     with pytest.raises(ValueError, match="otlp_endpoint must be an http"):
         ServerConfig.load(model="fake", tracing={"otlp_endpoint": "collector:4318"})
     with pytest.raises(ValueError, match="sample_ratio"):

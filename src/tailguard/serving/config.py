@@ -28,10 +28,11 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def _tracing_from_env(data: dict[str, Any]) -> None:
     """The OpenTelemetry SDK's standard variables, where the file and the flags set nothing: the signal's own
     endpoint is taken as is, the general one gets /v1/traces appended (as the OTLP exporter specification says)."""
-    tracing = data.get("tracing")
-    if tracing is None:
+    tracing = data.pop("tracing", None)
+    if tracing is None:  # absent, or an empty ``tracing:`` section in the file
         tracing = {}
     elif not isinstance(tracing, dict):
+        data["tracing"] = tracing
         return  # let validation say what is wrong with it
     if not tracing.get("otlp_endpoint"):
         if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
