@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     kadd.add_argument("--tokens-per-s", type=float, default=None)
     klist = keys_sub.add_parser("list", help="tenants, lanes, limits and how many keys each has")
     klist.add_argument("--file", required=True)
+    serve.add_argument("--otlp-endpoint", default=None,
+                       help="send OpenTelemetry traces over OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318 "
+                            "(or OTEL_EXPORTER_OTLP_ENDPOINT; unset: no traces)")
 
     from tailguard.slo.cli import add_slo_parser
 
@@ -179,6 +182,8 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         slo["enabled"] = False
     if slo:
         overrides["slo"] = slo  # merged into the config file's ``slo:`` section
+    if args.otlp_endpoint is not None:
+        overrides["tracing"] = {"otlp_endpoint": args.otlp_endpoint}  # merged into the file's ``tracing:``
     try:
         config = ServerConfig.load(args.config, **overrides)
     except ValidationError as exc:

@@ -59,8 +59,20 @@ def create_app(
         Route("/slo", slo.slo_page, methods=["GET"]),
         Route("/slo/data", slo.slo_data, methods=["GET"]),
     ]
+    middleware = []
+    if config.tracing.enabled:  # W3C trace context in and out; without tracing, nothing is in the request's path
+        from starlette.middleware import Middleware
+
+        try:
+            from tailguard.observe.tracing import TraceContextMiddleware
+        except ImportError as exc:
+            raise RuntimeError(f"tracing.otlp_endpoint is set, but OpenTelemetry is not installed ({exc}): "
+                               "pip install 'tailguard[server]'") from exc
+
+        middleware.append(Middleware(TraceContextMiddleware, state=state))
     app = Starlette(
         routes=routes,
+        middleware=middleware,
         lifespan=Lifespan(state, engine, engine_factory, redactor, own),
         exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Exception: on_server_error},
     )

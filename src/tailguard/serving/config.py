@@ -27,6 +27,26 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _tracing_from_env(data: dict[str, Any]) -> None:
+    """The OpenTelemetry SDK's standard variables, where the file and the flags set nothing: the signal's own
+    endpoint is taken as is, the general one gets /v1/traces appended (as the OTLP exporter specification says)."""
+    tracing = data.pop("tracing", None)
+    if tracing is None:  # absent, or an empty ``tracing:`` section in the file
+        tracing = {}
+    elif not isinstance(tracing, dict):
+        data["tracing"] = tracing
+        return  # let validation say what is wrong with it
+    if not tracing.get("otlp_endpoint"):
+        if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+            tracing["otlp_endpoint"] = os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+        elif os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            tracing["otlp_endpoint"] = os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
+    if "service_name" not in tracing and os.environ.get("OTEL_SERVICE_NAME"):
+        tracing["service_name"] = os.environ["OTEL_SERVICE_NAME"]
+    if tracing:
+        data["tracing"] = tracing
+
+
 class FakeEngineConfig(BaseModel):
     """Scripted timings for ``--model fake`` (no model: tests, demos, overhead benchmarks)."""
 
@@ -38,6 +58,31 @@ class FakeEngineConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1)
     max_model_len: int = Field(8192, ge=2)
     output_text: str = "The quick brown fox jumps over the lazy dog. "
+
+
+class TracingConfig(BaseModel):
+    """OpenTelemetry traces (docs/observability.md): off unless an OTLP/HTTP endpoint is set."""
+
+    model_config = ConfigDict(extra="forbid")
+    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector, e.g. http://127.0.0.1:4318 (the "
+                                                        "/v1/traces path is added to a bare host); unset = no traces")
+    service_name: str = Field("tailguard", min_length=1)
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="share of new traces kept; a client's sampled flag wins")
+    export_timeout_s: float = Field(10.0, gt=0, description="one export attempt's limit (in the exporter's thread)")
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        v = v.strip()
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"otlp_endpoint must be an http:// or https:// URL, not {v!r}")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.otlp_endpoint is not None
 
 
 class ServerConfig(BaseModel):
@@ -84,6 +129,7 @@ class ServerConfig(BaseModel):
         from tailguard.observe.store import check_store_target
 
         return check_store_target(v)
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description="OpenTelemetry traces over OTLP/HTTP")
 
     @field_validator("log_level")
     @classmethod
@@ -103,13 +149,14 @@ class ServerConfig(BaseModel):
                 raise ValueError(f"{path}: the config file must be a mapping of settings")
             data.update(loaded)
         for key, value in overrides.items():
-            if key in ("engine", "slo") and isinstance(value, dict):
+            if key in ("engine", "slo", "tracing") and isinstance(value, dict):
                 data[key] = _deep_merge(data.get(key) or {}, value)
             else:
                 data[key] = value
         for key, env in (("api_key", "TAILGUARD_API_KEY"), ("admin_key", "TAILGUARD_ADMIN_KEY")):
             if key not in data and os.environ.get(env):
                 data[key] = os.environ[env]
+        _tracing_from_env(data)
         return cls.model_validate(data)
 
     @model_validator(mode="after")

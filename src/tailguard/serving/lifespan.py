@@ -90,6 +90,10 @@ class Lifespan:
     async def __call__(self, app: Starlette) -> AsyncIterator[None]:
         state = self.state
         state.store = await self.open_store()
+        if state.config.tracing.enabled:
+            from tailguard.observe.tracing import RequestTracer
+
+            state.tracer = RequestTracer(state.config.tracing)
         loader = None
         if self.engine is not None:
             start = getattr(self.engine, "start", None)
@@ -118,4 +122,7 @@ class Lifespan:
                 await asyncio.to_thread(state.engine.shutdown)
             if state.slo is not None:
                 await asyncio.to_thread(state.slo.close)  # waits (bounded) for scale-hook calls in flight
+            if state.tracer is not None:
+                tracer, state.tracer = state.tracer, None
+                await asyncio.to_thread(tracer.shutdown)  # exports what is queued (bounded by the export timeout)
             await asyncio.to_thread(state.store.close)

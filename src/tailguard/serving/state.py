@@ -23,6 +23,7 @@ from tailguard.serving.config import ServerConfig
 from tailguard.serving.responses import TokenText
 
 if TYPE_CHECKING:
+    from tailguard.observe.tracing import RequestTracer
     from tailguard.slo.monitor import SLOMonitor
 
 log = logging.getLogger("tailguard.server")
@@ -48,6 +49,7 @@ class ServerState:
     slo: SLOMonitor | None = None  # when the monitor is enabled
     lanes: Lanes | None = None  # lanes and reserved capacity, when enabled (keys, lanes or upstreams configured)
     gateway_metrics: GatewayMetrics | None = None
+    tracer: RequestTracer | None = None  # when tracing is configured (started and stopped by the lifespan)
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config.max_queue)
@@ -127,6 +129,11 @@ class ServerState:
             log.exception("metrics: could not observe request %s", tl.request_id)
         if self.slo is not None:
             self.slo.record(tl)  # never raises
+        if self.tracer is not None:
+            try:
+                self.tracer.finish(tl)  # queues the spans; the exporter's thread sends them
+            except Exception:  # noqa: BLE001 - tracing must never fail a request
+                log.exception("tracing: could not trace request %s", tl.request_id)
         if self.store is not None:
             self.store.put(tl)
         self.recent[tl.request_id] = tl
