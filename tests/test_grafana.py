@@ -199,7 +199,8 @@ def test_every_panel_returns_data_from_a_real_prometheus(tmp_path):
                      "min_samples": 5, "min_dwell_s": 0},
            "scopes": [{"name": "all"}, {"name": "vip", "where": {"lanes": ["vip"]}}]}
     engine = FailingEngine(FakeTiming(ttft=0.01, itl=0.002))
-    with fake_server(tmp_path, engine=engine, slo=slo) as server:
+    # The VIP traffic is told apart by X-Lane, which a server counts only behind a trusted proxy.
+    with fake_server(tmp_path, engine=engine, slo=slo, trust_lane_header=True) as server:
         prom, prom_url = _start_prometheus(tmp_path, f"127.0.0.1:{server.port}")
         try:
             stop, counts = threading.Event(), {}

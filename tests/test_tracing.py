@@ -156,7 +156,9 @@ def test_request_span_joins_the_clients_trace_with_stage_children(tmp_path, rece
     headers = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "tracestate": "vendor=abc",
                "X-Request-ID": "traced-1", "X-Lane": "vip", "X-Business-Type": "finance"}
     wall_before = time.time_ns()
-    with fake_server(tmp_path, FakeTiming(ttft=0.02, itl=0.004), tracing=_tracing(receiver)) as server:
+    # X-Lane counts here because the server is told a trusted proxy sets it (else lanes come from API keys).
+    with fake_server(tmp_path, FakeTiming(ttft=0.02, itl=0.004), tracing=_tracing(receiver),
+                     trust_lane_header=True) as server:
         assert [m.cls.__name__ for m in server.app.user_middleware] == ["TraceContextMiddleware"]
         r = _chat(server.url, headers, max_tokens=6, temperature=0.5)
         assert r.status_code == 200

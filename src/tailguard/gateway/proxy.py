@@ -9,8 +9,10 @@ by the gateway. Each content chunk is one event; the final event carries the usa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -155,6 +157,10 @@ class UpstreamBackend:
         r.requests += 1
         r.outstanding_tokens += est_tokens
         r.breaker.begin()
+        span = contextlib.ExitStack()
+        call = span.enter_context(_upstream_call({"url.full": r.url + path, "server.address": r.name}))
+        if call is not None:
+            headers = {**headers, **call.headers}  # our span is the upstream's parent
         sent = perf_counter()
         first: float | None = None
         n_out = 0
@@ -164,6 +170,8 @@ class UpstreamBackend:
         try:
             try:
                 async with session.post(r.url + path, data=json.dumps(body), headers=headers) as resp:
+                    if call is not None:
+                        call.attributes["http.response.status_code"] = resp.status
                     if resp.status != 200:
                         raw = await resp.read()
                         raise UpstreamError(resp.status if resp.status < 500 else 502,
@@ -224,9 +232,16 @@ class UpstreamBackend:
                 r.breaker.success()  # the replica works; the request was refused
             raise
         finally:
+            span.__exit__(*sys.exc_info())
             r.breaker.trial = False  # a trial the client abandoned decides nothing
             r.in_flight -= 1
             r.outstanding_tokens -= max(0, est_tokens - n_out)
+
+
+def _upstream_call(attributes: dict[str, Any]) -> Any:
+    """A CLIENT span for one upstream call when tracing runs (its module is loaded only then), else nothing."""
+    tracing = sys.modules.get("tailguard.observe.tracing")
+    return tracing.upstream_call(attributes) if tracing is not None else contextlib.nullcontext(None)
 
 
 def _retry_after(value: str | None) -> int | None:
