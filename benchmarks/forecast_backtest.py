@@ -56,7 +56,7 @@ def backtest_one(trace: str, period_s: float, refit_minutes: float, seed: int) -
         "origins": int(counts.size - first - max(HORIZONS) + 1), "refit_every_periods": refit_every,
         "season_periods": season, "mean_count": float(counts.mean()), "cv": float(counts.std() / counts.mean()),
         "zero_periods": int((counts == 0).sum()), "seconds": time.perf_counter() - t0,
-        "forecasters": [s.as_dict() for s in scores], "verdict": versus_last_value(scores),
+        "forecasters": [s.as_dict() for s in scores], "verdict": versus_last_value(scores, seed=seed),
         "_scores": scores, "_counts": counts,
     }
 
@@ -77,15 +77,17 @@ def plan_from(run: dict, profile: ServiceProfile, max_seqs: int) -> dict:
 
 def table(runs: list[dict]) -> str:
     lines = [f"{'trace':5} {'period':>6} {'forecaster':20} " + " ".join(
-        f"{'MAE h' + str(h):>8} {'MAPE%':>6} {'WAPE%':>6}" for h in HORIZONS) + f" {'vs last':>8} {'fit s':>6}"]
+        f"{'MAE h' + str(h):>8} {'MAPE%':>6} {'WAPE%':>6}" for h in HORIZONS) + f" {'vs last [95% CI]':>18} {'fit s':>6}"]
     for r in runs:
         base = r["verdict"]["last_value_mean_mae"]
         for f in r["forecasters"]:
             cells = " ".join(f"{h['mae']:8.1f} {h['mape_pct'] if h['mape_pct'] is None else round(h['mape_pct'], 1)!s:>6} "
                              f"{h['wape_pct']:6.1f}" for h in f["horizons"])
             mark = "*" if f["forecaster"] == r["verdict"]["winner"] else " "
+            ci = r["verdict"]["mae_ratio_to_last_value"][f["forecaster"]]["overall_ci95"]
+            vs = f"{f['mean_mae'] / base:5.2f}" + (f" [{ci[0]:.2f},{ci[1]:.2f}]" if ci else " " * 12)
             lines.append(f"{r['trace']:5} {r['period_s']:5.0f}s {mark}{f['forecaster']:19} {cells} "
-                         f"{f['mean_mae'] / base:8.2f} {f['fit_seconds_max']:6.2f}")
+                         f"{vs:>18} {f['fit_seconds_max']:6.2f}")
     return "\n".join(lines)
 
 
@@ -101,7 +103,8 @@ def main() -> int:
     runs = [backtest_one(tr, float(p), args.refit_minutes, args.seed)
             for tr in args.traces.split(",") for p in args.periods.split(",")]
     print(table(runs))
-    print("(* = lowest mean MAE over horizons; 'vs last' = mean MAE / last-value's mean MAE)")
+    print("(* = lowest mean MAE over horizons; 'vs last' = mean MAE / last-value's mean MAE, with a 95% moving-block "
+          "bootstrap interval over origins)")
     engine_json = ROOT / "results" / "engine_throughput.json"
     planning = []
     if engine_json.is_file():

@@ -83,6 +83,21 @@ def test_seasonal_models_beat_last_value_on_a_seasonal_series():
     assert by["lstm"].mean_mae() < base
     verdict = versus_last_value(scores)
     assert verdict["winner_beats_last_value"] and verdict["winner"] != "last-value"
+    ci = verdict["mae_ratio_to_last_value"]["holt-winters(12)"]["overall_ci95"]
+    assert ci[0] <= by["holt-winters(12)"].mean_mae() / base <= ci[1] and ci[1] < 1.0
+    assert verdict["winner_beats_last_value_beyond_noise"]
+
+
+def test_a_forecaster_equal_to_the_baseline_is_not_called_better():
+    y = seasonal_series(n=120)
+
+    class Copy(LastValue):
+        name = "copy"
+
+    scores = rolling_origin(y, [LastValue(), Copy()], first_origin=60)
+    verdict = versus_last_value(scores)
+    assert not verdict["winner_beats_last_value_beyond_noise"]
+    assert verdict["mae_ratio_to_last_value"]["copy"]["overall_ci95"] == [1.0, 1.0]
 
 
 def test_backtest_is_reproducible_with_fixed_seeds():

@@ -43,6 +43,7 @@ class ForecasterScore:
     fit_seconds_max: float
     fit_seconds_total: float
     forecasts: np.ndarray = field(repr=False)  # [origin, horizon step]
+    abs_errors: np.ndarray = field(repr=False)  # [origin, scored horizon], in the order of ``horizons``
 
     def mean_mae(self) -> float:
         return float(np.mean([h.mae for h in self.horizons]))
@@ -89,20 +90,52 @@ def rolling_origin(series: np.ndarray, forecasters: Sequence[Forecaster], horizo
                 fit_times.append(time.perf_counter() - t0)
             preds[i] = f.forecast(y[:t], max_h)
         scores = [score(actual[:, h - 1], preds[:, h - 1], h) for h in hs]
-        out.append(ForecasterScore(f.name, scores, len(fit_times), max(fit_times), sum(fit_times), preds))
+        errors = np.abs(actual[:, [h - 1 for h in hs]] - preds[:, [h - 1 for h in hs]])
+        out.append(ForecasterScore(f.name, scores, len(fit_times), max(fit_times), sum(fit_times), preds, errors))
     return out
 
 
-def versus_last_value(scores: list[ForecasterScore]) -> dict:
-    """Each forecaster's MAE as a ratio of last-value's, per horizon, and the winner by mean MAE over horizons."""
+def ratio_ci(errors: np.ndarray, base_errors: np.ndarray, block: int, reps: int = 2000, seed: int = 0,
+             level: float = 0.95) -> tuple[float, float] | None:
+    """Moving-block bootstrap CI of sum(errors) / sum(base_errors) over origins (paired: same origins resampled).
+
+    Errors of neighbouring origins overlap in the periods they score, so origins are resampled in blocks of
+    ``block`` (the longest horizon) rather than one by one.
+    """
+    e = np.asarray(errors, dtype=float).reshape(len(errors), -1).mean(axis=1)
+    b = np.asarray(base_errors, dtype=float).reshape(len(base_errors), -1).mean(axis=1)
+    n = e.size
+    if n < 2 * block or b.sum() <= 0:
+        return None
+    rng = np.random.default_rng(seed)
+    starts = np.arange(n - block + 1)
+    k = int(np.ceil(n / block))
+    ratios = np.empty(reps)
+    for r in range(reps):
+        idx = (rng.choice(starts, size=k)[:, None] + np.arange(block)[None, :]).ravel()[:n]
+        bs = b[idx].sum()
+        ratios[r] = e[idx].sum() / bs if bs > 0 else np.nan
+    lo, hi = np.nanpercentile(ratios, [(1 - level) / 2 * 100, (1 + level) / 2 * 100])
+    return float(lo), float(hi)
+
+
+def versus_last_value(scores: list[ForecasterScore], seed: int = 0) -> dict:
+    """Each forecaster's MAE as a ratio of last-value's (per horizon, and over all horizons with a 95% block-bootstrap
+    CI), and the winner by mean MAE over horizons. A winner "beats" last-value only if its CI lies below 1."""
     base = next((s for s in scores if s.name == LastValue.name), None)
-    ratios: dict[str, dict[str, float]] = {}
+    ratios: dict[str, dict] = {}
     if base is not None:
+        block = max(h.horizon for h in base.horizons)
         for s in scores:
-            ratios[s.name] = {str(h.horizon): (h.mae / b.mae if b.mae > 0 else float("nan"))
-                              for h, b in zip(s.horizons, base.horizons)}
+            per_h = {str(h.horizon): (h.mae / b.mae if b.mae > 0 else None) for h, b in zip(s.horizons, base.horizons)}
+            overall = s.mean_mae() / base.mean_mae() if base.mean_mae() > 0 else None
+            ci = None if s is base else ratio_ci(s.abs_errors, base.abs_errors, block, seed=seed)
+            ratios[s.name] = {"by_horizon": per_h, "overall": overall, "overall_ci95": list(ci) if ci else None}
     winner = min(scores, key=lambda s: s.mean_mae())
-    beats = base is not None and winner.name != base.name and winner.mean_mae() < base.mean_mae()
+    lower = base is not None and winner.name != base.name and winner.mean_mae() < base.mean_mae()
+    ci = ratios.get(winner.name, {}).get("overall_ci95")
     return {"winner": winner.name, "winner_mean_mae": winner.mean_mae(),
             "last_value_mean_mae": base.mean_mae() if base else None,
-            "winner_beats_last_value": bool(beats), "mae_ratio_to_last_value": ratios}
+            "winner_beats_last_value": bool(lower),
+            "winner_beats_last_value_beyond_noise": bool(lower and ci is not None and ci[1] < 1.0),
+            "mae_ratio_to_last_value": ratios}

@@ -13,8 +13,10 @@ The model is deliberately small and every input is a measurement:
 * The cap is the smallest ``b`` within ``[min_seqs, max_seqs]`` that holds the sequences in service with
   ``headroom`` and keeps utilization at most ``target_utilization``: a smaller cap makes requests wait in the queue
   (too few slots, or too little batched throughput), a larger one slows every stream for nothing.
-* The token budget per step holds one decode token per running sequence plus the prompt tokens that arrive during
-  one step, with the same headroom, so that prefill keeps up without stalling the running streams.
+* The token budget per step holds one decode token per running sequence plus room for prompts: the prompt tokens
+  that arrive during one step (with the same headroom), so that prefill keeps up, and at least one typical prompt up
+  to the engine's prefill chunk (``prefill_chunk``, the engine's ``--max-prefill-chunk``), so that a prompt is not
+  cut finer than the engine would cut it anyway.
 * Replicas: the smallest fleet on which each replica's share of the load has such a cap.
 
 All functions are pure: same inputs, same plan.
@@ -107,11 +109,12 @@ def _round_up(x: float, step: int) -> int:
 
 def plan_capacity(arrivals_per_s: float, profile: ServiceProfile, *, min_seqs: int = SEED_MIN_SEQS,
                   max_seqs: int = SEED_MAX_SEQS, headroom: float = 1.25, target_utilization: float = 0.8,
-                  min_token_budget: int = 64, max_token_budget: int = 8192, replicas: int | None = None
-                  ) -> CapacityPlan:
+                  min_token_budget: int = 64, max_token_budget: int = 8192, prefill_chunk: int = 256,
+                  replicas: int | None = None) -> CapacityPlan:
     """The cap, token budget and replica count for an expected arrival rate; see the module docstring.
 
     ``replicas``: a fixed fleet (the cap is then planned for each replica's share); None sizes the fleet.
+    ``prefill_chunk``: the engine's largest prefill piece per step (``--max-prefill-chunk``).
     """
     if not math.isfinite(arrivals_per_s) or arrivals_per_s < 0:
         raise ValueError("arrivals_per_s must be a finite number >= 0")
@@ -148,7 +151,9 @@ def plan_capacity(arrivals_per_s: float, profile: ServiceProfile, *, min_seqs: i
         notes.append(f"utilization {utilization:.2f} >= 1 on {replicas} replica(s): the queue grows without bound")
     step_s = cap / profile.decode_throughput(cap)  # one decode step of the whole batch
     prompt_tokens_per_step = per_replica * profile.mean_input_tokens * step_s
-    budget = _round_up(cap + headroom * prompt_tokens_per_step, 16)
+    # keep up with arriving prompt tokens, and never take a typical prompt in more pieces than the prefill chunk cuts
+    prefill_room = max(headroom * prompt_tokens_per_step, min(profile.mean_input_tokens, prefill_chunk))
+    budget = _round_up(cap + prefill_room, 16)
     budget = int(min(max_token_budget, max(min_token_budget, budget)))
     return CapacityPlan(float(lam), cap, budget, replicas, float(lam * profile.latency_s(cap)), float(utilization),
                         bool(saturated), notes)
