@@ -127,6 +127,27 @@ def test_planner_settings_when_an_engine_profile_is_given():
     assert s["at_requests_per_s"] == 2.2 and 2 <= s["max_num_seqs"] <= 16 and s["replicas"] >= 1
 
 
+def test_a_thin_p99_band_is_said():
+    a = advise(bench_result(QUEUE_HEAVY, requests=150))  # one request beyond the P99
+    assert a["status"] == "recommend" and any("beyond the P99" in n for n in a["notes"])
+    assert not any("beyond the P99" in n for n in advise(bench_result(QUEUE_HEAVY, requests=2000))["notes"])
+
+
+def test_cli_engine_throughput_file(tmp_path, capsys):
+    f = tmp_path / "results.json"
+    f.write_text(json.dumps(bench_result(QUEUE_HEAVY)), encoding="utf-8")
+    eng = tmp_path / "engine.json"
+    eng.write_text(json.dumps({"results": {"tailguard native": {"prefill_tps": {"median": 800.0}, "aggregate": {
+        "1": {"steady_tps": {"median": 90.0}}, "16": {"steady_tps": {"median": 360.0}}}}}}), encoding="utf-8")
+    assert main(["advise", str(f), "--json", "--engine-throughput", str(eng)]) == 0
+    recs = json.loads(capsys.readouterr().out)["recommendations"]
+    assert next(r for r in recs if r["key"] == "scale_out")["suggested"]["replicas"] >= 1
+    assert main(["advise", str(f), "--engine-throughput", str(tmp_path / "none.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert main(["advise", str(f), "--engine-throughput", str(f)]) == 2  # a bench result is no throughput result
+    assert "engine_throughput" in capsys.readouterr().err
+
+
 def test_tail_composition_shares_add_up():
     rows = tail_composition(bench_result(QUEUE_HEAVY)["stages"])
     assert sum(r["share"] for r in rows) == pytest.approx(1.0)

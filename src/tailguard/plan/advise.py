@@ -218,6 +218,10 @@ def advise(results: dict, *, priority: str = "latency", min_requests: int = DEFA
     out["tail_composition"] = comp
     attack = [r["stage"] for r in comp if r["share"] > STAGE_SHARE_RULE]
     out["attack_first"] = attack
+    top = next((b for b in stages.get("bands") or [] if b.get("band") == "> P99"), None)
+    if top is not None and 0 < (top.get("requests") or 0) < 5:
+        out["notes"].append(f"only {top['requests']} request(s) lie beyond the P99: the composition above is their "
+                            "story; a longer run (1000+ requests) makes it the tail's")
     leader_p90 = _band_leader(stages, "P90-P99")
     if comp and leader_p90 and leader_p90 != comp[0]["stage"]:
         out["notes"].append(f"the P90-P99 band is led by {leader_p90}, the > P99 band by {comp[0]['stage']}: "
