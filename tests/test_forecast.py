@@ -199,3 +199,53 @@ def test_profile_from_engine_throughput_result():
     assert p.decode_tokens_per_s == {1: 90.0, 16: 360.0} and p.prefill_tokens_per_s == 800.0
     with pytest.raises(ValueError, match="engine_throughput"):
         ServiceProfile.from_engine_throughput({"results": {}}, 100, 20)
+
+
+# --- the forecast-driven cap controller ---------------------------------------------------------------------------
+
+def poisson_arrivals(rates_per_period: list[float], period_s: float, seed: int = 0) -> list[float]:
+    rng = np.random.default_rng(seed)
+    out: list[float] = []
+    for i, rate in enumerate(rates_per_period):
+        n = rng.poisson(rate * period_s)
+        out.extend(sorted(i * period_s + rng.uniform(0, period_s, n)))
+    return out
+
+
+def test_controller_raises_the_cap_ahead_of_a_ramp_and_applies_only_changes():
+    from tailguard.plan.controller import ForecastCapController
+
+    applied = []
+    ctl = ForecastCapController(PROFILE, period_s=10.0, horizon=6, min_history=12, refit_every=12,
+                                apply=applied.append, replicas=1, max_seqs=64, start=0.0)
+    rates = [0.3] * 20 + [0.3 + 0.15 * k for k in range(1, 16)]  # calm, then a steady rise to 2.55 req/s
+    arrivals = poisson_arrivals(rates, 10.0, seed=1)
+    caps_by_period = []
+    i = 0
+    for period in range(1, len(rates) + 1):
+        while i < len(arrivals) and arrivals[i] < period * 10.0:
+            ctl.record_arrival(arrivals[i])
+            i += 1
+        ctl.advance(period * 10.0)
+        caps_by_period.append(ctl.plan.max_num_seqs)
+    assert ctl.history.size == len(rates) and ctl.history.sum() == len(arrivals)
+    calm, late = caps_by_period[15], caps_by_period[-1]
+    assert late > calm
+    # each apply carried a change, and the engine never saw the same settings twice in a row
+    keys = [(p.max_num_seqs, p.max_num_batched_tokens, p.replicas) for p in applied]
+    assert all(a != b for a, b in zip(keys, keys[1:])) and len(applied) < len(rates)
+
+
+def test_controller_counts_only_closed_periods():
+    from tailguard.plan.controller import ForecastCapController
+
+    ctl = ForecastCapController(PROFILE, period_s=10.0, start=0.0)
+    for t in (1.0, 2.0, 15.0, 19.0, 21.0):
+        ctl.record_arrival(t)
+    assert ctl.advance(5.0) is None and ctl.history.size == 0  # the first period is still open
+    ctl.advance(20.0)
+    assert ctl.history.tolist() == [2.0, 2.0]  # 21.0 belongs to the open third period
+    ctl.advance(45.0)
+    assert ctl.history.tolist() == [2.0, 2.0, 1.0, 0.0]  # an empty period counts as zero, not as nothing
+    with pytest.raises(ValueError):
+        ForecastCapController(PROFILE, period_s=0)

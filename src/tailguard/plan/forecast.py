@@ -165,9 +165,10 @@ class HoltWinters(Forecaster):
 
     name = "holt-winters"
 
-    def __init__(self, season: int | None = None, max_history: int = 720) -> None:
+    def __init__(self, season: int | None = None, max_history: int = 720, min_smoothing_level: float = 0.1) -> None:
         self.season = season
         self.max_history = max_history
+        self.min_smoothing_level = min_smoothing_level
         self.name = "holt-winters" + (f"({season})" if season else "")
         self._params: dict | None = None
 
@@ -177,9 +178,12 @@ class HoltWinters(Forecaster):
         except ImportError as exc:  # pragma: no cover - the plan extra is part of dev
             raise RuntimeError("Holt-Winters needs statsmodels: pip install 'tailguard[plan]'") from exc
         seasonal = "add" if self.season and h.size >= 2 * self.season + 2 else None
+        # a level that never moves (smoothing 0, the optimum on a calm stretch) would miss every later change of
+        # load: the level always follows the data at least a little
         return ExponentialSmoothing(h, trend="add", damped_trend=True, seasonal=seasonal,
                                     seasonal_periods=self.season if seasonal else None,
-                                    initialization_method="estimated")
+                                    initialization_method="estimated",
+                                    bounds={"smoothing_level": (self.min_smoothing_level, 1.0)})
 
     def _need(self) -> int:
         return max(10, 2 * (self.season or 0) + 2)
