@@ -206,10 +206,12 @@ class HoltWinters(Forecaster):
         h = _check_history(history, self._need())[-self.max_history:]
         if self._params is None:
             self.fit(h)
+        model = self._model(h)
+        params = {k: v for k, v in self._params.items() if k != "smoothing_seasonal" or model.seasonal}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # fixed smoothing parameters; the initial states are still estimated on this history
-            res = self._model(h).fit(**self._params, optimized=False)
+            res = model.fit(**params, optimized=False)
         out = np.asarray(res.forecast(horizon), dtype=float)
         return np.maximum(0.0, np.nan_to_num(out, nan=float(h[-1])))
 
@@ -218,14 +220,16 @@ class LSTMForecaster(Forecaster):
     """The seed's LSTM: the last ``window`` periods in, the next ``max_horizon`` periods out (direct, one shot).
 
     Counts are divided by the training mean so that one network fits a trace of any rate. Training is full-batch
-    Adam on one thread with a fixed seed: the same history gives the same weights and the same forecasts.
+    Adam on ``threads`` threads (1) with a fixed seed: the same history gives the same weights and the same forecasts.
+    torch's thread count is process-wide: in a process whose engine is running, pass ``threads=None`` (leave it as it
+    is) rather than have training change it under the engine for a few seconds.
     """
 
     name = "lstm"
 
     def __init__(self, window: int = 12, max_horizon: int = 6, hidden: int = 16, epochs: int = 300,
-                 lr: float = 0.01, seed: int = 0) -> None:
-        self.window, self.max_horizon, self.hidden = window, max_horizon, hidden
+                 lr: float = 0.01, seed: int = 0, threads: int | None = 1) -> None:
+        self.window, self.max_horizon, self.hidden, self.threads = window, max_horizon, hidden, threads
         self.epochs, self.lr, self.seed = epochs, lr, seed
         self._net = None
         self._scale = 1.0
@@ -255,7 +259,8 @@ class LSTMForecaster(Forecaster):
         xs = np.stack([z[i:i + self.window] for i in range(n)])
         ys = np.stack([z[i + self.window:i + self.window + self.max_horizon] for i in range(n)])
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # one thread: reproducible sums and no fight with the server for the cores
+        if self.threads is not None:  # a fixed count: reproducible sums, and no fight for the cores
+            torch.set_num_threads(self.threads)
         try:
             torch.manual_seed(self.seed)
             net = self._build()
@@ -268,7 +273,8 @@ class LSTMForecaster(Forecaster):
                 loss.backward()
                 opt.step()
         finally:
-            torch.set_num_threads(threads)
+            if self.threads is not None:
+                torch.set_num_threads(threads)
         self._net = net.eval()
         return self
 
