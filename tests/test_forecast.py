@@ -249,3 +249,40 @@ def test_controller_counts_only_closed_periods():
     assert ctl.history.tolist() == [2.0, 2.0, 1.0, 0.0]  # an empty period counts as zero, not as nothing
     with pytest.raises(ValueError):
         ForecastCapController(PROFILE, period_s=0)
+
+
+# --- the cap-policy model ---------------------------------------------------------------------------------------
+
+def test_model_of_one_request_alone_matches_the_throughput_curve():
+    from tailguard.plan.simulate import SimRequest, simulate
+
+    prof = ServiceProfile(300, 10, 1000.0, {1: 50.0, 16: 400.0})
+    res = simulate([SimRequest(0.0, 300, 10)], prof, cap=4, token_budget=512, prefill_chunk=256)
+    # two prompt chunks (256 + 44 tokens, the second yields token 1), then 9 single-sequence decode steps
+    assert res.ttft_s[0] == pytest.approx(300 / 1000.0)
+    assert res.e2e_s[0] == pytest.approx(300 / 1000.0 + 9 / 50.0)
+
+
+def test_model_completes_every_request_and_a_wider_cap_drains_a_burst_sooner():
+    from tailguard.plan.simulate import SimRequest, simulate
+
+    burst = [SimRequest(0.0, 50, 20) for _ in range(32)]
+    narrow, wide = simulate(burst, PROFILE, cap=2), simulate(burst, PROFILE, cap=32)
+    for r in (narrow, wide):
+        assert r.e2e_s.size == 32 and np.all(r.e2e_s >= r.ttft_s) and np.all(r.ttft_s > 0)
+    assert wide.e2e_s.max() < narrow.e2e_s.max()
+    with pytest.raises(ValueError):
+        simulate(burst, PROFILE, cap=8, token_budget=4)
+
+
+def test_model_lets_the_controller_move_the_cap():
+    from tailguard.plan.controller import ForecastCapController
+    from tailguard.plan.simulate import SimRequest, simulate
+
+    rates = [0.2] * 20 + [2.5] * 20
+    reqs = [SimRequest(t, 100, 20) for t in poisson_arrivals(rates, 10.0, seed=2)]
+    ctl = ForecastCapController(PROFILE, period_s=10.0, min_history=6, refit_every=6, replicas=1, max_seqs=32,
+                                start=0.0)
+    res = simulate(reqs, PROFILE, cap=2, controller=ctl)
+    s = res.summary()
+    assert s["requests"] == len(reqs) and s["cap_changes"] >= 1 and s["cap_range"][1] > 2

@@ -84,7 +84,10 @@ class ForecastCapController:
     def _forecast(self, history: np.ndarray) -> np.ndarray:
         if history.size < self.min_history:
             return self._baseline.forecast(history, self.horizon)
-        if self._fitted_at is None or self._next_index - self._fitted_at >= self.refit_every:
-            self.forecaster.fit(history)
-            self._fitted_at = self._next_index
-        return self.forecaster.forecast(history, self.horizon)
+        try:
+            if self._fitted_at is None or self._next_index - self._fitted_at >= self.refit_every:
+                self.forecaster.fit(history)
+                self._fitted_at = self._next_index
+            return self.forecaster.forecast(history, self.horizon)
+        except ValueError:  # a history still too short for this forecaster (it says how long it needs)
+            return self._baseline.forecast(history, self.horizon)
