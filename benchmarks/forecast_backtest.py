@@ -9,6 +9,11 @@ Then the capacity planner turns the winning forecaster's forecasts of the conv t
 replicas for this engine (the measured throughput of ``benchmarks/results/engine_throughput.json``) at the trace's
 request mix, and reports the range of settings it would have chosen.
 
+Last (``--no-simulate`` skips it), a *model* of the engine (``tailguard.plan.simulate``: step times from the same
+throughput curve) replays the start of the conv trace, slowed down and with lengths scaled to this engine, under static
+caps and under the forecast-driven cap (``ForecastCapController``, Holt-Winters at 10 s), at three loads. A model, not
+a measurement: it says whether the real replay is worth running and what to expect of it.
+
     python benchmarks/forecast_backtest.py            # writes benchmarks/results/forecast_backtest.json
 """
 
@@ -30,17 +35,56 @@ import numpy as np  # noqa: E402
 from tailguard.bench.workloads import BUILTIN_TRACES  # noqa: E402
 from tailguard.plan.backtest import rolling_origin, versus_last_value  # noqa: E402
 from tailguard.plan.capacity import ServiceProfile, plan_ahead, widest_useful_cap  # noqa: E402
+from tailguard.plan.controller import ForecastCapController  # noqa: E402
 from tailguard.plan.forecast import arrival_counts, default_forecasters, detect_period, read_arrival_times  # noqa: E402
+from tailguard.plan.simulate import compare_caps, trace_requests  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 HORIZONS = (1, 3, 6)
 
 
-def mean_tokens(path: Path) -> tuple[float, float]:
+def token_columns(path: Path) -> tuple[np.ndarray, np.ndarray]:
     with path.open(newline="", encoding="utf-8") as f:
         rows = [(float(r["ContextTokens"]), float(r["GeneratedTokens"])) for r in csv.DictReader(f)]
     a = np.array(rows)
-    return float(a[:, 0].mean()), float(a[:, 1].mean())
+    return a[:, 0], a[:, 1]
+
+
+def mean_tokens(path: Path) -> tuple[float, float]:
+    ins, outs = token_columns(path)
+    return float(ins.mean()), float(outs.mean())
+
+
+SIM_STATIC_CAPS = (2, 4, 8, 16, 32, 64)
+
+
+def simulate_caps(engine_json: Path, speedups: list[float], length_scale: float, sim_seconds: float) -> list[dict]:
+    """Static caps vs the forecast-driven cap (bounds 16 and 64) in the engine model, at each trace speed."""
+    times = read_arrival_times(BUILTIN_TRACES["conv"])
+    ins, outs = token_columns(BUILTIN_TRACES["conv"])
+    engine = ServiceProfile.from_engine_throughput(engine_json, 1.0, 1.0)
+    out = []
+    for speed in speedups:
+        reqs = trace_requests(times, ins, outs, speedup=speed, length_scale=length_scale, limit_s=sim_seconds)
+        prof = ServiceProfile(float(np.mean([r.input_tokens for r in reqs])),
+                              float(np.mean([r.output_tokens for r in reqs])),
+                              engine.prefill_tokens_per_s, dict(engine.decode_tokens_per_s))
+        rows = compare_caps(reqs, prof, SIM_STATIC_CAPS, lambda p=prof: ForecastCapController(
+            p, period_s=10.0, horizon=6, replicas=1, max_seqs=16, start=0.0))
+        rows[-1]["policy"] = "forecast-driven cap 2-16"
+        wide = compare_caps(reqs, prof, (64,), lambda p=prof: ForecastCapController(
+            p, period_s=10.0, horizon=6, replicas=1, max_seqs=64, start=0.0))[-1]
+        wide["policy"] = "forecast-driven cap 2-64"
+        rows.append(wide)
+        static = [r for r in rows if r["policy"].startswith("static")]
+        best = min(static, key=lambda r: r["e2e_p99_s"])
+        out.append({"trace_speedup": speed, "length_scale": length_scale, "requests": len(reqs),
+                    "offered_requests_per_s": len(reqs) / sim_seconds, "mean_input_tokens": prof.mean_input_tokens,
+                    "mean_output_tokens": prof.mean_output_tokens, "policies": rows,
+                    "best_static": best["policy"],
+                    "forecast_vs_best_static_p99": {r["policy"]: r["e2e_p99_s"] / best["e2e_p99_s"]
+                                                    for r in rows if r["policy"].startswith("forecast")}})
+    return out
 
 
 def backtest_one(trace: str, period_s: float, refit_minutes: float, seed: int) -> dict:
@@ -98,6 +142,11 @@ def main() -> int:
     ap.add_argument("--refit-minutes", type=float, default=6.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "results" / "forecast_backtest.json"))
+    ap.add_argument("--no-simulate", dest="simulate", action="store_false",
+                    help="skip the engine-model comparison of static and forecast-driven caps")
+    ap.add_argument("--sim-speedups", default="0.2,0.3,0.4", help="conv trace speeds for the model (1 = real time)")
+    ap.add_argument("--sim-length-scale", type=float, default=0.25, help="trace token lengths x this for the model")
+    ap.add_argument("--sim-seconds", type=float, default=1800.0, help="model time replayed at each speed")
     args = ap.parse_args()
     t0 = time.perf_counter()
     runs = [backtest_one(tr, float(p), args.refit_minutes, args.seed)
@@ -121,6 +170,18 @@ def main() -> int:
                   f"{p['cap']['min']}-{p['cap']['max']} (median {p['cap']['median']:g}), token budget "
                   f"{p['token_budget']['min']}-{p['token_budget']['max']}, replicas {p['replicas']['min']}-"
                   f"{p['replicas']['max']}")
+    simulation = []
+    if args.simulate and engine_json.is_file():
+        simulation = simulate_caps(engine_json, [float(x) for x in args.sim_speedups.split(",")],
+                                   args.sim_length_scale, args.sim_seconds)
+        print("\nengine MODEL (not a measurement): conv trace, lengths x"
+              f"{args.sim_length_scale:g}, {args.sim_seconds:.0f} s replayed; E2E P50 / P99 and TTFT P99 in seconds")
+        for sim in simulation:
+            print(f"  speed x{sim['trace_speedup']:g} ({sim['offered_requests_per_s']:.2f} req/s, "
+                  f"{sim['requests']} requests), best static: {sim['best_static']}")
+            for r in sim["policies"]:
+                print(f"    {r['policy']:26} {r['e2e_p50_s']:8.2f} {r['e2e_p99_s']:8.2f} {r['ttft_p99_s']:8.2f}"
+                      f"  cap {r['cap_range'][0]}-{r['cap_range'][1]}, {r['cap_changes']} changes")
     out = {
         "benchmark": "forecast_backtest",
         "command": "python benchmarks/forecast_backtest.py " + " ".join(sys.argv[1:]),
@@ -131,6 +192,8 @@ def main() -> int:
                    "scored": "second half of each series, rolling origin at every period"},
         "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs],
         "planning": planning,
+        "cap_model": {"note": "a step-level MODEL of the engine from its measured throughput curve "
+                              "(tailguard.plan.simulate), not a measurement", "runs": simulation},
         "attribution": "Azure LLM inference trace 2023, CC-BY 4.0, Patel et al., Splitwise (ISCA 2024)",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

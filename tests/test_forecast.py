@@ -173,6 +173,15 @@ def test_planner_keeps_utilization_and_sequences_in_bounds():
     assert over.saturated and over.max_num_seqs == 16 and over.notes
 
 
+def test_burst_allowance_widens_the_cap_most_where_few_sequences_are_in_service():
+    for rate in (0.2, 0.8, 1.5):
+        flat = plan_capacity(rate, PROFILE, replicas=1, max_seqs=64, burst_z=0.0)
+        bursty = plan_capacity(rate, PROFILE, replicas=1, max_seqs=64)
+        assert bursty.max_num_seqs >= flat.max_num_seqs
+    assert plan_capacity(0.8, PROFILE, replicas=1, max_seqs=64).max_num_seqs > \
+        plan_capacity(0.8, PROFILE, replicas=1, max_seqs=64, burst_z=0.0).max_num_seqs
+
+
 def test_plan_ahead_plans_for_the_peak_of_the_horizon():
     calm, peak = plan_ahead([10, 10, 10], 10.0, PROFILE), plan_ahead([10, 40, 10], 10.0, PROFILE)
     assert peak.arrivals_per_s == 4.0 and peak.replicas >= calm.replicas

@@ -11,7 +11,9 @@ The model is deliberately small and every input is a measurement:
 * Sequences in service follow Little's law: ``lambda * latency(b)`` where a request's latency at batch ``b`` is
   ``in / prefill_tps + out * b / decode_tps(b)`` (each stream gets one token per step of the batch).
 * The cap is the smallest ``b`` within ``[min_seqs, max_seqs]`` that holds the sequences in service with
-  ``headroom`` and keeps utilization at most ``target_utilization``: a smaller cap makes requests wait in the queue
+  ``headroom`` plus ``burst_z`` standard deviations of a Poisson count around them (arrivals within a period are
+  bursty: at a mean of 4 in service, 2.33 deviations ask for 5 + 4.7 slots, not 5), and keeps utilization at most
+  ``target_utilization``: a smaller cap makes requests wait in the queue
   (too few slots, or too little batched throughput), a larger one slows every stream for nothing.
 * The token budget per step holds one decode token per running sequence plus room for prompts: the prompt tokens
   that arrive during one step (with the same headroom), so that prefill keeps up, and at least one typical prompt up
@@ -110,7 +112,7 @@ def _round_up(x: float, step: int) -> int:
 def plan_capacity(arrivals_per_s: float, profile: ServiceProfile, *, min_seqs: int = SEED_MIN_SEQS,
                   max_seqs: int = SEED_MAX_SEQS, headroom: float = 1.25, target_utilization: float = 0.8,
                   min_token_budget: int = 64, max_token_budget: int = 8192, prefill_chunk: int = 256,
-                  replicas: int | None = None) -> CapacityPlan:
+                  burst_z: float = 2.33, replicas: int | None = None) -> CapacityPlan:
     """The cap, token budget and replica count for an expected arrival rate; see the module docstring.
 
     ``replicas``: a fixed fleet (the cap is then planned for each replica's share); None sizes the fleet.
@@ -127,7 +129,9 @@ def plan_capacity(arrivals_per_s: float, profile: ServiceProfile, *, min_seqs: i
 
     def smallest_cap(rate: float) -> int | None:
         for b in range(min_seqs, max_seqs + 1):
-            holds = b >= headroom * rate * profile.latency_s(b)
+            in_service = rate * profile.latency_s(b)
+            # sequences in service fluctuate like a Poisson count around their mean: hold its upper quantile
+            holds = b >= headroom * in_service + burst_z * math.sqrt(in_service)
             keeps_up = rate * profile.engine_seconds_per_request(b) <= target_utilization
             if holds and keeps_up:
                 return b
