@@ -182,6 +182,13 @@ def test_burst_allowance_widens_the_cap_most_where_few_sequences_are_in_service(
         plan_capacity(0.8, PROFILE, replicas=1, max_seqs=64, burst_z=0.0).max_num_seqs
 
 
+def test_kv_capacity_bounds_the_cap_and_adds_replicas():
+    free = plan_capacity(1.8, PROFILE, max_seqs=64)
+    tight = plan_capacity(1.8, PROFILE, max_seqs=64, kv_cache_tokens=6 * 248)  # six 200+48-token sequences
+    assert free.max_num_seqs > 6 and tight.max_num_seqs <= 6
+    assert tight.replicas >= free.replicas and "KV cache holds 6" in tight.notes[0]
+
+
 def test_plan_ahead_plans_for_the_peak_of_the_horizon():
     calm, peak = plan_ahead([10, 10, 10], 10.0, PROFILE), plan_ahead([10, 40, 10], 10.0, PROFILE)
     assert peak.arrivals_per_s == 4.0 and peak.replicas >= calm.replicas

@@ -112,11 +112,14 @@ def _round_up(x: float, step: int) -> int:
 def plan_capacity(arrivals_per_s: float, profile: ServiceProfile, *, min_seqs: int = SEED_MIN_SEQS,
                   max_seqs: int = SEED_MAX_SEQS, headroom: float = 1.25, target_utilization: float = 0.8,
                   min_token_budget: int = 64, max_token_budget: int = 8192, prefill_chunk: int = 256,
-                  burst_z: float = 2.33, replicas: int | None = None) -> CapacityPlan:
+                  burst_z: float = 2.33, kv_cache_tokens: int | None = None,
+                  replicas: int | None = None) -> CapacityPlan:
     """The cap, token budget and replica count for an expected arrival rate; see the module docstring.
 
     ``replicas``: a fixed fleet (the cap is then planned for each replica's share); None sizes the fleet.
     ``prefill_chunk``: the engine's largest prefill piece per step (``--max-prefill-chunk``).
+    ``kv_cache_tokens``: the KV cache's capacity (logged at the engine's start-up); the cap never exceeds the
+    typical sequences (input + output tokens) it holds, since admitting more only preempts.
     """
     if not math.isfinite(arrivals_per_s) or arrivals_per_s < 0:
         raise ValueError("arrivals_per_s must be a finite number >= 0")
@@ -126,6 +129,12 @@ def plan_capacity(arrivals_per_s: float, profile: ServiceProfile, *, min_seqs: i
         raise ValueError("need headroom >= 1 and 0 < target_utilization <= 1")
     notes: list[str] = []
     lam = arrivals_per_s
+    if kv_cache_tokens is not None:
+        held = int(kv_cache_tokens // max(1.0, profile.mean_input_tokens + profile.mean_output_tokens))
+        if held < max_seqs:
+            max_seqs = max(min_seqs, held)
+            notes.append(f"the KV cache holds {held} typical sequences: memory bounds the cap at {max_seqs} "
+                         "(a smaller KV entry, int8 or prefix sharing, would lift it)")
 
     def smallest_cap(rate: float) -> int | None:
         for b in range(min_seqs, max_seqs + 1):
