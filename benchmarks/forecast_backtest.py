@@ -120,12 +120,12 @@ def plan_from(run: dict, profile: ServiceProfile, max_seqs: int) -> dict:
 
 
 def table(runs: list[dict]) -> str:
-    lines = [f"{'trace':5} {'period':>6} {'forecaster':20} " + " ".join(
-        f"{'MAE h' + str(h):>8} {'MAPE%':>6} {'WAPE%':>6}" for h in HORIZONS) + f" {'vs last [95% CI]':>18} {'fit s':>6}"]
+    head = " ".join(f"{'MAE h' + str(h):>8} {'MAPE%':>6} {'WAPE%':>6}" for h in HORIZONS)
+    lines = [f"{'trace':5} {'period':>6} {'forecaster':20} {head} {'vs last [95% CI]':>18} {'fit s':>6}"]
     for r in runs:
         base = r["verdict"]["last_value_mean_mae"]
         for f in r["forecasters"]:
-            cells = " ".join(f"{h['mae']:8.1f} {h['mape_pct'] if h['mape_pct'] is None else round(h['mape_pct'], 1)!s:>6} "
+            cells = " ".join(f"{h['mae']:8.1f} {'-' if h['mape_pct'] is None else round(h['mape_pct'], 1)!s:>6} "
                              f"{h['wape_pct']:6.1f}" for h in f["horizons"])
             mark = "*" if f["forecaster"] == r["verdict"]["winner"] else " "
             ci = r["verdict"]["mae_ratio_to_last_value"][f["forecaster"]]["overall_ci95"]

@@ -200,6 +200,13 @@ def advise(results: dict, *, priority: str = "latency", min_requests: int = DEFA
         "rule": f"attack the stages holding > {STAGE_SHARE_RULE:.0%} of the P99 E2E first",
         "tail_composition": [], "attack_first": [], "recommendations": [], "reasons": [], "notes": [],
     }
+    fired = [a for a in results.get("advisories") or [] if isinstance(a, dict) and a.get("fired")]
+    out["golden_rules_fired"] = [{"metric": a.get("metric"), "rule": a.get("rule"), "ratio": _num(a.get("ratio")),
+                                  "action": a.get("action")} for a in fired]
+    for a in fired:  # S5: the seed's golden rules say when to act, whatever the SLO says
+        ratio = _num(a.get("ratio")) or 0.0
+        out["notes"].append(f"golden rule fired: {a.get('metric')} {a.get('rule')} (ratio {ratio:.2f})"
+                            + (f": {a['action']}" if a.get("action") else ""))
     if health.get("bench_is_bottleneck"):
         out["notes"].append("the bench itself was a bottleneck in this run: its tail may be the bench's")
     if completed < min_requests:
