@@ -9,7 +9,11 @@ Three phases against a ``tailguard serve`` subprocess (the real model, default w
    closed-loop batch clients saturate the engine while VIP requests arrive every ``--vip-interval`` seconds;
 3. *lanes off*: the same load with no lanes (plain API keys; every request the same priority, first come first
    served, as an engine without lanes would run it).
-Phases 2 and 3 alternate ``--repeats`` times. Reported: VIP TTFT and E2E P50/P99 (client-side, streaming), batch
+Phases 2 and 3 alternate ``--repeats`` times.
+
+``--engine llamacpp``: the same in front of a real third-party engine, llama.cpp's OpenAI server (llama-cpp-python's
+``llama_cpp.server``, the same GGUF): *lanes on* is the gateway (``tailguard serve --upstream``, ``--replica-concurrency``
+requests at a time at the replica, VIP first); *lanes off* is the clients calling llama.cpp's server directly. Reported: VIP TTFT and E2E P50/P99 (client-side, streaming), batch
 output tokens/s, and the ratios the issue sets targets on (VIP P99 TTFT <= 200 ms; VIP P99 E2E <= 1.2x VIP alone;
 batch throughput >= 75% of lanes off).
 """
@@ -90,25 +94,35 @@ async def stages(session: aiohttp.ClientSession, url: str, results: list[dict]) 
 
 
 class Server:
-    def __init__(self, tmp: Path, lanes: bool, keys: dict[str, str], args: argparse.Namespace) -> None:
+    def __init__(self, tmp: Path, lanes: bool, keys: dict[str, str], args: argparse.Namespace,
+                 upstream: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        if upstream is not None and not lanes:
+            self.url = upstream  # lanes off in front of llama.cpp: the clients call it directly
+            return
         cfg: dict = {"slo": {"enabled": False}, "admin_key": ADMIN_KEY}
         if lanes:
             cfg["keys_file"] = str(tmp / "keys.yaml")
         else:
             cfg["api_keys"] = list(keys.values())
+        if upstream is not None:
+            cfg["upstreams"] = [{"url": upstream, "max_concurrent": args.replica_concurrency}]
+            cfg["served_model_names"] = ["smollm2"]
         (tmp / "serve.yaml").write_text(yaml.safe_dump(cfg))
         cmd = [sys.executable, "-m", "tailguard.cli", "serve", "--port", str(self.port), "--config",
                str(tmp / "serve.yaml"), "--store", str(tmp / f"r{self.port}.sqlite3"), "--no-access-log",
-               "--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs)]
+               "--log-level", "warning"]
+        if upstream is None:
+            cmd += ["--max-num-seqs", str(args.max_num_seqs)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
 
-    async def ready(self, session: aiohttp.ClientSession) -> None:
+    async def ready(self, session: aiohttp.ClientSession, path: str = "/ready") -> None:
         for _ in range(600):
             try:
-                async with session.get(self.url + "/ready") as r:
+                async with session.get(self.url + path) as r:
                     if r.status == 200:
                         return
             except aiohttp.ClientError:
@@ -117,8 +131,19 @@ class Server:
         raise RuntimeError("server did not get ready")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+def start_llamacpp(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    from tailguard.engine.model_store import resolve_model_path
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(resolve_model_path("smollm2")), "--port",
+           str(port), "--n_threads", str(args.threads), "--n_ctx", "4096"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 async def vip_alone(session, url, key, args) -> list[dict]:
@@ -173,8 +198,23 @@ async def main(args: argparse.Namespace) -> dict:
     kf.save(tmp / "keys.yaml")
     timeout = aiohttp.ClientTimeout(total=600)
     out: dict = {"config": vars(args), "alone": None, "on": [], "off": []}
+    upstream = None
+    llama = None
+    if args.engine == "llamacpp":
+        llama, upstream = start_llamacpp(args)
+    try:
+        return await _phases(args, tmp, keys, timeout, out, upstream)
+    finally:
+        if llama is not None:
+            llama.terminate()
+            llama.wait(30)
+
+
+async def _phases(args, tmp, keys, timeout, out, upstream) -> dict:
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        srv = Server(tmp, True, keys, args)
+        if upstream is not None:
+            await Server.ready(argparse.Namespace(url=upstream), session, "/v1/models")  # type: ignore[arg-type]
+        srv = Server(tmp, True, keys, args, upstream)
         try:
             await srv.ready(session)
             await vip_alone(session, srv.url, keys["vip"], argparse.Namespace(**{**vars(args), "vip_requests": 3}))
@@ -185,9 +225,9 @@ async def main(args: argparse.Namespace) -> dict:
             srv.stop()
         for rep in range(args.repeats):
             for mode in ("on", "off"):
-                srv = Server(tmp, mode == "on", keys, args)
+                srv = Server(tmp, mode == "on", keys, args, upstream)
                 try:
-                    await srv.ready(session)
+                    await srv.ready(session, "/v1/models" if srv.proc is None else "/ready")
                     vips, batch_rate, vip_stages = await loaded(session, srv.url, keys, args)
                 finally:
                     srv.stop()
@@ -232,8 +272,12 @@ if __name__ == "__main__":
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="benchmarks/results/lanes.json")
+    p.add_argument("--engine", choices=["embedded", "llamacpp"], default="embedded")
+    p.add_argument("--replica-concurrency", type=int, default=1,
+                   help="llamacpp: requests the gateway lets the replica run at once (its server runs one)")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/lanes[_llamacpp].json")
     a = p.parse_args()
+    a.out = a.out or f"benchmarks/results/lanes{'_llamacpp' if a.engine == 'llamacpp' else ''}.json"
     result = asyncio.run(main(a))
     report(result)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

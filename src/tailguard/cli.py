@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
+    from tailguard.plan.advise import add_advise_parser
+
+    add_advise_parser(sub)
+
     gen = sub.add_parser("generate", help="generate from one prompt on the embedded engine")
     add_engine_args(gen)
     gen.add_argument("prompt")
@@ -116,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         from tailguard.bench.cli import run_bench
 
         return run_bench(args)
+    if args.command == "advise":
+        from tailguard.plan.advise import run_advise
+
+        return run_advise(args)
     if args.command == "generate":
         from tailguard.engine.engine import LLMEngine
         from tailguard.engine.request import SamplingParams
