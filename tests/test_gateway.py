@@ -261,3 +261,26 @@ def test_gateway_over_two_tiny_model_replicas(tmp_path):
         reps = {record(gw, r)["gateway"]["replica"] for r in out}
         assert len(reps) == 2
         assert all(record(gw, r)["output_tokens"] == 8 for r in out)
+
+
+def test_replicas_added_and_removed_at_run_time_and_told_to_the_scale_out_hook(tmp_path):
+    with replica(tmp_path, "a", ttft=0.01, itl=0.001) as a, replica(tmp_path, "b", ttft=0.01, itl=0.001) as b, \
+            gateway(tmp_path, [a.url]) as gw:
+        assert httpx.get(gw.url + "/admin/upstreams").status_code == 401
+        assert gw.state.lanes.capacity == 64
+        r = httpx.post(gw.url + "/admin/upstreams", json={"url": b.url, "max_concurrent": 32}, headers=ADMIN)
+        assert r.status_code == 201 and r.json()["healthy"] is True
+        assert httpx.post(gw.url + "/admin/upstreams", json={"url": b.url}, headers=ADMIN).status_code == 409
+        assert httpx.post(gw.url + "/admin/upstreams", json={"url": "ftp://x"}, headers=ADMIN).status_code == 400
+        assert gw.state.lanes.capacity == 96  # the lanes' capacity follows the replica set
+        listed = httpx.get(gw.url + "/admin/upstreams", headers=ADMIN).json()["data"]
+        assert [x["url"] for x in listed] == [a.url, b.url]
+        out = [chat(gw.url) for _ in range(16)]
+        assert {record(gw, x)["gateway"]["replica"] for x in out} == {x["name"] for x in listed}
+        # The scale-out hook's payload carries the replica set.
+        ctx = gw.state.slo.actions.context()
+        assert [x["url"] for x in ctx["replicas"]] == [a.url, b.url]
+        assert httpx.delete(gw.url + f"/admin/upstreams/{listed[0]['name']}", headers=ADMIN).status_code == 200
+        out = [chat(gw.url) for _ in range(6)]
+        assert {record(gw, x)["gateway"]["replica"] for x in out} == {listed[1]["name"]}
+        assert httpx.delete(gw.url + f"/admin/upstreams/{listed[1]['name']}", headers=ADMIN).status_code == 409

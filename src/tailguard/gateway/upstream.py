@@ -141,15 +141,45 @@ class UpstreamPool:
             raise ValueError("at least one upstream is needed")
         self.routing = routing or RoutingConfig()
         self.replicas: list[Replica] = []
-        for i, u in enumerate(upstreams):
-            name = u.name or u.url.split("://", 1)[1]
-            if any(r.name == name for r in self.replicas):
-                name = f"{name}#{i}"
-            self.replicas.append(Replica(u, CircuitBreaker(self.routing.breaker_failures,
-                                                           self.routing.breaker_cooldown_s), name=name, model=u.model))
+        for u in upstreams:
+            self._new(u)
         self.rng = rng or random.Random()
         self.session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task | None = None
+
+    def _new(self, u: UpstreamConfig) -> Replica:
+        name = u.name or u.url.split("://", 1)[1]
+        if any(r.name == name for r in self.replicas):
+            name = f"{name}#{len(self.replicas)}"
+        rep = Replica(u, CircuitBreaker(self.routing.breaker_failures, self.routing.breaker_cooldown_s), name=name,
+                      model=u.model)
+        self.replicas.append(rep)
+        return rep
+
+    async def add(self, u: UpstreamConfig) -> Replica:
+        """A new replica (scale-out): health-checked before it takes traffic."""
+        if any(r.url == u.url for r in self.replicas):
+            raise ValueError(f"{u.url} is already a replica")
+        rep = self._new(u)
+        rep.healthy = False
+        if self.session is not None:
+            await self.check(rep)
+        return rep
+
+    def remove(self, name: str) -> Replica:
+        """Take a replica out of routing (scale-in); its requests in flight finish."""
+        for i, r in enumerate(self.replicas):
+            if r.name == name:
+                if len(self.replicas) == 1:
+                    raise ValueError("the last replica cannot be removed")
+                return self.replicas.pop(i)
+        raise KeyError(name)
+
+    def describe(self) -> list[dict]:
+        return [{"name": r.name, "url": r.url, "model": r.model, "healthy": r.healthy, "breaker": r.breaker.state,
+                 "in_flight": r.in_flight, "outstanding_tokens": r.outstanding_tokens,
+                 "upstream_waiting": r.upstream_waiting, "max_concurrent": r.cfg.max_concurrent,
+                 "requests": r.requests, "errors": r.errors, "last_error": r.last_error} for r in self.replicas]
 
     # --- lifecycle --------------------------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -20,7 +20,7 @@ from tailguard.serving.completions import CompletionEndpoint
 from tailguard.serving.config import ServerConfig
 from tailguard.serving.errors import APIError, on_api_error, on_http_error, on_server_error
 from tailguard.serving.lifespan import Lifespan
-from tailguard.serving.routes import health, models, records, slo
+from tailguard.serving.routes import health, models, records, slo, upstreams
 from tailguard.serving.state import ServerState
 
 if TYPE_CHECKING:
@@ -58,6 +58,9 @@ def create_app(
         Route("/v1/alerts", slo.alerts, methods=["GET"]),
         Route("/slo", slo.slo_page, methods=["GET"]),
         Route("/slo/data", slo.slo_data, methods=["GET"]),
+        Route("/admin/upstreams", upstreams.list_upstreams, methods=["GET"]),
+        Route("/admin/upstreams", upstreams.add_upstream, methods=["POST"]),
+        Route("/admin/upstreams/{name:path}", upstreams.remove_upstream, methods=["DELETE"]),
     ]
     middleware = []
     if config.tracing.enabled:  # W3C trace context in and out; without tracing, nothing is in the request's path

@@ -68,6 +68,10 @@ class ServerState:
             self.lanes = Lanes(self.config.lane_configs(), cap.max_concurrent or backend_capacity(engine), cap)
             if self.metrics is not None:
                 self.gateway_metrics = GatewayMetrics(self.metrics.registry, self.metrics.model)
+        pool = getattr(engine, "pool", None)
+        if pool is not None and self.slo is not None:
+            # The scale-out hook is told the replica set it would grow (or shrink).
+            self.slo.actions.context = lambda: {"replicas": pool.describe()}
 
     def capacity_changed(self) -> None:
         """Replicas came or went: the lanes' capacity follows (unless it is configured)."""

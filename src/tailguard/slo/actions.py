@@ -329,6 +329,8 @@ class ActionEngine:
         self.metrics = metrics
         self.hooks = hooks or HookRunner(cfg.scale_out, inline=cfg.inline_hooks)
         self.dry_run = cfg.dry_run
+        # What the scale-out hook is told about the deployment (a gateway: its replica set), set by the server.
+        self.context: Callable[[], dict[str, Any]] | None = None
         self.scale_out: SLORecord | None = None  # the "started" record while in effect
         self.shed: SLORecord | None = None
         self.degrade: dict[str, SLORecord] = {}  # scope -> "started" record
@@ -394,6 +396,11 @@ class ActionEngine:
             "action_id": action_rec.id, "alert_id": action_rec.alert_id, "at": now,
             "figures": action_rec.figures,
         }
+        if self.context is not None:
+            try:
+                payload.update(self.context())
+            except Exception:  # noqa: BLE001 - the hook goes out without the context rather than not at all
+                log.exception("scale-out hook: could not describe the deployment")
 
         def done(res: dict[str, Any]) -> None:
             t = self.clock()
