@@ -142,6 +142,8 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         self.args = args
         proposer = make_proposer(args.speculative)  # a bad value fails before the model loads
+        if proposer is not None and (args.num_speculative_tokens < 1 or args.speculative_max_running < 1):
+            raise ValueError("num_speculative_tokens and speculative_max_running must be at least 1")
         if args.model == "tiny":
             path = tiny_model_path(resolve_model_path("smollm2"))
         else:

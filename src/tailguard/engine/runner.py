@@ -55,9 +55,13 @@ class ModelRunner:
             elif chunk.samples:
                 logits_indices.append(len(ids) - 1)
             used_blocks = table.blocks[: -(-chunk.end // bs)]
-            if chunk.is_decode:
-                decode_tables.append(used_blocks)
-                decode_lens.append(chunk.end)
+            if chunk.is_decode or chunk.draft:
+                # A verifying chunk is K+1 decode rows over one block table, row i attending to its own position and
+                # those before it: every row's K/V is written before attention runs (in C and in torch), so this is
+                # exact causal attention, and a verification step stays in the one-call C decode step.
+                for position in range(chunk.start, chunk.end):
+                    decode_tables.append(used_blocks)
+                    decode_lens.append(position + 1)
             elif chunk.start == 0:
                 prefills.append(PrefillSpan(start_tok, len(ids), None, None))
             else:
@@ -211,7 +215,8 @@ class ModelRunner:
 
     @staticmethod
     def _probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-        """The distribution a sampled token is drawn from: temperature, then top-k, then top-p (a new tensor)."""
+        """The distribution a sampled token is drawn from: temperature, then top-k, then top-p (a new tensor that sums
+        to one)."""
         row = logits / sp.temperature
         if sp.top_k:
             kth = torch.topk(row, min(sp.top_k, row.shape[-1])).values[-1]
@@ -224,6 +229,7 @@ class ModelRunner:
             drop = cumulative - sorted_probs >= sp.top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+            probs /= probs.sum()  # verification compares a uniform draw with p(guess): p must sum to one
         return probs
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:

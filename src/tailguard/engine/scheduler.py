@@ -221,8 +221,8 @@ class Scheduler:
             chunk_of[seq.request_id] = chunk
             budget -= n
 
-        # The runner wants decodes first (one token each), then prefill chunks.
-        out.chunks.sort(key=lambda c: not c.is_decode)
+        # The runner wants decodes first (one token each, or K+1 rows for a verifying chunk), then prefill chunks.
+        out.chunks.sort(key=lambda c: not (c.is_decode or c.draft))
         return out
 
     def _preempt(self, seq: Sequence) -> None:
