@@ -6,7 +6,8 @@
 Three phases against a ``tailguard serve`` subprocess (the real model, default weight format):
 1. *VIP alone*: VIP requests one after another on an idle server (the reference for E2E);
 2. *lanes on*: a key file puts tenant ``acme`` in the ``vip`` lane and ``crawler`` in ``batch``; ``--batch-clients``
-   closed-loop batch clients saturate the engine while VIP requests arrive every ``--vip-interval`` seconds;
+   closed-loop batch clients saturate the engine while VIP requests arrive every ``--vip-interval`` seconds; the
+   engine runs with ``--max-background-seqs`` (``--background-seqs``: batch sequences per step while a VIP runs);
 3. *lanes off*: the same load with no lanes (plain API keys; every request the same priority, first come first
    served, as an engine without lanes would run it).
 Phases 2 and 3 alternate ``--repeats`` times.
@@ -116,6 +117,8 @@ class Server:
                "--log-level", "warning"]
         if upstream is None:
             cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+            if lanes and args.background_seqs is not None:
+                cmd += ["--max-background-seqs", str(args.background_seqs)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
 
@@ -272,6 +275,8 @@ if __name__ == "__main__":
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--background-seqs", type=int, default=2,
+                   help="lanes on: the engine's --max-background-seqs (batch sequences per step while a VIP runs)")
     p.add_argument("--engine", choices=["embedded", "llamacpp"], default="embedded")
     p.add_argument("--replica-concurrency", type=int, default=1,
                    help="llamacpp: requests the gateway lets the replica run at once (its server runs one)")

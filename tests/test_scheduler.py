@@ -388,3 +388,28 @@ def test_priority_tiers_at_the_cap_preempt_only_strictly_worse():
     assert out.preempted == [] and third_mid.status is SequenceStatus.WAITING
     run_to_completion(sched)
     assert sched.pool.num_used == 0
+
+
+def test_background_cap_pauses_less_important_work_while_a_vip_runs():
+    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64, max_background_seqs=1)
+    batch = [make_seq(f"batch{i}", 6, max_tokens=40, priority=2) for i in range(3)]
+    for s in batch:
+        sched.add(s)
+    step(sched)
+    out = step(sched)
+    assert len(out.decode_ids) == 3  # nobody more important: no cap
+    vip = make_seq("vip", 6, max_tokens=4, priority=0)
+    sched.add(vip)
+    late = make_seq("late", 6, max_tokens=4, priority=2)
+    sched.add(late)
+    while not vip.is_finished:
+        out = step(sched)
+        ids = {c.seq.request_id for c in out.chunks}
+        assert "vip" in ids
+        assert len(ids - {"vip"}) == 1, "one less important sequence a step while the VIP runs"
+        assert late.status is SequenceStatus.WAITING, "no new batch admission that would only pause"
+    assert {s.request_id for s in batch if s.num_computed_tokens > 7} == {"batch0"}  # the earliest kept going
+    out = step(sched)
+    assert len(out.chunks) == 4  # the VIP is done: everyone runs again (and the late one is admitted)
+    run_to_completion(sched)
+    assert all(len(s.output_token_ids) == 40 for s in batch) and sched.pool.num_used == 0

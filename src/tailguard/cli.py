@@ -178,6 +178,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
                     "--kv-cache-memory": "kv_cache_memory", "--kv-cache-dtype": "kv_cache_dtype",
                     "--block-size": "block_size", "--max-num-seqs": "max_num_seqs",
                     "--max-num-batched-tokens": "max_num_batched_tokens", "--max-prefill-chunk": "max_prefill_chunk",
+                    "--max-background-seqs": "max_background_seqs",
                     "--threads": "num_threads"}
     engine = {field: getattr(args, "threads" if field == "num_threads" else field)
               for flag, field in engine_flags.items() if given(flag)}

@@ -19,6 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
     p.add_argument("--max-prefill-chunk", type=int, default=256)
+    p.add_argument("--max-background-seqs", type=int, default=None,
+                   help="while a more important request (a lower priority value: the VIP lane) runs, at most this "
+                        "many less important sequences take each step; the rest pause (default: no limit)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--speculative", default="off", choices=["off", "ngram"],
                    help="speculative decoding: ngram (prompt lookup, exact for greedy) or off (default)")
@@ -42,6 +45,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_prefill_chunk=ns.max_prefill_chunk,
+        max_background_seqs=ns.max_background_seqs,
         num_threads=ns.threads,
         speculative=ns.speculative,
         num_speculative_tokens=ns.num_speculative_tokens,

@@ -49,6 +49,7 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int = 256
+    max_background_seqs: int | None = None  # see SchedulerConfig: the pace of important streams under batch load
     num_threads: int | None = None
     # Speculative decoding: off | ngram (prompt lookup). Up to num_speculative_tokens guesses per step and request,
     # and none at all while more than speculative_max_running sequences run (benchmarks/speculative.py measured it).
@@ -180,6 +181,7 @@ class LLMEngine:
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_prefill_chunk=args.max_prefill_chunk,
+                max_background_seqs=args.max_background_seqs,
             ),
             self.pool,
         )

@@ -27,6 +27,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # per-step token budget shared by decodes and prefill chunks
     max_prefill_chunk: int = 256  # longest prefill chunk one sequence may take in a step
     watermark: float = 0.01  # share of KV blocks kept free when admitting new requests
+    # While a more important request runs or waits, at most this many less important sequences take a step; the
+    # others pause (their KV kept) until it is done. On a CPU a step costs about in proportion to its batch, so this
+    # is what keeps a VIP stream's pace near an idle server's while batch work shares the engine. None: no limit.
+    max_background_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -152,10 +156,27 @@ class Scheduler:
             pool = [s for s in candidates if s.status is SequenceStatus.RUNNING]
             return max(pool, key=lambda s: (s.priority, s.arrival_time), default=None)
 
+        cap = self.config.max_background_seqs
+        top = min([s.priority for s in self.running] + ([self._waiting[0][0]] if self._waiting else []), default=0)
+        background = 0
+
+        def paused(seq: Sequence) -> bool:
+            """A less important sequence beyond the background cap sits this step out."""
+            nonlocal background
+            if cap is None or seq.priority <= top:
+                return False
+            if background >= cap:
+                return True
+            background += 1
+            return False
+
         # 1. Running sequences: decodes first so that prefill never starves streams, then unfinished prefills.
         decodes_left = sum(s.in_decode for s in self.running)
         for seq in sorted(self.running, key=lambda s: (not s.in_decode, s.priority, s.arrival_time)):
             if seq.status is not SequenceStatus.RUNNING or budget <= 0:
+                continue
+            if paused(seq):
+                decodes_left -= seq.in_decode
                 continue
             n = min(seq.num_pending_tokens, budget, self.config.max_prefill_chunk)
             table = self.tables[seq.request_id]
@@ -197,6 +218,8 @@ class Scheduler:
                     break
                 preempt(victim)
                 continue
+            if cap is not None and seq.priority > top and background >= cap:
+                break  # it would only pause: leave it waiting (its blocks stay free)
             n = min(seq.num_pending_tokens, budget, self.config.max_prefill_chunk)
             table = self.tables[seq.request_id]
             need = table.blocks_needed(seq.num_computed_tokens + n)
@@ -211,6 +234,8 @@ class Scheduler:
                 preempt(victim)
                 continue
             heapq.heappop(self._waiting)
+            if cap is not None and seq.priority > top:
+                background += 1
             table.ensure(seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
