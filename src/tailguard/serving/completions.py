@@ -132,6 +132,7 @@ class Exchange:
     output: list[str] = field(default_factory=list)
     lane: LaneConfig | None = None  # the request's lane, when lanes are on
     lane_slot: str | None = None  # the lane whose capacity slot this request holds (given back once, at the end)
+    charged: tuple[Any, int] | None = None  # (tenant, output tokens charged to its rate limit)
 
     def move(self, to: Phase) -> None:
         """Go forward to ``to``. Leaving QUEUED gives the queue slot back: here and nowhere else."""
@@ -276,6 +277,9 @@ class CompletionEndpoint:
             if ex.lane_slot is not None and st.lanes is not None:
                 st.lanes.release(ex.lane_slot)
                 ex.lane_slot = None
+            if ex.charged is not None:  # output tokens charged but never produced go back to the tenant
+                tenant, max_out = ex.charged
+                tenant.refund(max_out - tl.num_output_tokens)
             try:
                 st.close_record(tl)
             finally:
@@ -317,6 +321,7 @@ class CompletionEndpoint:
             return
         if caller.tenant is not None:
             self._charge(tl, caller.tenant, prep)
+            ex.charged = (caller.tenant, prep.sampling.max_tokens)
         if ex.lane is not None:
             await self._admit(ex)
         ex.enqueue()
