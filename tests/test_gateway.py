@@ -284,3 +284,21 @@ def test_replicas_added_and_removed_at_run_time_and_told_to_the_scale_out_hook(t
         out = [chat(gw.url) for _ in range(6)]
         assert {record(gw, x)["gateway"]["replica"] for x in out} == {listed[1]["name"]}
         assert httpx.delete(gw.url + f"/admin/upstreams/{listed[1]['name']}", headers=ADMIN).status_code == 409
+
+
+def test_tenant_rate_limits_on_the_embedded_engine(tmp_path):
+    from tests.serving_helpers import fake_server
+
+    kf = KeyFile()
+    slow = kf.add_key("slowpoke", "standard", requests_per_s=0.5, burst_s=4.0)  # 2 requests, then one per 2 s
+    fast = kf.add_key("other", "standard")
+    kf.save(tmp_path / "keys.yaml")
+    with fake_server(tmp_path, keys_file=str(tmp_path / "keys.yaml")) as server:
+        codes = [chat(server.url, slow).status_code for _ in range(3)]
+        assert codes == [200, 200, 429]
+        r = chat(server.url, slow)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+        assert 1 <= int(r.headers["retry-after"]) <= 2
+        assert chat(server.url, fast).status_code == 200  # one tenant's limit is not another's
+        rec = record(server, r)
+        assert rec["status"] == 429 and rec["gateway"]["tenant"] == "slowpoke"
