@@ -117,7 +117,7 @@ class Server:
                "--log-level", "warning"]
         if upstream is None:
             cmd += ["--max-num-seqs", str(args.max_num_seqs)]
-            if lanes and args.background_seqs is not None:
+            if lanes and args.background_seqs >= 0:
                 cmd += ["--max-background-seqs", str(args.background_seqs)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
@@ -276,7 +276,8 @@ if __name__ == "__main__":
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--background-seqs", type=int, default=2,
-                   help="lanes on: the engine's --max-background-seqs (batch sequences per step while a VIP runs)")
+                   help="lanes on: the engine's --max-background-seqs (batch sequences per step while a VIP runs; "
+                        "-1: no cap)")
     p.add_argument("--engine", choices=["embedded", "llamacpp"], default="embedded")
     p.add_argument("--replica-concurrency", type=int, default=1,
                    help="llamacpp: requests the gateway lets the replica run at once (its server runs one)")
