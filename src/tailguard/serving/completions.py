@@ -658,6 +658,9 @@ class CompletionEndpoint:
             if role_sent:
                 return b""
             role_sent = True
+            gm = self.state.gateway_metrics
+            if gm is not None:  # the denominator of the stream interruption rate
+                gm.streams.labels(gm.model, tl.lane).inc()
             return fmt.role(system_fingerprint=degraded_marker(tl))
 
         try:
