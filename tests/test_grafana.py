@@ -91,7 +91,8 @@ def test_panels_follow_the_metrics_that_exist():
     assert notes == []
     series_read = {w for _, expr in panel_queries(dash) for w in _series_names(expr)}
     assert series_read <= names | {f"{n}_{s}" for n in metrics for s in ("sum", "count")}
-    assert not any("replica" in s or "accept" in s for s in series_read)
+    assert not any("replica" in s for s in series_read)  # no per-replica metric on a server without upstreams
+    assert any("accepted" in s for s in series_read)  # the speculative decoding metrics exist: they get panels
 
     fewer = {n: m for n, m in metrics.items() if n != "tailguard_slo_tier"}
     dash2, notes2 = build_dashboard(list(builtin_profiles().values()), fewer)
@@ -198,7 +199,8 @@ def test_every_panel_returns_data_from_a_real_prometheus(tmp_path):
            "tiers": {"judge": [{"metric": "ttft", "percentile": 99, "yellow": 0.001, "orange": 0.002, "red": 0.003}],
                      "min_samples": 5, "min_dwell_s": 0},
            "scopes": [{"name": "all"}, {"name": "vip", "where": {"lanes": ["vip"]}}]}
-    engine = FailingEngine(FakeTiming(ttft=0.01, itl=0.002))
+    # The fake engine also reports speculative decoding counts, so that the acceptance panels have data.
+    engine = FailingEngine(FakeTiming(ttft=0.01, itl=0.002, spec_proposed_per_token=1.0, spec_acceptance=0.6))
     # The VIP traffic is told apart by X-Lane, which a server counts only behind a trusted proxy.
     with fake_server(tmp_path, engine=engine, slo=slo, trust_lane_header=True) as server:
         prom, prom_url = _start_prometheus(tmp_path, f"127.0.0.1:{server.port}")

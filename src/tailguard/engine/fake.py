@@ -55,6 +55,9 @@ class FakeTiming:
     max_num_seqs: int = 256  # concurrency slots; more requests queue
     output_text: str = "The quick brown fox jumps over the lazy dog. "
     seed: int = 0
+    # Scripted speculative decoding counts on the final event: guesses per output token, and the accepted share.
+    spec_proposed_per_token: float = 0.0
+    spec_acceptance: float = 0.0
 
 
 class FakeEngine:
@@ -159,6 +162,8 @@ class FakeEngine:
                     request_id, tok, delta, now, finished=True, finish_reason=reason,
                     num_prompt_tokens=len(prompt_token_ids), num_output_tokens=len(out),
                     arrival=arrival, first_scheduled=scheduled, first_token=first,
+                    num_spec_proposed=round(len(out) * self.timing.spec_proposed_per_token),
+                    num_spec_accepted=round(len(out) * self.timing.spec_proposed_per_token * self.timing.spec_acceptance),
                 )
                 return
         finally:

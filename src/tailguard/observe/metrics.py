@@ -71,6 +71,18 @@ class ServerMetrics:
                                TOKEN_BUCKETS)
         self.output_len = hist("tailguard_request_generation_tokens", "Output length of each request in tokens.",
                                TOKEN_BUCKETS)
+        # Speculative decoding, per request that speculated: what share of its guesses the target accepted, and how
+        # many tokens it got for free; the totals under vLLM's names (spec_decode_num_draft/accepted_tokens).
+        self.spec_acceptance = Histogram("tailguard_spec_decode_acceptance_rate",
+                                         "Per request: accepted / proposed speculative tokens.", req,
+                                         buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
+                                         registry=r)
+        self.spec_accepted = hist("tailguard_spec_decode_request_accepted_tokens",
+                                  "Per request: speculative tokens the target accepted.", TOKEN_BUCKETS)
+        self.spec_proposed_total = Counter("tailguard_spec_decode_num_draft_tokens",
+                                           "Speculative tokens verified by the target.", req, registry=r)
+        self.spec_accepted_total = Counter("tailguard_spec_decode_num_accepted_tokens",
+                                           "Speculative tokens the target accepted.", req, registry=r)
         self.requests = Counter("tailguard_requests", "Finished requests by outcome and HTTP status.",
                                 [*req, "outcome", "status"], registry=r)
         self.success = Counter("tailguard_request_success", "Completed requests by finish reason.",
@@ -145,6 +157,11 @@ class ServerMetrics:
         if tl.num_output_tokens:
             self.generation_tokens.labels(*labels).inc(tl.num_output_tokens)
         self.output_len.labels(*labels).observe(tl.num_output_tokens)
+        if tl.spec_proposed:
+            self.spec_acceptance.labels(*labels).observe(tl.spec_accepted / tl.spec_proposed)
+            self.spec_accepted.labels(*labels).observe(tl.spec_accepted)
+            self.spec_proposed_total.labels(*labels).inc(tl.spec_proposed)
+            self.spec_accepted_total.labels(*labels).inc(tl.spec_accepted)
 
     def sample(self, running: int, waiting: int, kv_total: int, kv_used: int, preemptions: int,
                admission_queue: int, in_flight: int, admission_limit: int) -> None:

@@ -542,8 +542,9 @@ class RequestStore:
             if tl.logprobs is not None:
                 logprobs = self._logprobs(tl, output_text)
         body = {k: rec[k] for k in ("timestamps", "token_times", "token_sent", "resources", "preemptions", "owner")}
-        if rec.get("gateway"):
-            body["gateway"] = rec["gateway"]  # tenant, lane wait, replica, attempts, stalls
+        for extra in ("gateway", "speculation"):  # tenant, lane wait, replica...; speculative guesses and acceptance
+            if rec.get(extra):
+                body[extra] = rec[extra]
         body["sampling"] = self._sampling(rec["sampling"])
         action = json.dumps(tl.slo_action, separators=(",", ":")) if tl.slo_action else None
         return tuple(self._clean(v) for v in (
@@ -701,6 +702,7 @@ def row_to_record(row: Any) -> dict[str, Any]:
         "degraded": bool(row["degraded"]),
         "slo_action": json.loads(row["slo_action"]) if row["slo_action"] else None,
         "gateway": body.get("gateway"),
+        "speculation": body.get("speculation"),
     }
     if any(row[k] is not None for k in ("prompt_text", "output_text", "prompt_token_ids", "logprobs")):
         rec["prompt_text"] = row["prompt_text"]

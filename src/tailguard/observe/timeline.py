@@ -78,6 +78,9 @@ class Timeline:
     synthetic: bool = False
     # The gateway's part (tenant, lane wait, replica, attempts, stalls, an ignored lane claim); None without one.
     gateway: dict[str, Any] | None = None
+    # Speculative decoding (the engine's counts for this request): guesses verified, and accepted.
+    spec_proposed: int = 0
+    spec_accepted: int = 0
     # Text audit (T1/T3); filled only when text storage is on, redacted by the store before it is written.
     prompt_text: str | None = None
     output_text: str | None = None
@@ -150,6 +153,8 @@ class Timeline:
         if s.ttft is not None:
             parts.append(f"ttft;dur={s.ttft * 1e3:.3f}")
         parts.append(f"total;dur={s.e2e * 1e3:.3f}")
+        if self.spec_proposed:
+            parts.append(f'spec;desc="proposed={self.spec_proposed} accepted={self.spec_accepted}"')
         return ", ".join(parts)
 
     def stage_object(self) -> dict[str, Any]:
@@ -218,4 +223,6 @@ class Timeline:
             "degraded": self.degraded,
             "slo_action": self.slo_action,
             **({"gateway": self.gateway} if self.gateway else {}),
+            **({"speculation": {"proposed": self.spec_proposed, "accepted": self.spec_accepted}}
+               if self.spec_proposed else {}),
         }

@@ -598,6 +598,8 @@ class CompletionEndpoint:
         tl.num_prompt_tokens = ev.num_prompt_tokens or tl.num_prompt_tokens
         tl.num_output_tokens = ev.num_output_tokens or len(tl.token_times)
         tl.num_preemptions = getattr(ev, "num_preemptions", 0)
+        tl.spec_proposed = getattr(ev, "num_spec_proposed", 0)
+        tl.spec_accepted = getattr(ev, "num_spec_accepted", 0)
         reason = ev.finish_reason.value if hasattr(ev.finish_reason, "value") else str(ev.finish_reason)
         replica = getattr(ev, "replica", None)
         if replica is not None:  # an upstream's answer: which replica, after how many tries
