@@ -133,6 +133,7 @@ class Exchange:
     lane: LaneConfig | None = None  # the request's lane, when lanes are on
     lane_slot: str | None = None  # the lane whose capacity slot this request holds (given back once, at the end)
     charged: tuple[Any, int] | None = None  # (tenant, output tokens charged to its rate limit)
+    audit_ids: list[int] | None = None  # the output token ids, kept when the speculation audit will rerun it
 
     def move(self, to: Phase) -> None:
         """Go forward to ``to``. Leaving QUEUED gives the queue slot back: here and nowhere else."""
@@ -373,6 +374,9 @@ class CompletionEndpoint:
             st.active_ids.discard(engine_id)
         if ex.phase is Phase.ABANDONED:  # the engine said nothing in time: where it was is what we saw
             self._abandoned(ex, None)
+        elif ex.audit_ids is not None and tl.spec_proposed and tl.outcome is Outcome.SUCCESS and not tl.degraded:
+            assert st.audit is not None
+            st.audit.submit(engine, tl.request_id, ids, prep.sampling, ex.audit_ids)
 
     # --- lanes, tenants, stalls -----------------------------------------------------------------------------------
     def _lane(self, ex: Exchange, request: Request, caller: Any) -> None:
@@ -535,6 +539,8 @@ class CompletionEndpoint:
                 data.pop("max_completion_tokens", None)
                 data["max_tokens"] = max_tokens
             return _Prepared(p, ids, text, sampling, deg, data)
+        if st.audit is not None and st.audit.wants(sampling):
+            ex.audit_ids = []
         try:
             engine.check_request(len(ids), sampling)
         except RequestError as exc:
@@ -579,6 +585,8 @@ class CompletionEndpoint:
         if ev.token_id is None:
             return False
         tl.token_times.append(ev.time)
+        if ex.audit_ids is not None:
+            ex.audit_ids.append(ev.token_id)
         if lp_items is not None:
             lp_items.append((ev.token_id, ev.logprob, ev.top_logprobs))
             if tl.logprobs is not None:

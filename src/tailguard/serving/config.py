@@ -111,6 +111,8 @@ class ServerConfig(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineArgs overrides (kv_cache_tokens, ...)")
     fake: FakeEngineConfig = Field(default_factory=FakeEngineConfig)
     slo: MonitorConfig = Field(default_factory=MonitorConfig, description="the SLO monitor (docs/slo.md)")
+    speculative_audit: float = Field(0.01, ge=0, le=1, description="share of speculative requests rerun without "
+                                                                    "speculation to check the output (L4)")
     # --- the gateway (docs/gateway.md) ---
     upstreams: list[UpstreamConfig] = Field(default_factory=list,
                                             description="serve from these OpenAI-compatible replicas, not a model")

@@ -32,9 +32,9 @@ class Lifespan:
         self.own_engine = own_engine
 
     def attach(self, eng: Backend) -> None:
-        self.state.attach(eng)
         if self.state.metrics is not None:
-            self.state.metrics.model = eng.model_name
+            self.state.metrics.model = eng.model_name  # first: the gateway's and the audit's metrics take it too
+        self.state.attach(eng)
 
     async def load(self) -> None:
         assert self.engine_factory is not None

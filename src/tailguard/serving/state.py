@@ -21,6 +21,8 @@ from tailguard.serving.auth import Keys
 from tailguard.serving.backend import Backend, backend_capacity
 from tailguard.serving.config import ServerConfig
 from tailguard.serving.responses import TokenText
+from tailguard.serving.spec_audit import SpeculationAudit
+from tailguard.slo.actions import SLORecord
 
 if TYPE_CHECKING:
     from tailguard.observe.tracing import RequestTracer
@@ -49,6 +51,7 @@ class ServerState:
     slo: SLOMonitor | None = None  # when the monitor is enabled
     lanes: Lanes | None = None  # lanes and reserved capacity, when enabled (keys, lanes or upstreams configured)
     gateway_metrics: GatewayMetrics | None = None
+    audit: SpeculationAudit | None = None  # when the embedded engine speculates
     tracer: RequestTracer | None = None  # when tracing is configured (started and stopped by the lifespan)
 
     def __post_init__(self) -> None:
@@ -68,10 +71,19 @@ class ServerState:
             self.lanes = Lanes(self.config.lane_configs(), cap.max_concurrent or backend_capacity(engine), cap)
             if self.metrics is not None:
                 self.gateway_metrics = GatewayMetrics(self.metrics.registry, self.metrics.model)
+        if _speculates(engine) and self.metrics is not None and self.config.speculative_audit > 0:
+            self.audit = SpeculationAudit(self.config.speculative_audit, self.metrics.registry, self.metrics.model,
+                                          self._emit_audit)
         pool = getattr(engine, "pool", None)
         if pool is not None and self.slo is not None:
             # The scale-out hook is told the replica set it would grow (or shrink).
             self.slo.actions.context = lambda: {"replicas": pool.describe()}
+
+    def _emit_audit(self, rec: SLORecord) -> None:
+        if self.slo is not None:
+            self.slo.records.emit(rec)  # its sinks include the store; GET /v1/alerts shows it
+        elif self.store is not None:
+            self.store.put_alert(rec.to_dict())
 
     def capacity_changed(self) -> None:
         """Replicas came or went: the lanes' capacity follows (unless it is configured)."""
@@ -144,6 +156,11 @@ class ServerState:
         self.recent.move_to_end(tl.request_id)
         while len(self.recent) > self.recent_capacity:
             self.recent.popitem(last=False)
+
+
+def _speculates(engine: Any) -> bool:
+    inner = getattr(engine, "engine", None)  # AsyncLLMEngine -> LLMEngine
+    return getattr(inner, "speculation", None) is not None
 
 
 def state_of(request: Request) -> ServerState:

@@ -48,7 +48,7 @@ def new_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-RecordKind = Literal["alert", "action", "hook", "advisory", "objective"]
+RecordKind = Literal["alert", "action", "hook", "advisory", "objective", "audit"]
 
 
 @dataclass(frozen=True, slots=True)

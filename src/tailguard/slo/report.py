@@ -15,6 +15,7 @@ Definitions follow the live monitor: E2E percentiles over successful requests, e
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 import sqlite3
 from collections import defaultdict
@@ -226,6 +227,7 @@ def build_report(db: str | Path, profiles: Iterable[SLOProfile], weeks: int = 4,
                     elif tok >= 65536:
                         acc.long_vals.append(e2e)
         alerts = _alert_counts(conn, tables, start, notes)
+        audit = _audit_summary(conn, tables, start)
     finally:
         conn.close()
 
@@ -291,7 +293,29 @@ def build_report(db: str | Path, profiles: Iterable[SLOProfile], weeks: int = 4,
                     row["weeks"][w] = cell
             attainment.append(row)
     return {"db": str(path), "weeks": week_labels, "rows_read": rows, "trend": trend, "attainment": attainment,
-            "notes": notes, "min_samples": min_samples}
+            "audit": audit, "notes": notes, "min_samples": min_samples}
+
+
+def _audit_summary(conn: sqlite3.Connection, tables: set[str], start: float) -> dict[str, dict]:
+    """The speculative decoding consistency audit (L4): per sampling mode, how many reruns, mismatches and the
+    distribution of the token edit distance (greedy must be 0; sampled is judged against the seed's bound of 3)."""
+    if "slo_alerts" not in tables:
+        return {}
+    out: dict[str, dict] = {}
+    rows = conn.execute("SELECT event, figures, details FROM slo_alerts WHERE kind = 'audit' AND at >= ?",
+                        (start,)).fetchall()
+    for event, figures, details in rows:
+        fig, det = json.loads(figures or "{}"), json.loads(details or "{}")
+        d = out.setdefault(det.get("sampling", "?"), {"audited": 0, "mismatches": 0, "distances": []})
+        d["audited"] += 1
+        d["mismatches"] += event == "mismatch"
+        d["distances"].append(int(fig.get("edit_distance", 0)))
+    for d in out.values():
+        dist = sorted(d.pop("distances"))
+        d["max_distance"] = dist[-1]
+        d["p95_distance"] = dist[min(len(dist) - 1, int(0.95 * (len(dist) - 1) + 0.5))]
+        d["within_3"] = sum(x <= 3 for x in dist) / len(dist)
+    return out
 
 
 def _alert_counts(conn: sqlite3.Connection, tables: set[str], start: float, notes: list[str]) -> dict[str, dict]:
@@ -370,6 +394,17 @@ def render_report(rep: dict[str, Any], console: Any | None = None) -> None:
                          else f"{row['weeks'][w]['hours_attainment']:.0%}" for w in rep["weeks"])
         a.add_row(row["profile"], name, val, mark, good, hours)
     con.print(a)
+    if rep.get("audit"):
+        au = Table(title="Speculative decoding consistency audit (reruns without speculation)", title_justify="left")
+        for c in ("sampling", "audited", "mismatches", "max distance", "P95 distance", "within 3"):
+            au.add_column(c, justify="left" if c == "sampling" else "right")
+        for mode, d in rep["audit"].items():
+            bad = d["mismatches"]
+            au.add_row(mode, str(d["audited"]), f"[red]{bad}[/]" if bad else "0", str(d["max_distance"]),
+                       str(d["p95_distance"]), f"{d['within_3']:.0%}")
+        con.print(au)
+        con.print("[dim]greedy output must be identical (distance 0): a mismatch is a bug; sampled output is rerun "
+                  "with the same seed and judged against the seed's bound of 3 tokens.[/]")
     for n in rep["notes"]:
         con.print(f"[dim]note: {escape(n)}[/]")
     con.print(f"[dim]{rep['rows_read']:,} records read; hours and weeks with fewer than {rep['min_samples']} "
