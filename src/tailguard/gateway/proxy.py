@@ -18,8 +18,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from tailguard.engine.engine import EngineStats, TokenEvent
 from tailguard.gateway.upstream import NoReplica, Replica, UpstreamPool
 
@@ -151,6 +149,8 @@ class UpstreamBackend:
 
     async def _attempt(self, r: Replica, path: str, body: dict[str, Any], headers: dict[str, str],
                        request_id: str, est_tokens: int, chat: bool) -> AsyncIterator[UpstreamEvent]:
+        import aiohttp
+
         session = self.pool.session
         assert session is not None, "the upstream pool is not started"
         r.in_flight += 1

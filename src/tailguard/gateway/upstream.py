@@ -16,9 +16,12 @@ import random
 import re
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+if TYPE_CHECKING:
+    import aiohttp
 
 log = logging.getLogger("tailguard.gateway")
 
@@ -183,6 +186,8 @@ class UpstreamPool:
 
     # --- lifecycle --------------------------------------------------------------------------------------------------
     async def start(self) -> None:
+        import aiohttp  # only a gateway needs it: a server of its own engine does not import it
+
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
         self.session = aiohttp.ClientSession(connector=conn, trust_env=False, auto_decompress=False,
                                              timeout=aiohttp.ClientTimeout(total=None,
@@ -213,6 +218,8 @@ class UpstreamPool:
         await asyncio.gather(*(self.check(r) for r in self.replicas))
 
     async def check(self, r: Replica) -> None:
+        import aiohttp
+
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=max(1.0, self.routing.health_interval_s))
         was = r.healthy
@@ -234,7 +241,9 @@ class UpstreamPool:
         if was != ok:
             log.warning("upstream %s is %s", r.name, "healthy" if ok else f"unhealthy ({r.last_error})")
 
-    async def _scrape(self, r: Replica, timeout: aiohttp.ClientTimeout) -> None:
+    async def _scrape(self, r: Replica, timeout: Any) -> None:
+        import aiohttp
+
         assert self.session is not None
         try:
             async with self.session.get(r.url + "/metrics", headers=r.headers(), timeout=timeout) as resp:
