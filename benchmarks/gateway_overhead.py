@@ -4,9 +4,11 @@
     .venv/bin/python benchmarks/gateway_overhead.py --streams 256 --tokens 40 --repeats 3
 
 The upstream is a ``tailguard serve --model fake`` process (scripted TTFT and inter-token gap, so the upstream's own
-time is the same in both paths); the gateway is a second process in front of it. ``--streams`` concurrent streaming
-chat requests, each making ``--tokens`` tokens, are read by an aiohttp client in this process; repeats alternate
-between direct and through the gateway. Reported per path: client-side TTFT P50/P99 and the gaps between tokens
+time is the same in both paths); the gateway is a second process in front of it. ``--streams`` closed-loop clients
+(each sends its next streaming chat request when the last one ends, so the streams stay concurrent in steady state
+and arrivals spread out), each request making ``--tokens`` tokens, run for ``--seconds`` and are read by an aiohttp
+client in this process; repeats alternate between direct and through the gateway. The gateway's CPU time per token
+relayed is read from /proc. Reported per path: client-side TTFT P50/P99 and the gaps between tokens
 P50/P99; the difference is the gateway's cost (issue 9's target: +1 ms P99 TTFT and +50 us per token at 256 streams).
 All three processes share this machine's cores, so the figure includes the gateway's CPU taking time from the others.
 """
@@ -75,12 +77,28 @@ async def one(session: aiohttp.ClientSession, url: str, tokens: int) -> tuple[fl
     return times[0] - t0, gaps
 
 
-async def round_(session, url: str, streams: int, tokens: int) -> dict:
-    res = await asyncio.gather(*(one(session, url, tokens) for _ in range(streams)))
+async def round_(session, url: str, streams: int, tokens: int, seconds: float = 0.0) -> dict:
+    """``streams`` closed-loop clients for ``seconds`` (0: one request each)."""
+    res: list[tuple[float, list[float]]] = []
+    stop = time.perf_counter() + seconds
+
+    async def client() -> None:
+        while True:
+            res.append(await one(session, url, tokens))
+            if time.perf_counter() >= stop:
+                return
+
+    await asyncio.gather(*(client() for _ in range(streams)))
     ttft = [r[0] for r in res]
     gaps = [g for r in res for g in r[1]]
     return {"ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(gaps, 50),
-            "itl_p99": pct(gaps, 99), "itl_mean": statistics.fmean(gaps)}
+            "itl_p99": pct(gaps, 99), "itl_mean": statistics.fmean(gaps), "requests": len(res),
+            "tokens": len(gaps) + len(res)}
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def main(a: argparse.Namespace) -> dict:
@@ -102,10 +120,14 @@ async def main(a: argparse.Namespace) -> dict:
             await round_(session, up_url, 16, 4)
             for rep in range(a.repeats):
                 for name, url in (("direct", up_url), ("gateway", gw_url)):
-                    r = await round_(session, url, a.streams, a.tokens)
+                    cpu0 = cpu_seconds(gw.pid)
+                    r = await round_(session, url, a.streams, a.tokens, a.seconds)
+                    if name == "gateway":
+                        r["gateway_cpu_us_per_token"] = (cpu_seconds(gw.pid) - cpu0) / r["tokens"] * 1e6
                     out[name].append(r)
-                    print(f"repeat {rep + 1} {name}: " + ", ".join(f"{k}={v * 1e3:.2f} ms" for k, v in r.items()),
-                          flush=True)
+                    print(f"repeat {rep + 1} {name}: " + ", ".join(
+                        f"{k}={v * 1e3:.2f} ms" if k.startswith(("ttft", "itl")) else f"{k}={v:.0f}"
+                        for k, v in r.items()), flush=True)
     finally:
         for p in (gw, up):
             p.terminate()
@@ -125,6 +147,9 @@ def report(res: dict) -> None:
                                                                 "itl_mean")}
     res["added"] = added
     print("\nadded by the gateway: " + ", ".join(f"{k} {v * 1e3:+.2f} ms" for k, v in added.items()))
+    cpu = statistics.median(r["gateway_cpu_us_per_token"] for r in res["gateway"])
+    res["gateway_cpu_us_per_token"] = cpu
+    print(f"gateway CPU per token relayed (request handling included): {cpu:.0f} us")
 
 
 if __name__ == "__main__":
@@ -134,6 +159,7 @@ if __name__ == "__main__":
     p.add_argument("--ttft", type=float, default=0.05)
     p.add_argument("--itl", type=float, default=0.05)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=20.0, help="closed-loop time per round")
     p.add_argument("--out", default="benchmarks/results/gateway_overhead.json")
     args = p.parse_args()
     result = asyncio.run(main(args))
