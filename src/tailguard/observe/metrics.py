@@ -83,6 +83,11 @@ class ServerMetrics:
                                            "Speculative tokens verified by the target.", req, registry=r)
         self.spec_accepted_total = Counter("tailguard_spec_decode_num_accepted_tokens",
                                            "Speculative tokens the target accepted.", req, registry=r)
+        # Prefix caching, as vLLM counts it: prompt tokens looked up, and those the cache served.
+        self.prefix_queries = Counter("tailguard_prefix_cache_queries", "Prompt tokens of requests that reached the "
+                                      "engine (the prefix cache's lookups).", req, registry=r)
+        self.prefix_hits = Counter("tailguard_prefix_cache_hits", "Prompt tokens served by the prefix cache.", req,
+                                   registry=r)
         self.requests = Counter("tailguard_requests", "Finished requests by outcome and HTTP status.",
                                 [*req, "outcome", "status"], registry=r)
         self.success = Counter("tailguard_request_success", "Completed requests by finish reason.",
@@ -157,6 +162,9 @@ class ServerMetrics:
         if tl.num_output_tokens:
             self.generation_tokens.labels(*labels).inc(tl.num_output_tokens)
         self.output_len.labels(*labels).observe(tl.num_output_tokens)
+        if tl.num_prompt_tokens and tl.scheduled is not None:
+            self.prefix_queries.labels(*labels).inc(tl.num_prompt_tokens)
+            self.prefix_hits.labels(*labels).inc(tl.cached_prompt_tokens)
         if tl.spec_proposed:
             self.spec_acceptance.labels(*labels).observe(tl.spec_accepted / tl.spec_proposed)
             self.spec_accepted.labels(*labels).observe(tl.spec_accepted)

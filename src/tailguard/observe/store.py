@@ -542,6 +542,8 @@ class RequestStore:
             if tl.logprobs is not None:
                 logprobs = self._logprobs(tl, output_text)
         body = {k: rec[k] for k in ("timestamps", "token_times", "token_sent", "resources", "preemptions", "owner")}
+        if rec.get("cached_prompt_tokens"):
+            body["cached_prompt_tokens"] = rec["cached_prompt_tokens"]
         for extra in ("gateway", "speculation"):  # tenant, lane wait, replica...; speculative guesses and acceptance
             if rec.get(extra):
                 body[extra] = rec[extra]
@@ -703,6 +705,7 @@ def row_to_record(row: Any) -> dict[str, Any]:
         "slo_action": json.loads(row["slo_action"]) if row["slo_action"] else None,
         "gateway": body.get("gateway"),
         "speculation": body.get("speculation"),
+        "cached_prompt_tokens": body.get("cached_prompt_tokens", 0),
     }
     if any(row[k] is not None for k in ("prompt_text", "output_text", "prompt_token_ids", "logprobs")):
         rec["prompt_text"] = row["prompt_text"]

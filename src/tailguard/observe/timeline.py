@@ -81,6 +81,7 @@ class Timeline:
     # Speculative decoding (the engine's counts for this request): guesses verified, and accepted.
     spec_proposed: int = 0
     spec_accepted: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served (not computed again)
     # Text audit (T1/T3); filled only when text storage is on, redacted by the store before it is written.
     prompt_text: str | None = None
     output_text: str | None = None
@@ -197,6 +198,7 @@ class Timeline:
             "finish_reason": self.finish_reason,
             "error": self.error,
             "prompt_tokens": self.num_prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "output_tokens": self.num_output_tokens,
             "preemptions": self.num_preemptions,
             "e2e": s.e2e,

@@ -606,6 +606,7 @@ class CompletionEndpoint:
         tl.num_prompt_tokens = ev.num_prompt_tokens or tl.num_prompt_tokens
         tl.num_output_tokens = ev.num_output_tokens or len(tl.token_times)
         tl.num_preemptions = getattr(ev, "num_preemptions", 0)
+        tl.cached_prompt_tokens = getattr(ev, "num_cached_tokens", 0)
         tl.spec_proposed = getattr(ev, "num_spec_proposed", 0)
         tl.spec_accepted = getattr(ev, "num_spec_accepted", 0)
         reason = ev.finish_reason.value if hasattr(ev.finish_reason, "value") else str(ev.finish_reason)
