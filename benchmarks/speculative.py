@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -80,6 +81,7 @@ def single_stream(engine: LLMEngine, encoded: dict[str, list[list[int]]], max_to
             rates: dict[bool, list[float]] = {False: [], True: []}
             outputs: dict[bool, list[int]] = {}
             proposed = accepted = verify_steps = 0
+            steps = {False: 0, True: 0}  # target passes of the last run: independent of the machine's load
             for rep in range(reps):
                 for spec in (False, True) if rep % 2 == 0 else (True, False):
                     before = engine.stats()
@@ -87,8 +89,9 @@ def single_stream(engine: LLMEngine, encoded: dict[str, list[list[int]]], max_to
                     [events], _ = run(engine, [prompt], sp)
                     rates[spec].append(decode_rate(events))
                     outputs[spec] = tokens(events)
+                    after = engine.stats()
+                    steps[spec] = after.steps - before.steps
                     if spec:
-                        after = engine.stats()
                         proposed += events[-1].num_spec_proposed
                         accepted += events[-1].num_spec_accepted
                         verify_steps += after.num_spec_steps - before.num_spec_steps
@@ -96,6 +99,7 @@ def single_stream(engine: LLMEngine, encoded: dict[str, list[list[int]]], max_to
             rows.append(dict(
                 category=category, prompt=i, tokens=len(outputs[True]), off_tps=round(off, 1), on_tps=round(on, 1),
                 speedup=round(on / off, 3) if off else None, identical=outputs[True] == outputs[False],
+                off_steps=steps[False], on_steps=steps[True],
                 proposed=proposed, accepted=accepted,
                 acceptance=round(accepted / proposed, 3) if proposed else None,
                 mean_accepted_len=round(accepted / verify_steps, 2) if verify_steps else None,
@@ -149,6 +153,7 @@ def main() -> None:
         run(engine, [encoded["repeat_fix"][0], encoded["free_chat"][0]],
             SamplingParams(max_tokens=32, temperature=0, speculative=spec))
     t0 = time.perf_counter()
+    load_start = os.getloadavg()[0]
     print(f"single stream, {args.max_tokens} tokens, median of {args.reps} (interleaved off/on):")
     single = single_stream(engine, encoded, args.max_tokens, args.reps)
     mixed = [p for c in PROMPTS for p in encoded[c]]
@@ -177,16 +182,20 @@ def main() -> None:
         num_speculative_tokens=args.num_speculative_tokens, default_speculative_max_running=default_cutoff,
         max_tokens=args.max_tokens, reps=args.reps, single_stream=single, concurrent=multi, sweep=sweep,
         formatted=summary(FORMATTED), free_chat=summary(("free_chat",)),
-        seconds=round(time.perf_counter() - t0, 1))
+        seconds=round(time.perf_counter() - t0, 1), load_average_start=round(load_start, 2),
+        load_average_end=round(os.getloadavg()[0], 2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
-    print("\n| category | prompt | tokens | off tok/s | on tok/s | speedup | acceptance | mean accepted | identical |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("\n| category | prompt | tokens | steps off / on | off tok/s | on tok/s | speedup | acceptance "
+          "| mean accepted | identical |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in single:
         acc = f"{r['acceptance']:.0%}" if r["acceptance"] is not None else "-"
-        print(f"| {r['category']} | {r['prompt']} | {r['tokens']} | {r['off_tps']} | {r['on_tps']} | "
-              f"{r['speedup']:.2f}x | {acc} | {r['mean_accepted_len'] if r['verify_steps'] else '-'} | {'yes' if r['identical'] else 'NO'} |")
+        mean = r["mean_accepted_len"] if r["verify_steps"] else "-"
+        print(f"| {r['category']} | {r['prompt']} | {r['tokens']} | {r['off_steps']} / {r['on_steps']} | "
+              f"{r['off_tps']} | {r['on_tps']} | {r['speedup']:.2f}x | {acc} | {mean} | "
+              f"{'yes' if r['identical'] else 'NO'} |")
     print("\n| streams | prompts | cutoff (max running) | off tok/s | on tok/s | ratio | identical |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | --- |")
     for kind, rows in (("all", multi), ("formatted", sweep)):
