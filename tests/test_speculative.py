@@ -162,13 +162,12 @@ def _seq(rid: str, max_tokens: int = 100, **kw):
 def test_policy_shrinks_k_then_pauses_a_request_that_accepts_little_and_backs_off():
     policy = SpeculationPolicy(FixedProposer([9] * 8), num_speculative_tokens=4, max_running=8)
     seq = _seq("a")
+    assert len(policy.draft(seq)) == 3, "a new request starts one short of the full K"
+    policy.record("a", 3, 3)  # EMA 0.69: the full K
     assert len(policy.draft(seq)) == 4
-    policy.record("a", 4, 3)  # EMA 0.72: still the full K
-    assert len(policy.draft(seq)) == 4
-    policy.record("a", 4, 1)  # 0.58: K shrinks
+    policy.record("a", 4, 1)  # 0.55: K shrinks
     assert 1 <= len(policy.draft(seq)) < 4
-    policy.record("a", 3, 0)  # 0.41
-    policy.record("a", 3, 0)  # 0.28: paused
+    policy.record("a", 3, 0)  # 0.39: paused
     cooldown = SpeculationPolicy.COOLDOWN_STEPS
     for expected_pause in (cooldown, 2 * cooldown, 4 * cooldown):
         drafts = [policy.draft(seq) for _ in range(expected_pause)]
@@ -181,10 +180,12 @@ def test_policy_shrinks_k_then_pauses_a_request_that_accepts_little_and_backs_of
     probe = policy.draft(seq)
     policy.record("a", len(probe), len(probe))
     assert policy.draft(seq) != [] and policy.state("a").pauses == 0
-    # Another request is unaffected; counts add up.
-    assert len(policy.draft(_seq("b"))) == 4
     st = policy.forget("a")
     assert st is not None and st.proposed == policy.total_proposed and st.accepted == policy.total_accepted
+    # Another request is unaffected; a new request that accepts nothing at first pauses at once.
+    assert len(policy.draft(_seq("b"))) == 3
+    policy.record("b", 3, 0)
+    assert policy.draft(_seq("b")) == []
 
 
 def test_policy_respects_opt_out_min_tokens_max_tokens_and_batch_size():

@@ -73,7 +73,9 @@ class SpecState:
 
     proposed: int = 0
     accepted: int = 0
-    ema: float = 0.7  # a new request gets the full K; two verifications that accept nothing pause it
+    # A new request starts just below FULL_K_ACCEPTANCE: K - 1 guesses at first, the full K once one verification
+    # is mostly accepted, and a pause after a first verification that accepts nothing (what free text often does).
+    ema: float = 0.55
     cooldown: int = 0  # decode steps left before a request with low acceptance probes again
     pauses: int = 0  # consecutive pauses: each failed probe doubles the next cooldown
 
