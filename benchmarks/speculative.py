@@ -115,19 +115,23 @@ def concurrent(engine: LLMEngine, prompts: list[list[int]], streams: int, max_to
     batch = [prompts[i % len(prompts)] for i in range(streams)]
     agg: dict[bool, list[float]] = {False: [], True: []}
     identical = True
+    verify_steps = 0  # verifications in all "on" runs: with the cutoff in force, the runs are the same work
     outs: dict[bool, list[list[int]]] = {}
     for rep in range(reps):
         for spec in (False, True) if rep % 2 == 0 else (True, False):  # alternate the order: drift hits both
             sp = SamplingParams(max_tokens=max_tokens, temperature=0, speculative=spec, ignore_eos=True)
+            before = engine.stats().num_spec_steps
             results, wall = run(engine, batch, sp)
+            verify_steps += engine.stats().num_spec_steps - before
             outs[spec] = [tokens(ev) for ev in results]
             agg[spec].append(sum(len(o) for o in outs[spec]) / wall)
         identical &= outs[True] == outs[False]
     off, on = statistics.median(agg[False]), statistics.median(agg[True])
     cutoff = "none" if max_running >= 1 << 30 else max_running
-    print(f"  {streams} streams, cutoff {cutoff}: off {off:.1f}  on {on:.1f} tok/s  x{on / off:.2f}", flush=True)
+    print(f"  {streams} streams, cutoff {cutoff}: off {off:.1f}  on {on:.1f} tok/s  x{on / off:.2f}  "
+          f"verifications {verify_steps}", flush=True)
     return dict(streams=streams, speculative_max_running=max_running, off_tps=round(off, 1), on_tps=round(on, 1),
-                ratio=round(on / off, 3), identical=identical)
+                ratio=round(on / off, 3), identical=identical, verify_steps=verify_steps)
 
 
 def main() -> None:
@@ -196,13 +200,13 @@ def main() -> None:
         print(f"| {r['category']} | {r['prompt']} | {r['tokens']} | {r['off_steps']} / {r['on_steps']} | "
               f"{r['off_tps']} | {r['on_tps']} | {r['speedup']:.2f}x | {acc} | {mean} | "
               f"{'yes' if r['identical'] else 'NO'} |")
-    print("\n| streams | prompts | cutoff (max running) | off tok/s | on tok/s | ratio | identical |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    print("\n| streams | prompts | cutoff (max running) | off tok/s | on tok/s | ratio | verifications | identical |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for kind, rows in (("all", multi), ("formatted", sweep)):
         for m in rows:
             cutoff = "none" if m["speculative_max_running"] >= 1 << 30 else m["speculative_max_running"]
             print(f"| {m['streams']} | {kind} | {cutoff} | {m['off_tps']} | {m['on_tps']} | "
-                  f"{m['ratio']:.2f}x | {'yes' if m['identical'] else 'NO'} |")
+                  f"{m['ratio']:.2f}x | {m['verify_steps']} | {'yes' if m['identical'] else 'NO'} |")
     print(f"\nformatted: {result['formatted']}\nfree chat: {result['free_chat']}\n{result['seconds']} s; "
           f"wrote {args.out}")
 
