@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -80,15 +81,17 @@ def single_stream(engine: LLMEngine, encoded: dict[str, list[list[int]]], max_to
             rates: dict[bool, list[float]] = {False: [], True: []}
             outputs: dict[bool, list[int]] = {}
             proposed = accepted = verify_steps = 0
-            for _ in range(reps):
-                for spec in (False, True):
+            steps = {False: 0, True: 0}  # target passes of the last run: independent of the machine's load
+            for rep in range(reps):
+                for spec in (False, True) if rep % 2 == 0 else (True, False):
                     before = engine.stats()
                     sp = SamplingParams(max_tokens=max_tokens, temperature=0, speculative=spec)
                     [events], _ = run(engine, [prompt], sp)
                     rates[spec].append(decode_rate(events))
                     outputs[spec] = tokens(events)
+                    after = engine.stats()
+                    steps[spec] = after.steps - before.steps
                     if spec:
-                        after = engine.stats()
                         proposed += events[-1].num_spec_proposed
                         accepted += events[-1].num_spec_accepted
                         verify_steps += after.num_spec_steps - before.num_spec_steps
@@ -96,6 +99,7 @@ def single_stream(engine: LLMEngine, encoded: dict[str, list[list[int]]], max_to
             rows.append(dict(
                 category=category, prompt=i, tokens=len(outputs[True]), off_tps=round(off, 1), on_tps=round(on, 1),
                 speedup=round(on / off, 3) if off else None, identical=outputs[True] == outputs[False],
+                off_steps=steps[False], on_steps=steps[True],
                 proposed=proposed, accepted=accepted,
                 acceptance=round(accepted / proposed, 3) if proposed else None,
                 mean_accepted_len=round(accepted / verify_steps, 2) if verify_steps else None,
@@ -111,18 +115,23 @@ def concurrent(engine: LLMEngine, prompts: list[list[int]], streams: int, max_to
     batch = [prompts[i % len(prompts)] for i in range(streams)]
     agg: dict[bool, list[float]] = {False: [], True: []}
     identical = True
+    verify_steps = 0  # verifications in all "on" runs: with the cutoff in force, the runs are the same work
     outs: dict[bool, list[list[int]]] = {}
-    for _ in range(reps):
-        for spec in (False, True):
+    for rep in range(reps):
+        for spec in (False, True) if rep % 2 == 0 else (True, False):  # alternate the order: drift hits both
             sp = SamplingParams(max_tokens=max_tokens, temperature=0, speculative=spec, ignore_eos=True)
+            before = engine.stats().num_spec_steps
             results, wall = run(engine, batch, sp)
+            verify_steps += engine.stats().num_spec_steps - before
             outs[spec] = [tokens(ev) for ev in results]
             agg[spec].append(sum(len(o) for o in outs[spec]) / wall)
         identical &= outs[True] == outs[False]
     off, on = statistics.median(agg[False]), statistics.median(agg[True])
-    print(f"  {streams} streams, cutoff {max_running}: off {off:.1f}  on {on:.1f} tok/s  x{on / off:.2f}", flush=True)
+    cutoff = "none" if max_running >= 1 << 30 else max_running
+    print(f"  {streams} streams, cutoff {cutoff}: off {off:.1f}  on {on:.1f} tok/s  x{on / off:.2f}  "
+          f"verifications {verify_steps}", flush=True)
     return dict(streams=streams, speculative_max_running=max_running, off_tps=round(off, 1), on_tps=round(on, 1),
-                ratio=round(on / off, 3), identical=identical)
+                ratio=round(on / off, 3), identical=identical, verify_steps=verify_steps)
 
 
 def main() -> None:
@@ -132,27 +141,29 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--stream-tokens", type=int, default=48)
-    ap.add_argument("--cutoffs", default="4,1000", help="speculative_max_running values for the concurrent runs")
     ap.add_argument("--sweep", default="2,4,8", help="stream counts run with speculation on every stream")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "speculative.json"))
     args = ap.parse_args()
 
-    engine = LLMEngine(EngineArgs(model="smollm2", num_threads=args.threads, kv_cache_tokens=16384,
+    engine = LLMEngine(EngineArgs(model="smollm2", num_threads=args.threads, kv_cache_tokens=8192,
                                   speculative="ngram", num_speculative_tokens=args.num_speculative_tokens))
     default_cutoff = engine.args.speculative_max_running
+    # Touch every KV page once now: a run that first writes fresh pages pays page faults the other does not.
+    engine.runner.kv_cache.zero_()
     tok = engine.tokenizer
     encoded = {c: [tok.encode_chat([{"role": "user", "content": t}]) for t in texts] for c, texts in PROMPTS.items()}
     for spec in (False, True):  # warm-up: page in the weights, build the kernels' per-shape state
         run(engine, [encoded["repeat_fix"][0], encoded["free_chat"][0]],
             SamplingParams(max_tokens=32, temperature=0, speculative=spec))
     t0 = time.perf_counter()
+    load_start = os.getloadavg()[0]
     print(f"single stream, {args.max_tokens} tokens, median of {args.reps} (interleaved off/on):")
     single = single_stream(engine, encoded, args.max_tokens, args.reps)
     mixed = [p for c in PROMPTS for p in encoded[c]]
     print(f"{args.streams} concurrent streams, {args.stream_tokens} tokens each:")
-    multi = [concurrent(engine, mixed, args.streams, args.stream_tokens, args.reps, int(c))
-             for c in args.cutoffs.split(",")]
+    multi = [concurrent(engine, mixed, args.streams, args.stream_tokens, args.reps, c)
+             for c in (default_cutoff, 1 << 30)]
     # Where does speculating on every stream stop paying? Formatted prompts, the cutoff lifted.
     formatted = [p for c in FORMATTED for p in encoded[c]]
     print(f"sweep: formatted prompts, cutoff lifted, {args.stream_tokens} tokens each:")
@@ -175,23 +186,27 @@ def main() -> None:
         num_speculative_tokens=args.num_speculative_tokens, default_speculative_max_running=default_cutoff,
         max_tokens=args.max_tokens, reps=args.reps, single_stream=single, concurrent=multi, sweep=sweep,
         formatted=summary(FORMATTED), free_chat=summary(("free_chat",)),
-        seconds=round(time.perf_counter() - t0, 1))
+        seconds=round(time.perf_counter() - t0, 1), load_average_start=round(load_start, 2),
+        load_average_end=round(os.getloadavg()[0], 2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
-    print("\n| category | prompt | tokens | off tok/s | on tok/s | speedup | acceptance | mean accepted | identical |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("\n| category | prompt | tokens | steps off / on | off tok/s | on tok/s | speedup | acceptance "
+          "| mean accepted | identical |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in single:
         acc = f"{r['acceptance']:.0%}" if r["acceptance"] is not None else "-"
-        print(f"| {r['category']} | {r['prompt']} | {r['tokens']} | {r['off_tps']} | {r['on_tps']} | "
-              f"{r['speedup']:.2f}x | {acc} | {r['mean_accepted_len'] if r['verify_steps'] else '-'} | {'yes' if r['identical'] else 'NO'} |")
-    print("\n| streams | prompts | cutoff (max running) | off tok/s | on tok/s | ratio | identical |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | --- |")
+        mean = r["mean_accepted_len"] if r["verify_steps"] else "-"
+        print(f"| {r['category']} | {r['prompt']} | {r['tokens']} | {r['off_steps']} / {r['on_steps']} | "
+              f"{r['off_tps']} | {r['on_tps']} | {r['speedup']:.2f}x | {acc} | {mean} | "
+              f"{'yes' if r['identical'] else 'NO'} |")
+    print("\n| streams | prompts | cutoff (max running) | off tok/s | on tok/s | ratio | verifications | identical |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for kind, rows in (("all", multi), ("formatted", sweep)):
         for m in rows:
             cutoff = "none" if m["speculative_max_running"] >= 1 << 30 else m["speculative_max_running"]
             print(f"| {m['streams']} | {kind} | {cutoff} | {m['off_tps']} | {m['on_tps']} | "
-                  f"{m['ratio']:.2f}x | {'yes' if m['identical'] else 'NO'} |")
+                  f"{m['ratio']:.2f}x | {m['verify_steps']} | {'yes' if m['identical'] else 'NO'} |")
     print(f"\nformatted: {result['formatted']}\nfree chat: {result['free_chat']}\n{result['seconds']} s; "
           f"wrote {args.out}")
 

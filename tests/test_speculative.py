@@ -159,26 +159,33 @@ def _seq(rid: str, max_tokens: int = 100, **kw):
     return seq
 
 
-def test_policy_shrinks_k_then_pauses_a_request_that_accepts_little_and_probes_again():
+def test_policy_shrinks_k_then_pauses_a_request_that_accepts_little_and_backs_off():
     policy = SpeculationPolicy(FixedProposer([9] * 8), num_speculative_tokens=4, max_running=8)
     seq = _seq("a")
+    assert len(policy.draft(seq)) == 3, "a new request starts one short of the full K"
+    policy.record("a", 3, 3)  # EMA 0.69: the full K
     assert len(policy.draft(seq)) == 4
-    policy.record("a", 4, 2)  # EMA 0.85: still the full K
-    assert len(policy.draft(seq)) == 4
-    policy.record("a", 4, 1)  # 0.67
-    policy.record("a", 4, 1)  # 0.54: K shrinks
+    policy.record("a", 4, 1)  # 0.55: K shrinks
     assert 1 <= len(policy.draft(seq)) < 4
-    policy.record("a", 3, 0)  # 0.38: paused
-    drafts = [policy.draft(seq) for _ in range(SpeculationPolicy.COOLDOWN_STEPS)]
-    assert all(d == [] for d in drafts)
-    assert policy.draft(seq) != [], "a paused request probes again after the cooldown"
-    policy.record("a", 1, 0)
-    assert policy.draft(seq) == [], "one failed probe pauses it again"
-    # Another request is unaffected; counts add up.
-    assert len(policy.draft(_seq("b"))) == 4
-    assert (policy.total_proposed, policy.total_accepted) == (16, 4)
+    policy.record("a", 3, 0)  # 0.39: paused
+    cooldown = SpeculationPolicy.COOLDOWN_STEPS
+    for expected_pause in (cooldown, 2 * cooldown, 4 * cooldown):
+        drafts = [policy.draft(seq) for _ in range(expected_pause)]
+        assert all(d == [] for d in drafts)
+        probe = policy.draft(seq)
+        assert probe != [], "a paused request probes again after its cooldown"
+        policy.record("a", len(probe), 0)  # a failed probe: paused again, for twice as long
+    # A probe that is accepted ends the back-off.
+    assert all(policy.draft(seq) == [] for _ in range(8 * cooldown))
+    probe = policy.draft(seq)
+    policy.record("a", len(probe), len(probe))
+    assert policy.draft(seq) != [] and policy.state("a").pauses == 0
     st = policy.forget("a")
-    assert st is not None and (st.proposed, st.accepted) == (16, 4)
+    assert st is not None and st.proposed == policy.total_proposed and st.accepted == policy.total_accepted
+    # Another request is unaffected; a new request that accepts nothing at first pauses at once.
+    assert len(policy.draft(_seq("b"))) == 3
+    policy.record("b", 3, 0)
+    assert policy.draft(_seq("b")) == []
 
 
 def test_policy_respects_opt_out_min_tokens_max_tokens_and_batch_size():

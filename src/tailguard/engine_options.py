@@ -27,7 +27,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: ngram (prompt lookup, exact for greedy) or off (default)")
     p.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="most tokens guessed per step and request (adaptive: fewer when a request accepts few)")
-    p.add_argument("--speculative-max-running", type=int, default=4,
+    p.add_argument("--speculative-max-running", type=int, default=2,
                    help="no speculation while more sequences than this run (the step is then compute-bound)")
 
 

@@ -52,10 +52,11 @@ class EngineArgs:
     max_background_seqs: int | None = None  # see SchedulerConfig: the pace of important streams under batch load
     num_threads: int | None = None
     # Speculative decoding: off | ngram (prompt lookup). Up to num_speculative_tokens guesses per step and request,
-    # and none at all while more than speculative_max_running sequences run (benchmarks/speculative.py measured it).
+    # and none at all while more than speculative_max_running sequences run: on this CPU speculating on every stream
+    # paid at 2 streams (formatted output) and cost 7-31% at 4 and 8 (benchmarks/speculative.py, docs/benchmarks.md).
     speculative: str = "off"
     num_speculative_tokens: int = 4
-    speculative_max_running: int = 4
+    speculative_max_running: int = 2
 
 
 @dataclass

@@ -73,8 +73,11 @@ class SpecState:
 
     proposed: int = 0
     accepted: int = 0
-    ema: float = 1.0  # optimistic start: a new request gets the full K until it shows otherwise
+    # A new request starts just below FULL_K_ACCEPTANCE: K - 1 guesses at first, the full K once one verification
+    # is mostly accepted, and a pause after a first verification that accepts nothing (what free text often does).
+    ema: float = 0.55
     cooldown: int = 0  # decode steps left before a request with low acceptance probes again
+    pauses: int = 0  # consecutive pauses: each failed probe doubles the next cooldown
 
 
 class SpeculationPolicy:
@@ -86,7 +89,8 @@ class SpeculationPolicy:
     EMA_WEIGHT = 0.3  # weight of the latest verification in the acceptance EMA
     FULL_K_ACCEPTANCE = 0.6  # at or above this EMA a request gets the full K; below, K shrinks in proportion
     PAUSE_ACCEPTANCE = 0.4  # below this a request stops speculating for COOLDOWN_STEPS decode steps
-    COOLDOWN_STEPS = 16
+    COOLDOWN_STEPS = 16  # the first pause; doubled after each failed probe, up to MAX_COOLDOWN_STEPS
+    MAX_COOLDOWN_STEPS = 256
     PROBE_EMA = 0.45  # EMA a request resumes with: one bad probe pauses it again
 
     def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_running: int) -> None:
@@ -139,7 +143,10 @@ class SpeculationPolicy:
         self.num_verify_steps += 1
         st.ema = (1 - self.EMA_WEIGHT) * st.ema + self.EMA_WEIGHT * (accepted / proposed)
         if st.ema < self.PAUSE_ACCEPTANCE:
-            st.cooldown = self.COOLDOWN_STEPS
+            st.cooldown = min(self.MAX_COOLDOWN_STEPS, self.COOLDOWN_STEPS << st.pauses)
+            st.pauses += 1
+        else:
+            st.pauses = 0
 
     def forget(self, request_id: str) -> SpecState | None:
         return self.states.pop(request_id, None)
