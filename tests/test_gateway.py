@@ -135,6 +135,9 @@ def test_routing_spreads_load_and_reports_replicas(tmp_path):
         assert min(reps.count(n) for n in set(reps)) >= 6  # both carry a fair share
         metrics = httpx.get(gw.url + "/metrics").text
         assert "tailguard_upstream_healthy" in metrics and "tailguard_lane_in_use_sequences" in metrics
+        c = httpx.post(gw.url + "/v1/completions", json={"model": "fake", "prompt": "Once", "max_tokens": 3},
+                       timeout=30)
+        assert c.status_code == 200 and c.json()["usage"]["completion_tokens"] == 3
         s = chat(gw.url, stream=True, max_tokens=5)
         events = [line for line in s.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and len(events) >= 6

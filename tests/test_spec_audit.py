@@ -66,6 +66,13 @@ def test_audit_records_zero_distance_for_exact_speculation(tmp_path, spec_engine
         metrics = httpx.get(server.url + "/metrics").text
         assert 'tailguard_spec_audits_total{model="tiny",sampling="greedy",verdict="ok"}' in metrics
         assert "tailguard_spec_decode_acceptance_rate_bucket" in metrics
+        # A request may opt out: it never speculates (and so is never audited).
+        body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 24,
+                "temperature": 0, "ignore_eos": True, "speculative": False}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200
+        settle(server)
+        assert server.state.store.get(r.headers["x-request-id"])["speculation"] is None
         # `tailguard slo report` shows the audit from the store.
         assert server.state.store.flush(10)
         rep = build_report(server.config.store_path, [], weeks=1)

@@ -179,6 +179,8 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
                     "--block-size": "block_size", "--max-num-seqs": "max_num_seqs",
                     "--max-num-batched-tokens": "max_num_batched_tokens", "--max-prefill-chunk": "max_prefill_chunk",
                     "--max-background-seqs": "max_background_seqs",
+                    "--speculative": "speculative", "--num-speculative-tokens": "num_speculative_tokens",
+                    "--speculative-max-running": "speculative_max_running",
                     "--threads": "num_threads"}
     engine = {field: getattr(args, "threads" if field == "num_threads" else field)
               for flag, field in engine_flags.items() if given(flag)}

@@ -496,7 +496,8 @@ class CompletionEndpoint:
     async def _prepare(self, ex: Exchange, engine: Backend, body: bytes, btype: str) -> _Prepared:
         st, tl = self.state, ex.tl
         data = decode_json(body)
-        p = parse_chat(data) if self.chat else parse_completion(data, engine.tokenizer.vocab_size)
+        vocab = engine.tokenizer.vocab_size if engine.tokenizer is not None else 1 << 31  # an upstream checks its own
+        p = parse_chat(data) if self.chat else parse_completion(data, vocab)
         tl.stream = p.stream
         if p.model not in st.model_names:
             raise APIError(404, f"The model `{_clean_str(p.model, 200)}` does not exist; this server has: "
@@ -532,9 +533,11 @@ class CompletionEndpoint:
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
             stop=p.stop, ignore_eos=p.ignore_eos, min_tokens=min(p.min_tokens, max_tokens), logprobs=p.logprobs,
+            speculative=p.speculative,
         )
         if takes_text:
             data = dict(data)
+            data.pop("speculative", None)  # tailguard's own extension: not for the upstream
             if deg is not None and deg.mode == "truncate":
                 data.pop("max_completion_tokens", None)
                 data["max_tokens"] = max_tokens

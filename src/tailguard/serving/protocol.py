@@ -2,7 +2,8 @@
 
 A parameter we do not implement is never silently ignored: it is accepted only at its neutral value (``n=1``,
 ``presence_penalty=0``, ...) and refused otherwise, with a message naming it. vLLM's common extensions ``top_k``,
-``min_tokens`` and ``ignore_eos`` are accepted (load generators send ``ignore_eos``).
+``min_tokens`` and ``ignore_eos`` are accepted (load generators send ``ignore_eos``), and tailguard's own
+``speculative: false`` opts a request out of speculative decoding.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class _Common(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
+    speculative: bool = True  # false: this request never speculates (when the engine does)
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     stop: str | list[str] | None = None
     user: str | None = Field(None, max_length=256)
@@ -106,6 +108,7 @@ class Parsed:
     ignore_eos: bool
     seed: int | None
     stop: list[str]
+    speculative: bool
     logprobs: int | None  # number of alternatives per token; None = no logprobs at all
     messages: list[dict[str, str]] | None = None  # chat
     prompt: str | None = None  # completions, text prompt
@@ -181,6 +184,7 @@ def _common(req: _Common, logprobs: int | None) -> dict[str, Any]:
         top_k=max(0, req.top_k or 0),
         min_tokens=req.min_tokens or 0,
         ignore_eos=req.ignore_eos,
+        speculative=req.speculative,
         seed=req.seed,
         stop=_stops(req.stop),
         logprobs=logprobs,
