@@ -78,3 +78,36 @@ def wait_until(pred, timeout: float = 20.0, interval: float = 0.01) -> bool:
             return True
         time.sleep(interval)
     return pred()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve(*args: str, port: int | None = None, timeout: float = 60.0) -> tuple[Any, str]:
+    """``tailguard serve ARGS --port P`` as a user runs it (a subprocess, stdout and stderr captured), once /ready
+    says yes; returns the process and its URL. The caller stops it."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    port = port or free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tailguard.cli", "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited: {proc.stdout.read()[-3000:] if proc.stdout else ''}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("the server did not become ready")
+        time.sleep(0.1)

@@ -3,45 +3,23 @@
 from __future__ import annotations
 
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serving_helpers import start_serve
 
 
 def test_serve_fake_subprocess(tmp_path):
     cfg = tmp_path / "server.yaml"
     cfg.write_text("model: fake\nmax_queue: 7\nfake:\n  ttft: 0.01\n  itl: 0.001\nbusiness_types: [vip]\n")
-    port = _free_port()
     key = "sk-cli-secret-0042"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tailguard.cli", "serve", "--config", str(cfg), "--port", str(port),
-         "--store", str(tmp_path / "store.sqlite3"), "--api-key", key],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    proc, url = start_serve("--config", str(cfg), "--store", str(tmp_path / "store.sqlite3"), "--api-key", key)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.1)
         client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
         r = client.chat.completions.with_raw_response.create(
             model="fake", messages=[{"role": "user", "content": "你好"}], max_tokens=4,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -21,7 +20,7 @@ from tailguard.observe.store import SCHEMA_VERSION, SECRET_ENV, RequestStore, Sc
 from tailguard.observe.store_pg import PostgresStore, StoreUnavailableError, redact_url, to_postgres_sql
 from tailguard.serving.config import ServerConfig
 from tests.pg_cluster import _free_port, shared_cluster
-from tests.serving_helpers import ADMIN, fake_server, settle
+from tests.serving_helpers import ADMIN, fake_server, settle, start_serve
 from tests.test_store import _tl
 
 
@@ -204,22 +203,8 @@ def test_server_writes_to_postgresql_and_another_gateway_reads_the_records(tmp_p
 
 def test_serve_command_line_takes_a_postgresql_store(url):
     """``tailguard serve --store postgresql://...`` as a user runs it; SIGTERM flushes the record into the database."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tailguard.cli", "serve", "--model", "fake", "--port", str(port),
-                             "--store", url, "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, base = start_serve("--model", "fake", "--store", url, "--log-level", "warning")
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.1)
         r = httpx.post(base + "/v1/chat/completions", headers={"X-Request-ID": "cli-1"}, timeout=30,
                        json={"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200, r.text

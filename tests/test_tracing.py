@@ -9,7 +9,6 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import zlib
@@ -32,7 +31,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status  # noqa: E402
 from tailguard.engine.fake import FakeEngine, FakeTiming  # noqa: E402
 from tailguard.observe.tracing import upstream_call, upstream_headers  # noqa: E402
 from tailguard.serving.config import ServerConfig  # noqa: E402
-from tests.serving_helpers import fake_server, settle  # noqa: E402
+from tests.serving_helpers import fake_server, settle, start_serve  # noqa: E402
 
 STAGES = ["tokenize", "queue", "prefill", "decode", "stream"]
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -397,24 +396,9 @@ def test_serve_subprocess_exports_on_shutdown(tmp_path, receiver):
     """``tailguard serve --model fake --otlp-endpoint URL``: the flag reaches the exporter, and what is still queued
     at SIGTERM is exported before the process ends (the batch would otherwise wait 5 s)."""
     receiver.clear()
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tailguard.cli", "serve", "--model", "fake", "--port", str(port), "--store",
-         str(tmp_path / "store.sqlite3"), "--otlp-endpoint", receiver.url, "--no-access-log"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    proc, url = start_serve("--model", "fake", "--store", str(tmp_path / "store.sqlite3"), "--otlp-endpoint",
+                            receiver.url, "--no-access-log")
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.1)
         r = _chat(url, {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "X-Request-ID": "cli-1"})
         assert r.status_code == 200
     finally:
