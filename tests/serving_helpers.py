@@ -111,3 +111,19 @@ def start_serve(*args: str, port: int | None = None, timeout: float = 60.0) -> t
             proc.kill()
             raise AssertionError("the server did not become ready")
         time.sleep(0.1)
+
+
+def stop_serve(proc: Any, timeout: float = 30.0) -> str:
+    """SIGTERM a ``start_serve`` process, as a supervisor stops it; returns its output. uvicorn shuts down gracefully,
+    then re-raises SIGTERM, so the exit status says how it ended: 0 or -SIGTERM is a clean stop."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    return out or ""

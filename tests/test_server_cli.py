@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving_helpers import start_serve
+from tests.serving_helpers import start_serve, stop_serve
 
 
 def test_serve_fake_subprocess(tmp_path):
@@ -30,14 +29,7 @@ def test_serve_fake_subprocess(tmp_path):
         assert 'business_type="vip"' in metrics
         assert httpx.get(url + "/v1/models").status_code == 401
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-    # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status says how the process ended.
-    assert proc.returncode in (0, -signal.SIGTERM), out
+        out = stop_serve(proc)
     assert key not in out
     # Shut down cleanly: the batch writer flushed the record before the process ended.
     conn = sqlite3.connect(tmp_path / "store.sqlite3")

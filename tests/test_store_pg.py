@@ -4,8 +4,6 @@ database agree, and a server with ``store_path=postgresql://...`` serves its rec
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -20,7 +18,7 @@ from tailguard.observe.store import SCHEMA_VERSION, SECRET_ENV, RequestStore, Sc
 from tailguard.observe.store_pg import PostgresStore, StoreUnavailableError, redact_url, to_postgres_sql
 from tailguard.serving.config import ServerConfig
 from tests.pg_cluster import _free_port, shared_cluster
-from tests.serving_helpers import ADMIN, fake_server, settle, start_serve
+from tests.serving_helpers import ADMIN, fake_server, settle, start_serve, stop_serve
 from tests.test_store import _tl
 
 
@@ -209,13 +207,7 @@ def test_serve_command_line_takes_a_postgresql_store(url):
                        json={"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200, r.text
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-    assert proc.returncode in (0, -signal.SIGTERM), out
+        stop_serve(proc)
     assert _rows(url, "SELECT request_id, outcome FROM requests") == [("cli-1", "success")]
 
 

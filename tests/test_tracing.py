@@ -6,9 +6,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
-import signal
 import socket
-import subprocess
 import threading
 import time
 import zlib
@@ -31,7 +29,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status  # noqa: E402
 from tailguard.engine.fake import FakeEngine, FakeTiming  # noqa: E402
 from tailguard.observe.tracing import upstream_call, upstream_headers  # noqa: E402
 from tailguard.serving.config import ServerConfig  # noqa: E402
-from tests.serving_helpers import fake_server, settle, start_serve  # noqa: E402
+from tests.serving_helpers import fake_server, settle, start_serve, stop_serve  # noqa: E402
 
 STAGES = ["tokenize", "queue", "prefill", "decode", "stream"]
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -402,13 +400,7 @@ def test_serve_subprocess_exports_on_shutdown(tmp_path, receiver):
         r = _chat(url, {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "X-Request-ID": "cli-1"})
         assert r.status_code == 200
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-    assert proc.returncode in (0, -signal.SIGTERM), out
+        stop_serve(proc)
     req = _request_span(receiver.trace(CLIENT_TRACE))
     assert req["attrs"]["tailguard.request_id"] == "cli-1" and req["parent"] == CLIENT_SPAN
     assert json.loads(json.dumps(req["attrs"]))["gen_ai.usage.output_tokens"] == r.json()["usage"]["completion_tokens"]
