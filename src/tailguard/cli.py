@@ -60,6 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--keys", dest="keys_file", default=None, metavar="FILE",
                        help="API key file: hashed keys -> tenant -> lane (`tailguard keys add` writes it)")
 
+    rp = sub.add_parser("replay", help="send a stored request again to any endpoint; compare outputs and stage times")
+    rp.add_argument("request_id")
+    rp.add_argument("--url", required=True, help="where to send it: any OpenAI-compatible server")
+    rp.add_argument("--source", default=None, help="the tailguard server that holds the record (with --admin-key)")
+    rp.add_argument("--store", dest="replay_store", default=None, help="or the request store itself (path or URL)")
+    rp.add_argument("--admin-key", dest="replay_admin_key", default=None,
+                    help="the source's admin key (or TAILGUARD_ADMIN_KEY)")
+    rp.add_argument("--api-key", dest="replay_api_key", default=None, help="the target's API key")
+    rp.add_argument("--model", dest="replay_model", default=None, help="model name at the target (default: its first)")
+    rp.add_argument("--json", dest="replay_json", action="store_true", help="print the result as JSON")
+
     keys = sub.add_parser("keys", help="manage the gateway's API keys (tenants and lanes)")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     kadd = keys_sub.add_parser("add", help="create a key for a tenant; prints the key once (only its hash is kept)")
@@ -108,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         from tailguard.demo import run_demo
 
         return run_demo(args)
+    if args.command == "replay":
+        return _replay(args)
     if args.command == "keys":
         return _keys(args)
     if args.command == "serve":
@@ -134,6 +147,24 @@ def main(argv: list[str] | None = None) -> int:
         print(engine.tokenizer.decode(out))
         return 0
     return 2
+
+
+def _replay(args: argparse.Namespace) -> int:
+    import json
+
+    from tailguard.bench.replay import ReplayError, fetch_record, render, replay
+
+    try:
+        rec = fetch_record(args.request_id, args.source, args.replay_store, args.replay_admin_key)
+        res = replay(rec, args.url, args.replay_model, args.replay_api_key)
+    except ReplayError as exc:
+        print(f"tailguard replay: {exc}", file=sys.stderr)
+        return 2
+    if args.replay_json:
+        print(json.dumps(res.to_dict(), ensure_ascii=False, indent=1))
+    else:
+        render(res)
+    return 0
 
 
 def _keys(args: argparse.Namespace) -> int:

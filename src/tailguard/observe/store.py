@@ -544,6 +544,8 @@ class RequestStore:
         body = {k: rec[k] for k in ("timestamps", "token_times", "token_sent", "resources", "preemptions", "owner")}
         if rec.get("cached_prompt_tokens"):
             body["cached_prompt_tokens"] = rec["cached_prompt_tokens"]
+        if self.store_text and tl.prompt_text is not None:
+            body["prompt_redacted"] = prompt_text != tl.prompt_text  # a replay says it sends the redacted text
         for extra in ("gateway", "speculation"):  # tenant, lane wait, replica...; speculative guesses and acceptance
             if rec.get(extra):
                 body[extra] = rec[extra]
@@ -707,6 +709,8 @@ def row_to_record(row: Any) -> dict[str, Any]:
         "speculation": body.get("speculation"),
         "cached_prompt_tokens": body.get("cached_prompt_tokens", 0),
     }
+    if "prompt_redacted" in body:
+        rec["prompt_redacted"] = body["prompt_redacted"]
     if any(row[k] is not None for k in ("prompt_text", "output_text", "prompt_token_ids", "logprobs")):
         rec["prompt_text"] = row["prompt_text"]
         rec["output_text"] = row["output_text"]
