@@ -115,6 +115,8 @@ class Lifespan:
             if loader is not None:
                 loader.cancel()
             state.ready = False
+            if state.machine is not None:
+                state.machine.stop()
             if self.own_engine and state.engine is not None:
                 aclose = getattr(state.engine, "aclose", None)
                 if aclose is not None:

@@ -14,6 +14,7 @@ from tailguard.gateway.lanes import Lanes
 from tailguard.gateway.metrics import GatewayMetrics
 from tailguard.gateway.tenants import Tenants
 from tailguard.observe.metrics import ServerMetrics
+from tailguard.observe.resources import ResourceSampler
 from tailguard.observe.store import RequestStore
 from tailguard.observe.timeline import Outcome, Timeline
 from tailguard.serving.admission import Admission
@@ -52,6 +53,7 @@ class ServerState:
     lanes: Lanes | None = None  # lanes and reserved capacity, when enabled (keys, lanes or upstreams configured)
     gateway_metrics: GatewayMetrics | None = None
     audit: SpeculationAudit | None = None  # when the embedded engine speculates
+    machine: ResourceSampler | None = None  # CPU and memory (and the accelerator's) every 100 ms (O2)
     tracer: RequestTracer | None = None  # when tracing is configured (started and stopped by the lifespan)
 
     def __post_init__(self) -> None:
@@ -71,6 +73,9 @@ class ServerState:
             self.lanes = Lanes(self.config.lane_configs(), cap.max_concurrent or backend_capacity(engine), cap)
             if self.metrics is not None:
                 self.gateway_metrics = GatewayMetrics(self.metrics.registry, self.metrics.model)
+        if self.metrics is not None and self.machine is None:
+            self.machine = ResourceSampler(self.metrics.registry, self.metrics.model)
+            self.machine.start()
         if _speculates(engine) and self.metrics is not None and self.config.speculative_audit > 0:
             self.audit = SpeculationAudit(self.config.speculative_audit, self.metrics.registry, self.metrics.model,
                                           self._emit_audit)
@@ -115,6 +120,8 @@ class ServerState:
         if pool is not None:  # upstream replicas: their model names as their health checks find them
             names = self.config.model_names(eng.model_name) + [r.model for r in pool.replicas if r.model]
             self.model_names = list(dict.fromkeys(names))
+        if self.machine is not None:
+            self.snapshot["machine"] = self.machine.export()
         if self.lanes is not None:
             self.capacity_changed()
             self.snapshot["lanes"] = self.lanes.snapshot()
