@@ -3,6 +3,7 @@ with the cache on and off (tiny random model; identical greedy tokens are the pr
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import pytest
@@ -11,6 +12,7 @@ from tailguard.engine.blocks import BlockPool, BlockTable
 from tailguard.engine.engine import TokenEvent
 from tailguard.engine.prefix_cache import ROOT_HASH, block_hashes, cacheable_prefix_blocks, hash_block
 from tailguard.engine.request import FinishReason, SamplingParams, Sequence, SequenceStatus
+from tailguard.engine_options import add_engine_args, engine_args_from
 from tests.conftest import _assert_clean, _make_engine
 from tests.test_scheduler import check_pool_accounting, make_scheduler, step
 
@@ -230,6 +232,14 @@ def test_prefix_caching_off_never_shares():
         sched.add(seq_of(rid, [100 + i for i in range(50)], max_tokens=2))
         run(sched)
     assert sched.prefix_cache_hits == 0 and sched.prefix_cache_queries == 0 and sched.pool.num_cached == 0
+
+
+def test_command_line_flags():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args_from(parser.parse_args([])).enable_prefix_caching is True
+    assert engine_args_from(parser.parse_args(["--enable-prefix-caching"])).enable_prefix_caching is True
+    assert engine_args_from(parser.parse_args(["--no-prefix-caching"])).enable_prefix_caching is False
 
 
 # --- the engine on the tiny model ---------------------------------------------------------------------------------

@@ -29,9 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most tokens guessed per step and request (adaptive: fewer when a request accepts few)")
     p.add_argument("--speculative-max-running", type=int, default=4,
                    help="no speculation while more sequences than this run (the step is then compute-bound)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
                    help="share the KV cache of identical prompt prefixes (system prompts, earlier chat turns) between "
-                        "requests (default: on; --no-enable-prefix-caching turns it off)")
+                        "requests (the default)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn prefix caching off")
 
