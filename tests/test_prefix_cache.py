@@ -407,3 +407,15 @@ def test_speculative_decoding_with_prefix_caching_gives_identical_greedy_output(
     assert [tokens_of(e) for e in first + rest] == [tokens_of(e) for e in want]
     assert all(e[-1].num_cached_tokens >= len(system_prompt) // BS * BS for e in rest)
     assert spec.stats().num_spec_accepted > 0
+
+
+def test_block_boundary_prompts_one_token_or_one_block_left_to_compute(engines, system_prompt):
+    """A prompt one token past a block boundary computes just that token (a one-row chunk, run like a decode); a
+    prompt that ends on a boundary recomputes its whole last block (logits are needed at its last position)."""
+    cached, plain = engines
+    requests = [(system_prompt[:48] + [4242], greedy(8)), (system_prompt[:64], greedy(8))]
+    warm = [(system_prompt[:48] + [17, 18], greedy(2)), (system_prompt[:64] + [19], greedy(2))]
+    run_all(cached, warm)
+    got = run_all(cached, requests)
+    assert [e[-1].num_cached_tokens for e in got] == [48, 48]
+    assert [tokens_of(e) for e in got] == [tokens_of(e) for e in run_all(plain, requests)]
