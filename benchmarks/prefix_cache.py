@@ -5,8 +5,9 @@ Two engines on the real model, identical but for --enable-prefix-caching, in one
 conversations share one system prompt; each turn sends the whole chat so far (system prompt, earlier questions and
 the engine's own answers, rendered with the chat template as a server would), all conversations of a turn at once.
 Turns are interleaved between the two engines (on, off, then off, on, ...) so that load on the machine hits both
-alike. Before the measured turns each engine serves one warm-up request with the system prompt (a service's system
-prompt is hot; without it the first turn's requests all arrive together and compute it side by side).
+alike. Before the measured turns each engine serves two warm-up requests with the system prompt, one after the other
+(a service's system prompt is hot; without it the first turn's requests all arrive together and compute it side by
+side).
 
 TTFT is the engine's own: first token time - arrival (time.perf_counter at add_request), per request.
 
@@ -22,6 +23,8 @@ import platform
 import statistics
 import time
 from pathlib import Path
+
+import torch
 
 from tailguard.engine.engine import EngineArgs, LLMEngine, TokenEvent
 from tailguard.engine.request import SamplingParams
@@ -111,8 +114,9 @@ def main() -> None:
     system = [{"role": "system", "content": SYSTEM_PROMPT}]
     system_tokens = len(tok.encode(tok.render_chat(system, add_generation_prompt=False)))
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    for engine in engines.values():  # warm-up: the system prompt is hot in a running service
-        run_turn(engine, [tok.encode_chat(system + [{"role": "user", "content": "Hello!"}])], sp)
+    for engine in engines.values():  # warm-up: the system prompt is hot in a running service; both prefill paths ran
+        for greeting in ("Hello!", "Good morning!"):
+            run_turn(engine, [tok.encode_chat(system + [{"role": "user", "content": greeting}])], sp)
 
     chats = {mode: [list(system) for _ in range(args.conversations)] for mode in engines}
     ttft: dict[str, list[float]] = {mode: [] for mode in engines}
@@ -179,6 +183,8 @@ def main() -> None:
         "threads": args.threads,
         "machine": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
         "load_average_before": load_before,
         "load_average_after": load_after,
         "conversations": args.conversations,
