@@ -62,10 +62,25 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput) -> None:
     for victim in out.preempted:
         assert victim.status is SequenceStatus.WAITING and victim.num_computed_tokens == 0
         assert sched.tables[victim.request_id].blocks == []
-    # The pool's accounting agrees with the tables.
-    assert sched.pool.num_used == sum(len(t.blocks) for t in sched.tables.values())
+    # The pool's accounting agrees with the tables: a block shared by several tables (prefix caching) counts once,
+    # and its reference count is the number of tables holding it.
+    check_pool_accounting(sched)
+    for c in out.chunks:
+        table = sched.tables[c.seq.request_id]
+        assert c.start >= table.num_cached * sched.pool.block_size, "a chunk writes into a full, cached block"
     for seq in sched.waiting:
         assert sched.tables[seq.request_id].blocks == [], "a waiting sequence holds KV blocks"
+
+
+def check_pool_accounting(sched: Scheduler) -> None:
+    held: dict[int, int] = {}
+    for table in sched.tables.values():
+        assert len(set(table.blocks)) == len(table.blocks), "a table holds a block twice"
+        for b in table.blocks:
+            held[b] = held.get(b, 0) + 1
+    assert sched.pool.num_used == len(held)
+    for b, n in held.items():
+        assert sched.pool.refcount(b) == n, f"block {b}: refcount {sched.pool.refcount(b)}, held by {n} tables"
 
 
 def step(sched: Scheduler) -> SchedulerOutput:

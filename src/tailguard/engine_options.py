@@ -29,6 +29,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most tokens guessed per step and request (adaptive: fewer when a request accepts few)")
     p.add_argument("--speculative-max-running", type=int, default=2,
                    help="no speculation while more sequences than this run (the step is then compute-bound)")
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
+                   help="share the KV cache of identical prompt prefixes (system prompts, earlier chat turns) between "
+                        "requests (the default)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn prefix caching off")
 
 
 def engine_args_from(ns: argparse.Namespace) -> Any:
@@ -50,4 +55,5 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         speculative=ns.speculative,
         num_speculative_tokens=ns.num_speculative_tokens,
         speculative_max_running=ns.speculative_max_running,
+        enable_prefix_caching=ns.enable_prefix_caching,
     )

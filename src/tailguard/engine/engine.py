@@ -57,6 +57,9 @@ class EngineArgs:
     speculative: str = "off"
     num_speculative_tokens: int = 4
     speculative_max_running: int = 2
+    # Prefix caching: requests that start with the same tokens (a system prompt, earlier chat turns) share the KV of
+    # those full blocks instead of computing it again.
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -81,6 +84,7 @@ class TokenEvent:
     num_preemptions: int = 0
     num_spec_proposed: int = 0  # speculative guesses verified for this request
     num_spec_accepted: int = 0  # of which the target accepted (its output is the same either way)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed) at first admission
 
 
 @dataclass
@@ -94,6 +98,9 @@ class EngineStats:
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
     num_spec_steps: int = 0  # verifications (one per speculating sequence and step)
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (at every admission, re-admissions too)
+    prefix_cache_hits: int = 0  # of which found cached: hit rate = hits / queries
+    kv_blocks_cached: int = 0  # blocks holding reusable cached content (referenced or not)
 
 
 @dataclass
@@ -183,6 +190,7 @@ class LLMEngine:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_prefill_chunk=args.max_prefill_chunk,
                 max_background_seqs=args.max_background_seqs,
+                enable_prefix_caching=args.enable_prefix_caching,
             ),
             self.pool,
         )
@@ -260,6 +268,9 @@ class LLMEngine:
             num_spec_proposed=self.speculation.total_proposed if self.speculation else 0,
             num_spec_accepted=self.speculation.total_accepted if self.speculation else 0,
             num_spec_steps=self.speculation.num_verify_steps if self.speculation else 0,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            kv_blocks_cached=self.pool.num_cached,
         )
 
     # --- the step -------------------------------------------------------------------------------------------------
@@ -349,6 +360,7 @@ class LLMEngine:
             num_preemptions=seq.num_preemptions,
             num_spec_proposed=spec_state.proposed if spec_state else 0,
             num_spec_accepted=spec_state.accepted if spec_state else 0,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None) -> list[list[int]]:

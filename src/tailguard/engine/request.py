@@ -85,6 +85,10 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     stop_string_hit: str | None = None
+    # Prompt tokens whose KV came from the prefix cache at the request's first admission (not computed for it).
+    num_cached_tokens: int = 0
+    # Chained content hashes of its leading full blocks (prefix_cache.py), filled as they are needed.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.times = RequestTimes(arrival=self.arrival_time)

@@ -6,6 +6,12 @@ sequences in decode go first (they cost one token each), then running prefills, 
 priority order (lower value first, then arrival). When the KV pool runs short, or every sequence slot is taken and a
 strictly more important request waits, the lowest-priority, latest request is preempted: its blocks are freed and it
 is recomputed later from its prompt plus the tokens it already produced.
+
+With prefix caching on, a request being admitted first looks up its leading full blocks in the cache (by content
+hash): those found join its block table as they are and count as computed, so its prefill starts after them (a
+preempted request gets back what is still cached of its own KV the same way). Blocks become findable once full and
+computed (after the step that filled them); a sequence only ever writes past its computed tokens, so a cached block is
+never written again.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tailguard.engine.blocks import BlockPool, BlockTable
+from tailguard.engine.prefix_cache import cacheable_prefix_blocks, sequence_block_hashes
 from tailguard.engine.request import FinishReason, RequestError, Sequence, SequenceStatus
 
 
@@ -31,6 +38,7 @@ class SchedulerConfig:
     # others pause (their KV kept) until it is done. On a CPU a step costs about in proportion to its batch, so this
     # is what keeps a VIP stream's pace near an idle server's while batch work shares the engine. None: no limit.
     max_background_seqs: int | None = None
+    enable_prefix_caching: bool = True  # share the KV of identical leading blocks between requests
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -91,6 +99,8 @@ class Scheduler:
         self.tables: dict[str, BlockTable] = {}
         self._watermark_blocks = max(1, int(pool.num_blocks * config.watermark)) if pool.num_blocks > 1 else 0
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admissions
+        self.prefix_cache_hits = 0  # of which found there (not computed again)
 
     # --- admission ------------------------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -220,9 +230,12 @@ class Scheduler:
                 continue
             if cap is not None and seq.priority > top and background >= cap:
                 break  # it would only pause: leave it waiting (its blocks stay free)
-            n = min(seq.num_pending_tokens, budget, self.config.max_prefill_chunk)
             table = self.tables[seq.request_id]
-            need = table.blocks_needed(seq.num_computed_tokens + n)
+            hits = self._cached_prefix(seq, table)
+            start = len(hits) * self.pool.block_size
+            n = min(seq.num_tokens - start, budget, self.config.max_prefill_chunk)
+            # Cached blocks nobody holds sit in the free list: taking them uses up free capacity too.
+            need = self.pool.blocks_for(start + n) - len(hits) + self.pool.num_unreferenced(hits)
             # The watermark keeps room for running sequences to grow; with none running, a request that check_fits
             # accepted (it fits the whole pool) must be admissible, or it would wait forever.
             watermark = self._watermark_blocks if self.running else 0
@@ -236,6 +249,14 @@ class Scheduler:
             heapq.heappop(self._waiting)
             if cap is not None and seq.priority > top:
                 background += 1
+            if self.config.enable_prefix_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += start
+                if seq.times.first_scheduled is None:
+                    seq.num_cached_tokens = start
+            if hits:
+                table.attach_cached(hits)
+                seq.num_computed_tokens = start
             table.ensure(seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -249,6 +270,30 @@ class Scheduler:
         # The runner wants decodes first (one token each, or K+1 rows for a verifying chunk), then prefill chunks.
         out.chunks.sort(key=lambda c: not (c.is_decode or c.draft))
         return out
+
+    def _cached_prefix(self, seq: Sequence, table: BlockTable) -> list[int]:
+        """Cached blocks holding a waiting request's leading tokens (empty with prefix caching off)."""
+        if not self.config.enable_prefix_caching or table.blocks or seq.num_computed_tokens:
+            return []
+        limit = cacheable_prefix_blocks(seq.num_tokens, self.pool.block_size)
+        if limit == 0:
+            return []
+        return self.pool.lookup(sequence_block_hashes(seq, self.pool.block_size, limit))
+
+    def _cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's blocks that are now full and computed, so later requests can share them."""
+        if not self.config.enable_prefix_caching or seq.status is not SequenceStatus.RUNNING:
+            return
+        table = self.tables.get(seq.request_id)
+        if table is None:
+            return
+        full = min(seq.num_computed_tokens // self.pool.block_size, len(table.blocks))
+        if full <= table.num_cached:
+            return
+        hashes = sequence_block_hashes(seq, self.pool.block_size, full)
+        for i in range(table.num_cached, full):
+            self.pool.register(table.blocks[i], hashes[i])
+        table.num_cached = full
 
     def _preempt(self, seq: Sequence) -> None:
         self.tables[seq.request_id].release()
@@ -264,6 +309,7 @@ class Scheduler:
             # A verifying chunk's KV is valid up to its pending token and the guesses that were accepted; the engine
             # rolls it back (roll_back) once it knows how many. Until then, only the pending token counts.
             chunk.seq.num_computed_tokens = chunk.end - len(chunk.draft)
+            self._cache_computed_blocks(chunk.seq)
 
     def roll_back(self, seq: Sequence, num_accepted: int) -> None:
         """Keep the KV of ``num_accepted`` verified guesses; positions past them are never read again (attention
@@ -272,6 +318,7 @@ class Scheduler:
         table = self.tables.get(seq.request_id)
         if table is not None and seq.status is SequenceStatus.RUNNING:
             table.trim(seq.num_tokens)
+            self._cache_computed_blocks(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         table = self.tables.pop(seq.request_id, None)
