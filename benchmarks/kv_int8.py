@@ -115,6 +115,47 @@ def perplexities(kv_dtypes: list[str], threads: int) -> dict:
     return out
 
 
+def serve_rss(kv: str, conversations: int, context: int) -> dict:
+    """benchmarks/serve_memory.py's measurement with ``--kv-cache-dtype kv``: the default `tailguard serve` (1.5 GiB
+    KV budget), resident memory idle and with ``conversations`` of ``context`` tokens held at once."""
+    import asyncio
+    import re
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(HERE))
+    from serve_memory import fill, rss_mib, words_for
+    from serve_vs_engine import free_port, wait_ready
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = Path(f"/tmp/tg-kv-int8-serve-{port}.log")
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("tailguard")), "serve", "--port", str(port),
+                                 "--no-slo", "--store", f"/tmp/tg-kv-int8-serve-{port}.db", "--kv-cache-dtype", kv,
+                                 "--max-num-seqs", str(max(64, conversations))], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(url, proc)
+        time.sleep(1.0)
+        idle = rss_mib(proc.pid)
+        max_tokens = 64
+        start = time.perf_counter()
+        spans = asyncio.run(fill(url, conversations, words_for(context - max_tokens - 8), max_tokens))
+        wall = time.perf_counter() - start
+        loaded = rss_mib(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    capacity = re.search(r"KV cache ([^;]*?) = ([\d,]+) tokens", log.read_text())
+    result = {"kv_cache_dtype": kv, "idle_rss_mib": idle[0], "loaded_rss_mib": loaded[0], "peak_rss_mib": loaded[1],
+              "conversations": conversations, "mean_tokens_per_conversation": sum(spans) / len(spans),
+              "kv_cache": capacity.group(0) if capacity else None, "wall_s": wall}
+    print(f"serve, {kv} KV: RSS idle {idle[0]:.0f} MiB, {conversations} conversations of "
+          f"~{result['mean_tokens_per_conversation']:.0f} tokens held {loaded[0]:.0f} MiB (peak {loaded[1]:.0f})",
+          flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", default="1.5GiB")
@@ -123,9 +164,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="decode steps per window")
     parser.add_argument("--ppl-kv", default="float32,float16,int8", help="KV dtypes scored (float32 is the reference)")
     parser.add_argument("--skip-ppl", action="store_true")
+    parser.add_argument("--serve-rss", default="", help="also measure `tailguard serve`'s RSS with 32 x 2K-token "
+                        "conversations for these KV dtypes (comma-separated, e.g. int8,float16; minutes each)")
+    parser.add_argument("--only-serve-rss", action="store_true", help="measure only the server's RSS; merge it into "
+                        "the existing output file")
     parser.add_argument("--output", default=str(HERE / "results" / "kv_int8.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.only_serve_rss:
+        result = json.loads(Path(args.output).read_text())
+        result["serve_rss"] = [serve_rss(kv, 32, 2048) for kv in args.serve_rss.split(",")]
+        result["serve_rss_load_average"] = os.getloadavg()
+        Path(args.output).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.output}")
+        return
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
                     "threads": args.threads, "torch": torch.__version__, "load_average_start": os.getloadavg()}
 
@@ -156,6 +208,8 @@ def main() -> None:
     result["load_average_after_decode"] = os.getloadavg()
     if not args.skip_ppl:
         result["perplexity"] = perplexities(args.ppl_kv.split(","), args.threads)
+    if args.serve_rss:
+        result["serve_rss"] = [serve_rss(kv, 32, 2048) for kv in args.serve_rss.split(",")]
     result["load_average_end"] = os.getloadavg()
 
     print()
