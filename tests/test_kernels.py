@@ -236,9 +236,8 @@ BATCHES = {
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(smollm2_path, tmp_path_factory):
-    """(native engine, float32 engine) on the same tiny GGUF with quantized matrices."""
-    from tailguard.engine.engine import EngineArgs, LLMEngine
+def tiny_quantized_gguf(smollm2_path, tmp_path_factory) -> Path:
+    """A tiny random model stored like SmolLM2's GGUF (Q4_1 layers, Q8_0 embedding and LM head)."""
     from tailguard.engine.loader import write_tiny_gguf
 
     path = tmp_path_factory.mktemp("tiny-native") / "tiny-q4_1.gguf"
@@ -256,12 +255,21 @@ def tiny_pair(smollm2_path, tmp_path_factory):
         write_tiny_gguf(path, smollm2_path, tie_embeddings=False, seed=1)
     finally:
         gguf.GGUFWriter.add_tensor = original
+    return path
 
-    def engine(fmt: str):
-        return LLMEngine(EngineArgs(model=str(path), weight_format=fmt, kv_cache_tokens=8192, max_num_seqs=16,
-                                    max_num_batched_tokens=128, max_prefill_chunk=96, num_threads=2))
 
-    native, reference = engine("native"), engine("float32")
+def tiny_engine(path: Path, fmt: str, kv_dtype: str = "auto"):
+    from tailguard.engine.engine import EngineArgs, LLMEngine
+
+    return LLMEngine(EngineArgs(model=str(path), weight_format=fmt, kv_cache_tokens=8192, max_num_seqs=16,
+                                max_num_batched_tokens=128, max_prefill_chunk=96, num_threads=2,
+                                kv_cache_dtype=kv_dtype))
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_quantized_gguf):
+    """(native engine, float32 engine) on the same tiny GGUF with quantized matrices."""
+    native, reference = tiny_engine(tiny_quantized_gguf, "native"), tiny_engine(tiny_quantized_gguf, "float32")
     assert native.weight_format == "native" and reference.weight_format == "float32"
     formats = {lin.packed.fmt for layer in native.model.layers for lin in (layer[1], layer[2], layer[4], layer[5])}
     # the layers load repacked for the kernels (Q4_1R: the same numbers as the file's Q4_1)
@@ -390,3 +398,58 @@ def test_decode_logits_do_not_depend_on_the_batch(tiny_pair):
             for step in range(DECODE_STEPS):
                 a, b = alone[step][0], batched[step][i]
                 assert float((a - b).abs().max()) <= DECODE_RTOL * float(b.abs().max()), (engine.weight_format, i)
+
+
+# --- int8 KV cache: the C decode step against the torch path, both reading the same int8 rows ----------------------
+#
+# Both engines store K/V as int8 with a float16 scale per (position, kv head) and quantize with the same arithmetic
+# (model.quantize_kv, tg_kernels.c's kv_store), so they read the same numbers up to the rare row whose K/V, computed
+# in a different float order, lands on the other side of a rounding boundary. Measured: max |C - torch| / max |logit|
+# ~1e-6 (under 1e-5 across steps and batches); the bound 1e-4 is the float path's. A wrong scale offset or row stride
+# moves logits by O(1).
+
+
+@pytest.fixture(scope="module")
+def tiny_pair_int8(tiny_quantized_gguf):
+    native, reference = tiny_engine(tiny_quantized_gguf, "native", "int8"), tiny_engine(tiny_quantized_gguf, "float32",
+                                                                                           "int8")
+    assert native.runner.kv_cache.dtype == reference.runner.kv_cache.dtype == torch.int8
+    return native, reference
+
+
+@pytest.mark.parametrize("batch", ["1 seq, 3 slices", "6 seqs, one crosses a slice edge"])
+def test_int8_kv_decode_step_matches_the_torch_path(variant, tiny_pair_int8, batch):
+    native, reference = tiny_pair_int8
+    texts = random_texts(BATCHES[batch], seed=11)
+    ours, native_calls = teacher_forced_decode(native, texts, DECODE_STEPS)
+    theirs, reference_calls = teacher_forced_decode(reference, texts, DECODE_STEPS)
+    assert native_calls == DECODE_STEPS and reference_calls == 0
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        scale = float(b.abs().max())
+        diff = float((a - b).abs().max())
+        print(f"{variant} {batch} step {step}: int8 KV, max |C - torch| / max |logit| = {diff / scale:.2e}")
+        assert diff <= DECODE_RTOL * scale
+        assert torch.equal(a.argmax(dim=1), b.argmax(dim=1))
+    for engine in tiny_pair_int8:
+        assert engine.pool.num_used == 0
+
+
+def test_int8_kv_rows_written_by_c_equal_the_torch_quantizer(tiny_pair_int8):
+    """After a C decode step, the K/V row it wrote equals model.quantize_kv of the same values (computed here from
+    the float K/V the torch path writes for that token), to at most one quantum in a few elements."""
+    from tailguard.engine.model import dequantize_kv
+
+    native, reference = tiny_pair_int8
+    text = random_texts([40], seed=5)
+    teacher_forced_decode(native, text, 1)
+    native_rows = native.runner.kv_cache.clone()
+    teacher_forced_decode(reference, text, 1)
+    reference_rows = reference.runner.kv_cache
+    # Both engines hand out the same blocks to the same single request: the caches are comparable byte for byte.
+    q_native, q_ref = native_rows[..., :-2].int(), reference_rows[..., :-2].int()
+    written = (reference_rows != 0).any(dim=-1)
+    assert int(written.sum()) > 0
+    assert int((q_native - q_ref).abs().max()) <= 1
+    assert float((q_native != q_ref).float().mean()) < 0.01
+    deq_n, deq_r = dequantize_kv(native_rows), dequantize_kv(reference_rows)
+    assert float((deq_n - deq_r).abs().max()) <= 2e-2 * float(deq_r.abs().max())

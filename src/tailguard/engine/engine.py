@@ -44,7 +44,7 @@ class EngineArgs:
     # holds 32 conversations of 2K tokens of SmolLM2 in float16 (23 KB a token); pages become resident as used.
     kv_cache_memory: str | float = "1.5GiB"
     kv_cache_tokens: int | None = None  # an explicit capacity in tokens instead of the budget
-    kv_cache_dtype: str = "auto"  # auto (float16) | float16 | float32
+    kv_cache_dtype: str = "auto"  # auto (float16) | float16 | float32 | int8 (per token and head float16 scales)
     max_model_len: int | None = None  # defaults to the model's context length, clamped to what the KV cache holds
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -126,12 +126,16 @@ def tiny_model_path(source: Path) -> Path:
     return path
 
 
+KV_CACHE_DTYPES = ("auto", "float16", "float32", "int8")
+
+
 def resolve_kv_dtype(name: str) -> torch.dtype:
-    """float16 halves the cache and the bytes attention reads per token; float32 only where asked."""
+    """float16 halves the cache and the bytes attention reads per token; float32 only where asked; int8 (a float16
+    scale per token and KV head) holds 1.94x float16's tokens in the same bytes (docs/techniques.md)."""
     if name == "auto":
         return torch.float16
-    if name not in ("float16", "float32"):
-        raise ValueError(f"kv_cache_dtype must be auto, float16 or float32, not {name!r}")
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {name!r}")
     return getattr(torch, name)
 
 
@@ -210,6 +214,10 @@ class LLMEngine:
     def describe(self) -> str:
         """One line for start-up logs: weights, KV cache budget in bytes and tokens, context."""
         dtype = str(self.kv_dtype).removeprefix("torch.")
+        if self.kv_dtype == torch.int8:
+            # what the same bytes would hold in float16: the capacity the quantization buys
+            gain = self.model.kv_bytes_per_token(torch.float16) / self.model.kv_bytes_per_token(torch.int8)
+            dtype += f" (float16 scale per token and head; {gain:.2f}x float16's tokens per byte)"
         full = self.kv_capacity_tokens // max(1, self.max_model_len)
         return (f"{self.model_name}: {self.weight_format} weights ({format_bytes(self.model.weight_bytes())} read per "
                 f"token) on {self.device}; KV cache {format_bytes(self.kv_cache_bytes)} {dtype} = "

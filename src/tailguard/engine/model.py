@@ -28,6 +28,44 @@ WEIGHT_FORMATS = ("native", "float32", "bfloat16", "int8")
 # kernels read the blocks directly (decode). Measured crossover on this machine class: benchmarks/native_kernels.py.
 NATIVE_GEMM_MIN_TOKENS = 192
 
+# int8 KV rows: head_dim int8 values, then the row's float16 scale (2 bytes): one scale per (position, kv head) for K
+# and for V. Per token and head, because each new token's K/V is quantized alone as it is written (no block-wide
+# scale to revise as a block fills) and key ranges differ widely between heads. float16, not float32, for the scale:
+# its 11-bit mantissa is far finer than the 8-bit values it scales, and 2 bytes a row instead of 4 give 66 bytes a
+# row for head_dim 64 (1.94x float16's tokens per byte, 3.9x float32's) instead of 68 (1.88x, 3.8x).
+KV_INT8_SCALE_BYTES = 2
+
+
+def kv_row_bytes(kv_dtype: torch.dtype, head_dim: int) -> int:
+    """Bytes of one stored (position, kv head) row of K or V."""
+    if kv_dtype == torch.int8:
+        return head_dim + KV_INT8_SCALE_BYTES
+    return head_dim * torch.finfo(kv_dtype).bits // 8
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """[..., head_dim] float -> [..., head_dim + 2] int8 rows: round-half-even(x / s) in [-127, 127], then s as
+    float16 bytes, s = max|x| / 127 rounded to float16 first (the numbers tg_kernels.c's kv_store writes)."""
+    x = x.float()
+    scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).to(torch.float16)
+    divisor = scale.float()
+    divisor = torch.where(divisor == 0, torch.ones_like(divisor), divisor)  # an all-zero row stores zeros
+    q = torch.round(x / divisor).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[..., head_dim + 2] int8 rows -> [..., head_dim] values (only the rows given: a step's own blocks)."""
+    scale = rows[..., -KV_INT8_SCALE_BYTES:].contiguous().view(torch.float16)
+    return (rows[..., :-KV_INT8_SCALE_BYTES].to(dtype) * scale.to(dtype))
+
+
+def _kv_values(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered K or V rows as attention reads them."""
+    if stored.dtype == torch.int8:
+        return dequantize_kv(stored, dtype)
+    return stored.to(dtype)
+
 
 @dataclass
 class PrefillSpan:
@@ -161,19 +199,24 @@ class LlamaModel:
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
         cfg = self.config
-        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(kv_dtype).bits // 8
+        return cfg.num_layers * 2 * cfg.num_kv_heads * kv_row_bytes(kv_dtype, cfg.head_dim)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
         # [layer, k|v, block, slot-in-block, kv_head, head_dim]: gathering whole blocks moves block_size rows per index.
+        # int8: the last dimension is head_dim + 2 bytes (values, then the row's float16 scale), so a block carries its
+        # own scales wherever it is copied or gathered.
         cfg = self.config
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         dtype = kv_dtype or self.dtype
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.int8):
+            raise ValueError(f"unsupported KV cache dtype {dtype}")
+        row = kv_row_bytes(dtype, cfg.head_dim) if dtype == torch.int8 else cfg.head_dim
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, row)
         if self.device.type == "cpu":
             # Anonymous memory: the OS hands out zero pages that become resident only as blocks are first written, so
             # the process holds the memory its traffic needs, up to the budget (torch.zeros would touch it all).
             # Slots never written read as zeros, so masked attention over whole blocks never meets garbage (a NaN
-            # there survives a zero attention weight).
-            nbytes = math.prod(shape) * (torch.finfo(dtype).bits // 8)
+            # there survives a zero attention weight; an int8 row of zeros has a zero scale and reads as zeros).
+            nbytes = math.prod(shape) * dtype.itemsize
             return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
@@ -186,8 +229,9 @@ class LlamaModel:
     def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata) -> torch.Tensor:
         """One query token per decoding sequence against its paged keys: [D, H, hd]."""
-        kd = k_cache[meta.decode_gather].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [D, kv, L, hd]
-        vd = v_cache[meta.decode_gather].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        # Only the step's own blocks are gathered (and, for int8, dequantized): never a float copy of the cache.
+        kd = _kv_values(k_cache[meta.decode_gather], q.dtype).flatten(1, 2).transpose(1, 2)  # [D, kv, L, hd]
+        vd = _kv_values(v_cache[meta.decode_gather], q.dtype).flatten(1, 2).transpose(1, 2)
         od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
         return od.squeeze(2)
 
@@ -216,12 +260,14 @@ class LlamaModel:
             q, k = qk[:, :n_heads], qk[:, n_heads:]
             v = qkv[:, q_dim + kv_dim :].view(n_tok, n_kv, head_dim)
             k_cache, v_cache = kv_cache[layer_idx, 0], kv_cache[layer_idx, 1]
-            if kv_cache.dtype != x.dtype:
-                # Attention always sees K/V as stored, whichever path reads them (the decode kernel reads the cache).
+            # Attention always sees K/V as stored, whichever path reads them (the decode kernel reads the cache).
+            if kv_cache.dtype == torch.int8:
+                k, v = quantize_kv(k), quantize_kv(v)
+            elif kv_cache.dtype != x.dtype:
                 k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-            k_cache.view(-1, n_kv, head_dim).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, n_kv, head_dim).index_copy_(0, meta.slot_mapping, v)
-            k, v = k.to(x.dtype), v.to(x.dtype)
+            k_cache.view(-1, n_kv, kv_cache.shape[-1]).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, n_kv, kv_cache.shape[-1]).index_copy_(0, meta.slot_mapping, v)
+            k, v = _kv_values(k, x.dtype), _kv_values(v, x.dtype)
             if d == n_tok:  # a decode-only step (most steps): no buffer to assemble
                 attn = self._decode_attention(q, k_cache, v_cache, meta)
             else:
@@ -235,8 +281,8 @@ class LlamaModel:
                     vp = v[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
                     op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
                 else:
-                    kp = k_cache[span.gather].flatten(0, 1).transpose(0, 1).unsqueeze(0).to(qp.dtype)
-                    vp = v_cache[span.gather].flatten(0, 1).transpose(0, 1).unsqueeze(0).to(qp.dtype)
+                    kp = _kv_values(k_cache[span.gather], qp.dtype).flatten(0, 1).transpose(0, 1).unsqueeze(0)
+                    vp = _kv_values(v_cache[span.gather], qp.dtype).flatten(0, 1).transpose(0, 1).unsqueeze(0)
                     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, enable_gqa=True)
                 attn[span.token_start : span.token_end] = op.squeeze(0).transpose(0, 1)
             x = x + o_proj(attn.reshape(n_tok, q_dim))

@@ -25,12 +25,14 @@ import torch  # noqa: F401 - load torch's OpenMP runtime before ours
 from tailguard.engine.model_store import cache_dir
 
 SOURCE = Path(__file__).with_name("tg_kernels.c")
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # ggml type ids (GGUF's own numbering) of the formats the kernels read directly, and Q4_1R: Q4_1 repacked at load
 # (each row's nibbles together, then its scales and mins as float32), which the single-row kernel reads faster.
 F32, F16, Q4_0, Q4_1, Q8_0, Q4_1R = 0, 1, 2, 3, 8, 100
 NATIVE_FORMATS = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_1R: "Q4_1R"}
+# KV cache formats the decode step reads (tg_kernels.c's TG_KV_*): int8 rows with a float16 scale each.
+KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 
 
 class KernelBuildError(RuntimeError):
@@ -219,7 +221,7 @@ class _Model(ctypes.Structure):
 
 
 class _KV(ctypes.Structure):
-    _fields_ = [("kv", ctypes.c_void_p), ("fp16", ctypes.c_int32), ("num_blocks", ctypes.c_int32),
+    _fields_ = [("kv", ctypes.c_void_p), ("fmt", ctypes.c_int32), ("num_blocks", ctypes.c_int32),
                 ("block_size", ctypes.c_int32), ("pad", ctypes.c_int32)]
 
 
@@ -247,10 +249,15 @@ class DecodeStep:
                              config.num_kv_heads, config.head_dim, self.vocab, cos.shape[0], config.rms_eps, 0.0,
                              self._layers, final_norm.data_ptr(), _mat(embed_w), _mat(lm_head), cos.data_ptr(),
                              sin.data_ptr())
-        _, _, num_blocks, block_size, _, _ = kv_cache.shape
-        if kv_cache.dtype not in (torch.float32, torch.float16) or not kv_cache.is_contiguous():
-            raise ValueError("the decode kernel reads a contiguous float32 or float16 KV cache")
-        self._kv = _KV(kv_cache.data_ptr(), int(kv_cache.dtype == torch.float16), num_blocks, block_size, 0)
+        n_layers, two, num_blocks, block_size, n_kv, row = kv_cache.shape
+        fmt = KV_FORMATS.get(kv_cache.dtype)
+        # int8 rows carry their float16 scale after the head_dim values (model.py's quantize_kv)
+        want_row = config.head_dim + 2 if kv_cache.dtype == torch.int8 else config.head_dim
+        if (fmt is None or not kv_cache.is_contiguous() or kv_cache.device.type != "cpu" or two != 2
+                or n_layers != config.num_layers or n_kv != config.num_kv_heads or row != want_row):
+            raise ValueError("the decode kernel reads a contiguous CPU KV cache [layers, 2, blocks, block size, kv "
+                             "heads, head_dim] of float32 or float16, or int8 with head_dim + 2 bytes a row")
+        self._kv = _KV(kv_cache.data_ptr(), fmt, num_blocks, block_size, 0)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                  ctx_lens: torch.Tensor) -> torch.Tensor:

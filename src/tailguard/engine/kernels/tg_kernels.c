@@ -27,7 +27,7 @@
  * numbers as Q4_1 (a half converts to float exactly). */
 enum { TG_F32 = 0, TG_F16 = 1, TG_Q4_0 = 2, TG_Q4_1 = 3, TG_Q8_0 = 8, TG_Q4_1R = 100 };
 
-int tg_abi_version(void) { return 4; }
+int tg_abi_version(void) { return 5; }
 
 const char *tg_simd(void) {
 #if defined(__AVX512F__)
@@ -534,10 +534,19 @@ typedef struct {
     const float *cos, *sin; /* [max_pos, head_dim]; sin carries rotate-half's sign in its first half */
 } tg_model;
 
+/* KV cache formats. TG_KV_I8: each (position, kv head) row is head_dim int8 values then its float16 scale (2 bytes),
+ * value = scale * q, scale = max|x| / 127 rounded to float16: [n_layers, 2, num_blocks, block_size, n_kv, head_dim + 2]
+ * bytes. A scale per token and head follows each token's own range (keys differ a lot from head to head), and is
+ * written with the token, so no block ever needs re-quantizing as it fills. */
+enum { TG_KV_F32 = 0, TG_KV_F16 = 1, TG_KV_I8 = 2 };
+
 typedef struct {
-    void *kv;           /* [n_layers, 2, num_blocks, block_size, n_kv, head_dim], float32 or float16 */
-    int32_t fp16, num_blocks, block_size, pad;
+    void *kv;           /* [n_layers, 2, num_blocks, block_size, n_kv, row], row = head_dim (floats) or head_dim + 2 */
+    int32_t fmt, num_blocks, block_size, pad;
 } tg_kv;
+
+/* Elements (floats, halves or bytes) per stored (position, kv head) row. */
+static inline int kv_row_width(int fmt, int hd) { return fmt == TG_KV_I8 ? hd + 2 : hd; }
 
 static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
     double ss = 0.0;
@@ -555,17 +564,76 @@ static void rope(float *v, int hd, const float *cos, const float *sin) {
     for (int i = half; i < hd; i++) v[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
 }
 
-static inline void kv_store(void *kv, int fp16, size_t off, const float *src, int n) {
-    if (fp16) {
+/* One (position, kv head) row of hd values at element offset off. int8: the same numbers as model.py's
+ * quantize_kv (scale rounded to float16 first, then q = round-half-even(x / scale), clamped to +-127). */
+static inline void kv_store(void *kv, int fmt, size_t off, const float *src, int hd) {
+    if (fmt == TG_KV_F16) {
         uint16_t *d = (uint16_t *)kv + off;
-        for (int i = 0; i < n; i++) d[i] = f2h(src[i]);
+        for (int i = 0; i < hd; i++) d[i] = f2h(src[i]);
+    } else if (fmt == TG_KV_I8) {
+        int8_t *d = (int8_t *)kv + off;
+        float amax = 0.0f;
+        for (int i = 0; i < hd; i++) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+        const uint16_t sh = f2h(amax / 127.0f);
+        float s = h2f(sh);
+        if (s == 0.0f) s = 1.0f; /* an all-zero row (or one below float16's range) stores zeros */
+        for (int i = 0; i < hd; i++) {
+            float r = nearbyintf(src[i] / s);
+            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+            d[i] = (int8_t)r;
+        }
+        memcpy(d + hd, &sh, 2);
     } else {
-        memcpy((float *)kv + off, src, sizeof(float) * (size_t)n);
+        memcpy((float *)kv + off, src, sizeof(float) * (size_t)hd);
     }
 }
 
-static inline const float *kv_row(const void *kv, int fp16, size_t off, int hd, float *buf) {
-    if (!fp16) return (const float *)kv + off;
+static inline float kv_scale(const void *kv, size_t off, int hd) {
+    uint16_t sh;
+    memcpy(&sh, (const int8_t *)kv + off + hd, 2);
+    return h2f(sh);
+}
+
+/* sum_i a[i] * q[i] over an int8 row, converted to float in registers (no dequantized copy). */
+static inline float dot_i8(const float *a, const int8_t *q, int n) {
+    int k = 0;
+    float s = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; k + 16 <= n; k += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k),
+                              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k)))), acc);
+    s = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k),
+                              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k)))), acc);
+    s = hsum256(acc);
+#endif
+    for (; k < n; k++) s += a[k] * (float)q[k];
+    return s;
+}
+
+/* o[i] += w * q[i] over an int8 row (w carries the row's scale). */
+static inline void axpy_i8(float w, const int8_t *q, float *o, int n) {
+    int k = 0;
+#if defined(__AVX512F__)
+    const __m512 wv = _mm512_set1_ps(w);
+    for (; k + 16 <= n; k += 16)
+        _mm512_storeu_ps(o + k, _mm512_fmadd_ps(wv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k)))),
+                                                _mm512_loadu_ps(o + k)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 wv = _mm256_set1_ps(w);
+    for (; k + 8 <= n; k += 8)
+        _mm256_storeu_ps(o + k, _mm256_fmadd_ps(wv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k)))),
+                                                _mm256_loadu_ps(o + k)));
+#endif
+    for (; k < n; k++) o[k] += w * (float)q[k];
+}
+
+static inline const float *kv_row(const void *kv, int fmt, size_t off, int hd, float *buf) {
+    if (fmt == TG_KV_F32) return (const float *)kv + off;
     const uint16_t *s = (const uint16_t *)kv + off;
     int i = 0;
 #if defined(__F16C__) && defined(__AVX2__)
@@ -631,8 +699,9 @@ static float exp_shifted_sum(float *s, int n, float shift) {
 static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D, const float *q, const int32_t *tables,
                             int max_blocks, const int32_t *ctx_lens, float *out) {
     const int H = m->n_heads, G = m->n_kv, hd = m->head_dim, group = H / G, bs = c->block_size;
-    const size_t layer_off = (size_t)layer * 2 * c->num_blocks * bs * G * hd;
-    const size_t v_off = (size_t)c->num_blocks * bs * G * hd;
+    const int rw = kv_row_width(c->fmt, hd), i8 = c->fmt == TG_KV_I8;
+    const size_t layer_off = (size_t)layer * 2 * c->num_blocks * bs * G * rw;
+    const size_t v_off = (size_t)c->num_blocks * bs * G * rw;
     const float scale = 1.0f / sqrtf((float)hd);
     int *first = (int *)malloc(sizeof(int) * (size_t)(D + 1));
     first[0] = 0;
@@ -658,10 +727,17 @@ static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D,
             const int32_t *table = tables + (size_t)d * max_blocks;
             float *res = pm + (size_t)task * group * (hd + 2);
             for (int p = p0; p < p1; p++) {
-                const size_t off = layer_off + ((size_t)table[p / bs] * bs + p % bs) * G * hd + (size_t)g * hd;
-                const float *k = kv_row(c->kv, c->fp16, off, hd, kbuf);
-                for (int j = 0; j < group; j++)
-                    scores[j * SLICE + (p - p0)] = dot(q + (size_t)d * H * hd + (size_t)(g * group + j) * hd, k, hd) * scale;
+                const size_t off = layer_off + ((size_t)table[p / bs] * bs + p % bs) * G * rw + (size_t)g * rw;
+                const float *qh = q + (size_t)d * H * hd + (size_t)g * group * hd;
+                if (i8) {
+                    /* the row's scale folds into the softmax scale: one multiply per score, not per element */
+                    const int8_t *k8 = (const int8_t *)c->kv + off;
+                    const float ks = kv_scale(c->kv, off, hd) * scale;
+                    for (int j = 0; j < group; j++) scores[j * SLICE + (p - p0)] = dot_i8(qh + (size_t)j * hd, k8, hd) * ks;
+                    continue;
+                }
+                const float *k = kv_row(c->kv, c->fmt, off, hd, kbuf);
+                for (int j = 0; j < group; j++) scores[j * SLICE + (p - p0)] = dot(qh + (size_t)j * hd, k, hd) * scale;
             }
             for (int j = 0; j < group; j++) {
                 float *s = scores + j * SLICE, mx = -INFINITY, sum = 0.0f;
@@ -672,8 +748,15 @@ static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D,
                 memset(res + j * (hd + 2) + 2, 0, sizeof(float) * (size_t)hd);
             }
             for (int p = p0; p < p1; p++) {
-                const size_t off = layer_off + v_off + ((size_t)table[p / bs] * bs + p % bs) * G * hd + (size_t)g * hd;
-                const float *v = kv_row(c->kv, c->fp16, off, hd, vbuf);
+                const size_t off = layer_off + v_off + ((size_t)table[p / bs] * bs + p % bs) * G * rw + (size_t)g * rw;
+                if (i8) {
+                    const int8_t *v8 = (const int8_t *)c->kv + off;
+                    const float vs = kv_scale(c->kv, off, hd);
+                    for (int j = 0; j < group; j++)
+                        axpy_i8(scores[j * SLICE + (p - p0)] * vs, v8, res + j * (hd + 2) + 2, hd);
+                    continue;
+                }
+                const float *v = kv_row(c->kv, c->fmt, off, hd, vbuf);
                 for (int j = 0; j < group; j++) {
                     const float w = scores[j * SLICE + (p - p0)];
                     float *o = res + j * (hd + 2) + 2;
@@ -770,7 +853,9 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
     float *act = (float *)malloc(sizeof(float) * (size_t)D * I);
     const int64_t erb = row_bytes(m->embed.fmt, Hd);
     for (int d = 0; d < D; d++) dequant_row(m->embed.data + (size_t)tokens[d] * erb, m->embed.fmt, Hd, x + (size_t)d * Hd);
-    const size_t v_off = (size_t)c->num_blocks * c->block_size * kvd;
+    const int rw = kv_row_width(c->fmt, hd);
+    if (c->fmt < TG_KV_F32 || c->fmt > TG_KV_I8) return -4;
+    const size_t v_off = (size_t)c->num_blocks * c->block_size * G * rw;
     for (int l = 0; l < m->n_layers; l++) {
         const tg_layer *L = &m->layers[l];
         const size_t layer_off = (size_t)l * 2 * v_off;
@@ -781,8 +866,11 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
             const float *cs = m->cos + (size_t)positions[d] * hd, *sn = m->sin + (size_t)positions[d] * hd;
             for (int i = 0; i < H + G; i++) rope(row + (size_t)i * hd, hd, cs, sn);
             memcpy(q + (size_t)d * qd, row, sizeof(float) * (size_t)qd);
-            kv_store(c->kv, c->fp16, layer_off + (size_t)slots[d] * kvd, row + qd, kvd);
-            kv_store(c->kv, c->fp16, layer_off + v_off + (size_t)slots[d] * kvd, row + qd + kvd, kvd);
+            for (int g = 0; g < G; g++) {
+                const size_t at = layer_off + ((size_t)slots[d] * G + g) * rw;
+                kv_store(c->kv, c->fmt, at, row + qd + (size_t)g * hd, hd);
+                kv_store(c->kv, c->fmt, at + v_off, row + qd + kvd + (size_t)g * hd, hd);
+            }
         });
         PHASE(P_ATTN, paged_attention(m, c, l, D, q, tables, max_blocks, ctx_lens, attn));
         PHASE(P_O, linear(attn, D, qd, L->o.data, L->o.fmt, Hd, x, Hd, 1));
