@@ -627,10 +627,13 @@ class CompletionEndpoint:
         return reason
 
     @staticmethod
-    def _usage(tl: Timeline) -> dict[str, int]:
+    def _usage(tl: Timeline) -> dict[str, Any]:
         """What was really produced: the engine's count (a template answer counts none)."""
-        return {"prompt_tokens": tl.num_prompt_tokens, "completion_tokens": tl.num_output_tokens,
-                "total_tokens": tl.num_prompt_tokens + tl.num_output_tokens}
+        usage: dict[str, Any] = {"prompt_tokens": tl.num_prompt_tokens, "completion_tokens": tl.num_output_tokens,
+                                 "total_tokens": tl.num_prompt_tokens + tl.num_output_tokens}
+        if tl.cached_prompt_tokens:  # as OpenAI and vLLM report prefix cache hits
+            usage["prompt_tokens_details"] = {"cached_tokens": tl.cached_prompt_tokens}
+        return usage
 
     @staticmethod
     def _extra(tl: Timeline) -> dict[str, Any]:
