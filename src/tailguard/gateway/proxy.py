@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -128,7 +129,10 @@ class UpstreamBackend:
                 out["model"] = r.model
             if r.cfg.send_priority:
                 out["priority"] = priority
-            hdrs = {"Content-Type": "application/json", "X-Request-ID": request_id, **r.headers(), **(headers or {})}
+            hdrs = {"Content-Type": "application/json", **r.headers(), **(headers or {})}
+            upstream_id = _upstream_request_id(r.cfg.request_id, request_id)
+            if upstream_id is not None:
+                hdrs["X-Request-ID"] = upstream_id
             produced = False
             try:
                 async for ev in self._attempt(r, path, out, hdrs, request_id, est_tokens, chat):
@@ -236,6 +240,15 @@ class UpstreamBackend:
             r.breaker.trial = False  # a trial the client abandoned decides nothing
             r.in_flight -= 1
             r.outstanding_tokens -= max(0, est_tokens - n_out)
+
+
+def _upstream_request_id(mode: str, request_id: str) -> str | None:
+    """The id the upstream sees: by default a UUID derived from ours (stable: the upstream's logs can be joined)."""
+    if mode == "off":
+        return None
+    if mode == "same":
+        return request_id
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, "tailguard:" + request_id))
 
 
 def _upstream_call(attributes: dict[str, Any]) -> Any:

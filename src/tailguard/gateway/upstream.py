@@ -39,6 +39,10 @@ class UpstreamConfig(BaseModel):
     max_concurrent: int = Field(64, ge=1, description="this replica's share of the gateway's capacity")
     send_priority: bool = Field(False, description="send the lane's priority in the body (vLLM started with "
                                                    "--scheduling-policy priority accepts it; others may refuse it)")
+    request_id: str = Field("uuid", pattern="^(uuid|same|off)$",
+                            description="X-Request-ID sent upstream: a UUID derived from the gateway's request id "
+                                        "(llama-cpp-python's server refuses ids that are not UUIDs), the same id, "
+                                        "or none")
 
     @field_validator("url")
     @classmethod
