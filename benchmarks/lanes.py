@@ -256,7 +256,8 @@ def report(res: dict) -> None:
     ratios = {
         "vip_ttft_p99_on_ms": med("on", "ttft_p99") * 1e3,
         "vip_e2e_p99_on_over_alone": med("on", "e2e_p99") / alone["e2e_p99"],
-        "batch_throughput_on_over_off": med("on", "batch_tokens_per_s") / med("off", "batch_tokens_per_s"),
+        "batch_throughput_on_over_off": (med("on", "batch_tokens_per_s") / med("off", "batch_tokens_per_s")
+                                         if med("off", "batch_tokens_per_s") else float("nan")),
         "vip_ttft_p99_off_over_on": med("off", "ttft_p99") / med("on", "ttft_p99"),
     }
     res["ratios"] = ratios
