@@ -127,3 +127,13 @@ def stop_serve(proc: Any, timeout: float = 30.0) -> str:
         out, _ = proc.communicate()
     assert proc.returncode in (0, -signal.SIGTERM), out
     return out or ""
+
+
+class FailingEngine(FakeEngine):
+    """The fake engine, except that a request whose id starts with ``boom`` fails inside the engine (a 500)."""
+
+    async def generate(self, prompt_token_ids, sampling, request_id, priority=0, arrival_time=None):
+        if request_id.startswith("boom"):
+            raise RuntimeError("the engine broke")
+        async for ev in super().generate(prompt_token_ids, sampling, request_id, priority, arrival_time):
+            yield ev

@@ -12,14 +12,13 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tailguard.cli import main
-from tailguard.engine.fake import FakeEngine, FakeTiming
+from tailguard.engine.fake import FakeTiming
 from tailguard.slo.grafana import (
     SCHEMA_VERSION,
     MetricInfo,
@@ -30,7 +29,7 @@ from tailguard.slo.grafana import (
     panel_queries,
 )
 from tailguard.slo.profiles import builtin_profiles
-from tests.serving_helpers import fake_server
+from tests.serving_helpers import FailingEngine, fake_server
 
 PROMETHEUS = shutil.which("prometheus")
 # CI installs Prometheus (.ci/run) and sets this, so that a missing binary fails there instead of skipping.
@@ -116,17 +115,6 @@ def _series_names(expr: str) -> set[str]:
 
 
 # --- against a real Prometheus ------------------------------------------------------------------------------------
-class FailingEngine(FakeEngine):
-    """The fake engine, except that a request whose id starts with ``boom`` fails inside it (a 500)."""
-
-    async def generate(self, prompt_token_ids, sampling, request_id, priority=0,
-                       arrival_time=None) -> AsyncIterator:
-        if request_id.startswith("boom"):
-            raise RuntimeError("the engine broke")
-        async for ev in super().generate(prompt_token_ids, sampling, request_id, priority, arrival_time):
-            yield ev
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -29,7 +29,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status  # noqa: E402
 from tailguard.engine.fake import FakeEngine, FakeTiming  # noqa: E402
 from tailguard.observe.tracing import upstream_call, upstream_headers  # noqa: E402
 from tailguard.serving.config import ServerConfig  # noqa: E402
-from tests.serving_helpers import fake_server, settle, start_serve, stop_serve  # noqa: E402
+from tests.serving_helpers import FailingEngine, fake_server, settle, start_serve, stop_serve  # noqa: E402
 
 STAGES = ["tokenize", "queue", "prefill", "decode", "stream"]
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -235,17 +235,6 @@ def test_new_trace_without_client_context_and_streaming(tmp_path, receiver):
     t2 = bad.headers["traceresponse"].split("-")[1]
     assert t2 not in (trace_id, "0" * 32)
     assert _request_span(receiver.trace(t2))["parent"] == ""
-
-
-class FailingEngine(FakeEngine):
-    """The fake engine, except that a request whose id starts with ``boom`` fails inside the engine."""
-
-    async def generate(self, prompt_token_ids, sampling, request_id, priority=0,
-                       arrival_time=None) -> AsyncIterator:
-        if request_id.startswith("boom"):
-            raise RuntimeError("the engine broke")
-        async for ev in super().generate(prompt_token_ids, sampling, request_id, priority, arrival_time):
-            yield ev
 
 
 def test_failures_are_marked_and_unsampled_traces_are_not_exported(tmp_path, receiver):
