@@ -27,7 +27,7 @@ def test_sampler_sees_cpu_work_and_memory():
     grown = s.sample()
     assert grown.rss - idle.rss > 48 << 20
     st = s.export()  # the window: every sample so far
-    assert st["samples"] == 4 and st["rss_bytes_max"] >= grown.rss and st["cpu_cores_max"] >= busy.cpu - 1e-9
+    assert st["samples"] == 4 and st["rss_bytes_max"] >= grown.rss and st["cpu_cores_max"] >= round(busy.cpu, 3) - 1e-3  # the window rounds to 3 decimals
     del blob
 
 
