@@ -23,13 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gateway_overhead import cpu_seconds, free_port  # noqa: E402  (the server process's utime + stime)
 
 # One technique at a time against a baseline with every optional technique off (prefix caching is on by default in
 # the server, so the baseline turns it off), then all of them together.
@@ -50,18 +52,6 @@ SEED_CLAIMS = {  # the seed's table: what each technique is claimed to do to P99
     "background_cap": "protects the important lane's pace (issue 9)",
     "small_batch": "continuous batching (batch 16-64) vs a small batch: throughput x2-3, P99 -20-30%",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / tick  # utime + stime of the server process
 
 
 def peak_rss_mib(pid: int) -> float:
