@@ -58,17 +58,22 @@ def test_draft_model_greedy_identical_and_accepts_what_the_target_would_say(draf
     assert draft_engine.speculation.proposer._seen == {}, "per-request draft state leaked"
 
 
-def test_draft_model_in_a_16_stream_batch_with_opt_outs_and_poisoned_rollbacks(draft_engine, tiny_engine_f32kv,
-                                                                               text_prompts, monkeypatch):
+@pytest.mark.parametrize("which", ["draft", "self"])
+def test_model_drafts_in_a_16_stream_batch_with_opt_outs_and_poisoned_rollbacks(request, which, tiny_engine_f32kv,
+                                                                                text_prompts, monkeypatch):
     """Rolled-back positions are overwritten with huge values in both caches (the target's and the draft's): a draft
     that read a stale guess's K/V would then guess wrong and the acceptance would collapse; a target that read one
     would change the output."""
+    draft_engine = request.getfixturevalue(f"{which}_engine")
     _assert_clean(draft_engine)
+    monkeypatch.setattr(draft_engine.speculation, "PAUSE_ACCEPTANCE", -1.0)  # keep guessing however few are right
     prompts = text_prompts[:10] + repetitive_prompts(6, seed=21)
     rng = random.Random(8)
     requests = [(p, greedy(rng.randint(30, 80), speculative=(i % 4 != 0))) for i, p in enumerate(prompts)]
     expected = [tiny_engine_f32kv.generate([p], sp)[0] for p, sp in requests]
-    caches = [draft_engine.runner.kv_cache, draft_engine.speculation.proposer.runner.kv_cache]
+    caches = [draft_engine.runner.kv_cache]
+    if which == "draft":
+        caches.append(draft_engine.speculation.proposer.runner.kv_cache)
     flats = [c.view(c.shape[0], 2, -1, *c.shape[-2:]) for c in caches]
     original = draft_engine.scheduler.roll_back
 
@@ -88,7 +93,9 @@ def test_draft_model_in_a_16_stream_batch_with_opt_outs_and_poisoned_rollbacks(d
             assert events[-1].num_spec_proposed == 0
     proposed, accepted = acceptance(draft_engine, before)
     print(f"batch: proposed {proposed}, accepted {accepted}")
-    assert proposed > 300 and accepted >= 0.9 * proposed
+    assert proposed > 300
+    if which == "draft":  # the target drafting for itself: guesses are right unless a stale K/V was read
+        assert accepted >= 0.9 * proposed
     _assert_clean(draft_engine)
 
 
@@ -102,7 +109,7 @@ def test_self_draft_is_exact_and_its_guesses_are_verified(self_engine, tiny_engi
     assert policy.proposer.runner.kv_cache.data_ptr() == self_engine.runner.kv_cache.data_ptr()
     monkeypatch.setattr(policy, "PAUSE_ACCEPTANCE", -1.0)  # keep guessing however few are accepted
     before = self_engine.stats()
-    for i, prompt in enumerate(text_prompts[:8] + repetitive_prompts(4, seed=5)):
+    for i, prompt in enumerate(text_prompts + repetitive_prompts(4, seed=5)):
         expected = tiny_engine_f32kv.generate([prompt], greedy(40))[0]
         [events] = run_all(self_engine, [(prompt, greedy(40))])
         assert tokens_of(events) == expected, f"prompt {i} diverged"
@@ -111,11 +118,11 @@ def test_self_draft_is_exact_and_its_guesses_are_verified(self_engine, tiny_engi
     _assert_clean(self_engine)
 
 
-def test_no_leaks_with_a_draft_model_under_preemption_aborts_and_sampling(tiny_gguf):
+def test_no_leaks_after_200_requests_with_a_draft_model_under_preemption_aborts_and_sampling(tiny_gguf):
     engine = _make_engine(tiny_gguf, kv_cache_tokens=384, max_num_seqs=16, kv_cache_dtype="float32",
                           speculative=f"draft:{tiny_gguf}", speculative_max_running=16)
     rng = random.Random(4)
-    prompts = [p[:90] for p in repetitive_prompts(60, seed=52)]
+    prompts = [p[:90] for p in repetitive_prompts(200, seed=52)]
     live: set[str] = set()
     final = {}
     pending = [(f"d-{i}", p, SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 0.8]),
@@ -138,7 +145,7 @@ def test_no_leaks_with_a_draft_model_under_preemption_aborts_and_sampling(tiny_g
             live.remove(rid)
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.num_spec_accepted > 50
-    assert len(final) == 60
+    assert len(final) == 200
     assert all(ev.finish_reason in (FinishReason.LENGTH, FinishReason.ABORT) for ev in final.values())
     _assert_clean(engine)
     assert engine.speculation.states == {} and engine.speculation.proposer._seen == {}
