@@ -35,6 +35,12 @@ NATIVE_GEMM_MIN_TOKENS = 192
 # row for head_dim 64 (1.94x float16's tokens per byte, 3.9x float32's) instead of 68 (1.88x, 3.8x).
 KV_INT8_SCALE_BYTES = 2
 
+# Attention over a context longer than this many keys runs in slices of about this size (whole KV blocks), merged by
+# log-sum-exp (flash-decoding): per step the float copy of the gathered K/V and the scores stay one slice wide
+# whatever the context. 0 turns slicing off (one gather and one SDPA over the whole context). Default: the size
+# measured on this machine class to cost nothing at short contexts and the least at 8K (benchmarks/long_context.py).
+DEFAULT_ATTENTION_SLICE_TOKENS = 1024
+
 
 def kv_row_bytes(kv_dtype: torch.dtype, head_dim: int) -> int:
     """Bytes of one stored (position, kv head) row of K or V."""
@@ -125,6 +131,9 @@ class Linear:
 
 
 class LlamaModel:
+    # Keys per attention slice in the torch paths (decode and prefill over a cached prefix); 0: no slicing.
+    attention_slice_tokens: int = DEFAULT_ATTENTION_SLICE_TOKENS
+
     def __init__(self, weights: ModelWeights, weight_format: str = "float32", device: str | torch.device = "cpu") -> None:
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}")
@@ -227,13 +236,33 @@ class LlamaModel:
 
     @staticmethod
     def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata) -> torch.Tensor:
-        """One query token per decoding sequence against its paged keys: [D, H, hd]."""
-        # Only the step's own blocks are gathered (and, for int8, dequantized): never a float copy of the cache.
-        kd = _kv_values(k_cache[meta.decode_gather], q.dtype).flatten(1, 2).transpose(1, 2)  # [D, kv, L, hd]
-        vd = _kv_values(v_cache[meta.decode_gather], q.dtype).flatten(1, 2).transpose(1, 2)
-        od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
-        return od.squeeze(2)
+                          meta: AttentionMetadata, slice_tokens: int = 0) -> torch.Tensor:
+        """One query token per decoding sequence against its paged keys: [D, H, hd]. Contexts wider than
+        ``slice_tokens`` keys (> 0) are attended slice by slice (attention_sliced)."""
+        assert meta.decode_gather is not None and meta.decode_mask is not None
+        bs = k_cache.shape[1]
+        n_blocks = meta.decode_gather.shape[1]
+        if slice_tokens <= 0 or n_blocks * bs <= slice_tokens:
+            # Short contexts (most steps): one gather, one SDPA. Only the step's own blocks are gathered (and, for
+            # int8, dequantized): never a float copy of the cache.
+            kd = _kv_values(k_cache[meta.decode_gather], q.dtype).flatten(1, 2).transpose(1, 2)  # [D, kv, L, hd]
+            vd = _kv_values(v_cache[meta.decode_gather], q.dtype).flatten(1, 2).transpose(1, 2)
+            od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
+            return od.squeeze(2)
+        n_dec, n_heads, head_dim = q.shape
+        n_kv = k_cache.shape[2]
+        step = slice_blocks(slice_tokens, bs)
+        mask = meta.decode_mask.view(n_dec, 1, 1, 1, -1)  # broadcast over [D, kv, group, 1 query, keys]
+
+        def slices():
+            for b0 in range(0, n_blocks, step):
+                gather = meta.decode_gather[:, b0 : b0 + step]
+                k = _kv_values(k_cache[gather], q.dtype).flatten(1, 2).transpose(1, 2)  # [D, kv, S, hd]
+                v = _kv_values(v_cache[gather], q.dtype).flatten(1, 2).transpose(1, 2)
+                yield k, v, mask[..., b0 * bs : (b0 + gather.shape[1]) * bs]
+
+        out = attention_sliced(q.view(n_dec, n_kv, n_heads // n_kv, 1, head_dim), slices())
+        return out.view(n_dec, n_heads, head_dim)
 
     @torch.inference_mode()
     def forward(
@@ -269,17 +298,22 @@ class LlamaModel:
             v_cache.view(-1, n_kv, kv_cache.shape[-1]).index_copy_(0, meta.slot_mapping, v)
             k, v = _kv_values(k, x.dtype), _kv_values(v, x.dtype)
             if d == n_tok:  # a decode-only step (most steps): no buffer to assemble
-                attn = self._decode_attention(q, k_cache, v_cache, meta)
+                attn = self._decode_attention(q, k_cache, v_cache, meta, self.attention_slice_tokens)
             else:
                 attn = torch.empty(n_tok, n_heads, head_dim, dtype=x.dtype, device=x.device)
                 if d:
-                    attn[:d] = self._decode_attention(q[:d], k_cache, v_cache, meta)
+                    attn[:d] = self._decode_attention(q[:d], k_cache, v_cache, meta, self.attention_slice_tokens)
             for span in meta.prefills:
                 qp = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
                 if span.gather is None:
                     kp = k[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
                     vp = v[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
                     op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+                elif self.attention_slice_tokens > 0 and span.gather.shape[0] * kv_cache.shape[3] > (
+                        self.attention_slice_tokens):
+                    # A chunk against a long cached prefix: key tiles, so the scores stay [H, n, tile] wide.
+                    op = prefill_attention_tiled(qp[0], k_cache, v_cache, span.gather, span.mask,
+                                                 self.attention_slice_tokens).unsqueeze(0)
                 else:
                     kp = _kv_values(k_cache[span.gather], qp.dtype).flatten(0, 1).transpose(0, 1).unsqueeze(0)
                     vp = _kv_values(v_cache[span.gather], qp.dtype).flatten(0, 1).transpose(0, 1).unsqueeze(0)
@@ -291,6 +325,63 @@ class LlamaModel:
             x = x + down_proj(F.silu(gate) * up)
         x = F.rms_norm(x[logits_indices], (cfg.hidden_size,), self.norm, cfg.rms_eps)
         return self.lm_head(x).float()
+
+
+def slice_blocks(slice_tokens: int, block_size: int) -> int:
+    """KV blocks per attention slice: ``slice_tokens`` rounded down to whole blocks, at least one."""
+    return max(1, slice_tokens // block_size)
+
+
+def attention_sliced(q: torch.Tensor, slices) -> torch.Tensor:
+    """Softmax attention over keys that arrive in slices, merged by log-sum-exp (the online softmax of flash
+    attention): per slice, scores against the running maximum, the running sum and output rescaled when the maximum
+    grows. Nothing wider than one slice is ever materialized.
+
+    q: [..., kv, group, n, hd] (query heads grouped under their KV head, GQA). ``slices`` yields (k, v, mask):
+    k, v [..., kv, S, hd], mask (True where a key is visible) broadcastable to [..., kv, group, n, S]. Every query
+    must see at least one key overall. Returns [..., kv, group, n, hd].
+    """
+    *lead, n_kv, group, n_q, head_dim = q.shape
+    rows = q.mul(1.0 / math.sqrt(head_dim)).reshape(*lead, n_kv, group * n_q, head_dim)  # group folded into rows
+    floor = torch.finfo(q.dtype).min  # a finite stand-in for -inf: rows with no visible key yet give exp(...) = 0
+    run_max = run_sum = out = None
+    for k, v, mask in slices:
+        scores = torch.matmul(rows, k.transpose(-1, -2)).view(*lead, n_kv, group, n_q, k.shape[-2])
+        scores = scores.masked_fill_(~mask, float("-inf"))
+        slice_max = scores.amax(dim=-1, keepdim=True)
+        new_max = slice_max if run_max is None else torch.maximum(run_max, slice_max)
+        new_max = new_max.clamp(min=floor)
+        probs = torch.exp_(scores.sub_(new_max))
+        part = torch.matmul(probs.view(*lead, n_kv, group * n_q, -1), v).view(*lead, n_kv, group, n_q, head_dim)
+        if run_max is None:
+            run_sum, out = probs.sum(dim=-1, keepdim=True), part
+        else:
+            rescale = torch.exp(run_max - new_max)
+            run_sum = run_sum.mul_(rescale).add_(probs.sum(dim=-1, keepdim=True))
+            out = out.mul_(rescale).add_(part)
+        run_max = new_max
+    if out is None:
+        raise ValueError("attention over no keys")
+    return out.div_(run_sum)
+
+
+def prefill_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: torch.Tensor,
+                            mask: torch.Tensor, slice_tokens: int) -> torch.Tensor:
+    """A prefill chunk's queries q [H, n, hd] against its sequence's cached keys (block table ``gather``, causal
+    ``mask`` [n, blocks * block_size]), key tile by key tile: [H, n, hd]."""
+    n_heads, n_q, head_dim = q.shape
+    n_kv, bs = k_cache.shape[2], k_cache.shape[1]
+    step = slice_blocks(slice_tokens, bs)
+
+    def tiles():
+        for b0 in range(0, gather.shape[0], step):
+            blocks = gather[b0 : b0 + step]
+            k = _kv_values(k_cache[blocks], q.dtype).flatten(0, 1).transpose(0, 1)  # [kv, S, hd]
+            v = _kv_values(v_cache[blocks], q.dtype).flatten(0, 1).transpose(0, 1)
+            yield k, v, mask[:, b0 * bs : (b0 + blocks.shape[0]) * bs]
+
+    out = attention_sliced(q.view(n_kv, n_heads // n_kv, n_q, head_dim), tiles())
+    return out.view(n_heads, n_q, head_dim)
 
 
 def _dense_bytes(lin: Linear) -> int:
