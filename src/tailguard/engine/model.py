@@ -253,16 +253,19 @@ class LlamaModel:
         n_kv = k_cache.shape[2]
         step = slice_blocks(slice_tokens, bs)
         mask = meta.decode_mask.view(n_dec, 1, 1, 1, -1)  # broadcast over [D, kv, group, 1 query, keys]
+        # keys every sequence of the step has: slices below this need no mask
+        common = int(meta.decode_lens.min()) if meta.decode_lens is not None else 0
 
         def slices():
             for b0 in range(0, n_blocks, step):
                 gather = meta.decode_gather[:, b0 : b0 + step]
                 k = _kv_values(k_cache[gather], q.dtype).flatten(1, 2).transpose(1, 2)  # [D, kv, S, hd]
                 v = _kv_values(v_cache[gather], q.dtype).flatten(1, 2).transpose(1, 2)
-                yield k, v, mask[..., b0 * bs : (b0 + gather.shape[1]) * bs]
+                end = (b0 + gather.shape[1]) * bs
+                yield k, v, None if end <= common else mask[..., b0 * bs : end]
 
         out = attention_sliced(q.view(n_dec, n_kv, n_heads // n_kv, 1, head_dim), slices())
-        return out.view(n_dec, n_heads, head_dim)
+        return out.reshape(n_dec, n_heads, head_dim)
 
     @torch.inference_mode()
     def forward(
@@ -332,37 +335,73 @@ def slice_blocks(slice_tokens: int, block_size: int) -> int:
     return max(1, slice_tokens // block_size)
 
 
+# The fused flash-attention kernel that F.scaled_dot_product_attention runs on the CPU, called directly because it
+# also returns each row's log-sum-exp, which merging slices needs and the public function drops. Elsewhere (CUDA, or
+# a torch without it) slices go through _slice_attention_unfused: the same numbers, about half the speed on the CPU.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _slice_attention_fused(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [B, kv, r, hd] against k, v [B, kv, S, hd]; mask: additive float [B or 1, 1, r, S] or None.
+    Returns (softmax-normalized output [B, kv, r, hd], log-sum-exp of the scaled scores [B, kv, r])."""
+    out, lse = _FLASH_CPU(rows, k, v, 0.0, False, attn_mask=mask, scale=scale)
+    return out, lse
+
+
+def _slice_attention_unfused(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """As _slice_attention_fused, in plain torch ops (scores for one slice only)."""
+    scores = torch.matmul(rows * scale, k.transpose(-1, -2))
+    if mask is not None:
+        scores = scores.add_(mask)
+    row_max = scores.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)
+    probs = torch.exp_(scores.sub_(row_max))
+    total = probs.sum(dim=-1, keepdim=True)
+    out = torch.matmul(probs, v).div_(total.clamp(min=torch.finfo(total.dtype).tiny))
+    return out, (row_max + total.log()).squeeze(-1)
+
+
 def attention_sliced(q: torch.Tensor, slices) -> torch.Tensor:
-    """Softmax attention over keys that arrive in slices, merged by log-sum-exp (the online softmax of flash
-    attention): per slice, scores against the running maximum, the running sum and output rescaled when the maximum
-    grows. Nothing wider than one slice is ever materialized.
+    """Softmax attention over keys that arrive in slices, merged by log-sum-exp (flash-decoding): each slice gives
+    its normalized output o_i and log-sum-exp l_i, and out = sum_i o_i * exp(l_i - logsumexp_i(l_i)), accumulated
+    slice by slice. Nothing wider than one slice of keys (and its scores) is ever materialized.
 
     q: [..., kv, group, n, hd] (query heads grouped under their KV head, GQA). ``slices`` yields (k, v, mask):
-    k, v [..., kv, S, hd], mask (True where a key is visible) broadcastable to [..., kv, group, n, S]. Every query
-    must see at least one key overall. Returns [..., kv, group, n, hd].
+    k, v [..., kv, S, hd]; mask (True where a key is visible) broadcastable to [..., 1, group, n, S] (one mask for
+    every head), or None when every query sees every key of the slice. Returns [..., kv, group, n, hd]; a query that
+    sees no key at all gets zeros.
     """
     *lead, n_kv, group, n_q, head_dim = q.shape
-    rows = q.mul(1.0 / math.sqrt(head_dim)).reshape(*lead, n_kv, group * n_q, head_dim)  # group folded into rows
-    floor = torch.finfo(q.dtype).min  # a finite stand-in for -inf: rows with no visible key yet give exp(...) = 0
-    run_max = run_sum = out = None
+    batch = math.prod(lead)
+    rows = q.reshape(batch, n_kv, group * n_q, head_dim)  # the group's heads as extra query rows of their KV head
+    scale = 1.0 / math.sqrt(head_dim)
+    fused = _FLASH_CPU is not None and q.device.type == "cpu"
+    floor = torch.finfo(q.dtype).min  # a finite stand-in for -inf: exp(-inf - floor) = 0, never nan
+    out = run_lse = None
     for k, v, mask in slices:
-        scores = torch.matmul(rows, k.transpose(-1, -2)).view(*lead, n_kv, group, n_q, k.shape[-2])
-        scores = scores.masked_fill_(~mask, float("-inf"))
-        slice_max = scores.amax(dim=-1, keepdim=True)
-        new_max = slice_max if run_max is None else torch.maximum(run_max, slice_max)
-        new_max = new_max.clamp(min=floor)
-        probs = torch.exp_(scores.sub_(new_max))
-        part = torch.matmul(probs.view(*lead, n_kv, group * n_q, -1), v).view(*lead, n_kv, group, n_q, head_dim)
-        if run_max is None:
-            run_sum, out = probs.sum(dim=-1, keepdim=True), part
-        else:
-            rescale = torch.exp(run_max - new_max)
-            run_sum = run_sum.mul_(rescale).add_(probs.sum(dim=-1, keepdim=True))
-            out = out.mul_(rescale).add_(part)
-        run_max = new_max
+        k = k.reshape(batch, n_kv, k.shape[-2], head_dim) if lead else k.unsqueeze(0)
+        v = v.reshape(batch, n_kv, v.shape[-2], head_dim) if lead else v.unsqueeze(0)
+        additive = None
+        if mask is not None:
+            shape = (*lead, 1, group, n_q, k.shape[-2])
+            additive = torch.zeros(shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            additive = additive.view(batch, 1, group * n_q, k.shape[-2])
+        part, lse = (_slice_attention_fused if fused else _slice_attention_unfused)(rows, k, v, additive, scale)
+        if mask is not None:
+            # a row that sees no key of this slice contributes nothing (the fused kernel reports lse 0 for it)
+            seen = mask.any(dim=-1).expand(*lead, 1, group, n_q).reshape(batch, 1, group * n_q)
+            lse = lse.masked_fill(~seen, float("-inf"))
+        lse = lse.unsqueeze(-1)
+        if out is None:
+            out, run_lse = part, lse
+            continue
+        merged = torch.logaddexp(run_lse, lse).clamp_(min=floor)
+        out = out.mul_(torch.exp(run_lse - merged)).add_(part.mul_(torch.exp(lse - merged)))
+        run_lse = merged
     if out is None:
         raise ValueError("attention over no keys")
-    return out.div_(run_sum)
+    return out.reshape(*lead, n_kv, group, n_q, head_dim)
 
 
 def prefill_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: torch.Tensor,
@@ -378,7 +417,9 @@ def prefill_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             blocks = gather[b0 : b0 + step]
             k = _kv_values(k_cache[blocks], q.dtype).flatten(0, 1).transpose(0, 1)  # [kv, S, hd]
             v = _kv_values(v_cache[blocks], q.dtype).flatten(0, 1).transpose(0, 1)
-            yield k, v, mask[:, b0 * bs : (b0 + blocks.shape[0]) * bs]
+            end = (b0 + blocks.shape[0]) * bs
+            # the mask is causal: a tile the chunk's first query sees whole, every query sees whole
+            yield k, v, None if bool(mask[0, end - 1]) else mask[:, b0 * bs : end]
 
     out = attention_sliced(q.view(n_kv, n_heads // n_kv, n_q, head_dim), tiles())
     return out.view(n_heads, n_q, head_dim)
