@@ -151,6 +151,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--streams", type=int, default=4, help="short streams beside the long prefill")
     ap.add_argument("--quick", action="store_true", help="contexts 256 and 2048, no side-by-side part")
+    ap.add_argument("--only-side", action="store_true", help="parts 1 and 3 only (the streams beside the prefill)")
+    ap.add_argument("--reverse", action="store_true", help="single-shot before sliced in part 3 (order check)")
     ap.add_argument("--out", default=str(HERE / "results" / "long_context.json"))
     args = ap.parse_args()
     contexts = [256, 2048] if args.quick else [int(c) for c in args.contexts.split(",")]
@@ -177,7 +179,7 @@ def main() -> None:
     single: dict[str, dict[int, dict[str, list[float]]]] = {
         m: {c: {"ttft_s": [], "itl_ms": [], "e2e_s": []} for c in contexts} for m in modes}
     outputs: dict[str, dict[int, list[int]]] = {m: {} for m in modes}
-    for rep in range(args.repeats):
+    for rep in range(0 if args.only_side else args.repeats):
         for c in contexts:
             for mode in (list(modes) if rep % 2 == 0 else list(modes)[::-1]):
                 ev = run(engines[mode], [prompts[c]], [OUTPUT_TOKENS])["s0"]
@@ -189,7 +191,7 @@ def main() -> None:
                 outputs[mode][c] = [e.token_id for e in ev if e.token_id is not None]
                 print(f"  {mode:<6} {c:>5} tokens: TTFT {rec['ttft_s'][-1]:7.2f} s, decode {rec['itl_ms'][-1]:6.1f} "
                       f"ms/step, E2E {rec['e2e_s'][-1]:7.2f} s", flush=True)
-    same_outputs = all(outputs["sliced"][c] == outputs["single"][c] for c in contexts)
+    same_outputs = all(outputs["sliced"][c] == outputs["single"][c] for c in outputs["sliced"])
 
     side: dict[str, dict] = {}
     if not args.quick:
@@ -199,7 +201,7 @@ def main() -> None:
         chunks = -(-long_len // 256)
         # the streams must outlast the long prefill: one token per step, one chunk per step
         stream_tokens = chunks + 16
-        for mode in modes:
+        for mode in list(modes)[::-1] if args.reverse else list(modes):
             alone_ev = run(engines[mode], short, [stream_tokens] * args.streams)
             base_itl = [b - a for name, ev in alone_ev.items() for a, b in zip(token_times(ev), token_times(ev)[1:])]
             ev = run(engines[mode], short, [stream_tokens] * args.streams, add_later=(prompts[long_len], 8, 4))
@@ -221,13 +223,15 @@ def main() -> None:
 
     wall = time.perf_counter() - t_start
     load_after = os.getloadavg()[0]
+    if args.only_side:
+        single = {m: {} for m in modes}
     summary = {m: {c: {"ttft_s": statistics.median(r["ttft_s"]), "decode_ms_per_step": statistics.median(r["itl_ms"]),
                        "e2e_p50_s": percentile(r["e2e_s"], 50), "e2e_p99_s": percentile(r["e2e_s"], 99)}
                    for c, r in per_ctx.items()} for m, per_ctx in single.items()}
     base = contexts[0]
     print(f"\n{'context':>8} | {'TTFT s':>15} | {'decode ms/step':>15} | {'P99 E2E s':>15} | {'E2E vs ' + str(base):>15}")
     print(f"{'':>8} | {'sliced  single':>15} | {'sliced  single':>15} | {'sliced  single':>15} | {'sliced  single':>15}")
-    for c in contexts:
+    for c in contexts if not args.only_side else []:
         s, u = summary["sliced"][c], summary["single"][c]
         print(f"{c:>8} | {s['ttft_s']:7.2f} {u['ttft_s']:7.2f} | {s['decode_ms_per_step']:7.1f} "
               f"{u['decode_ms_per_step']:7.1f} | {s['e2e_p99_s']:7.2f} {u['e2e_p99_s']:7.2f} | "
@@ -238,7 +242,7 @@ def main() -> None:
     result = {
         "benchmark": "long_context", "model": args.model, "weight_format": engines["sliced"].weight_format,
         "kv_cache_dtype": str(engines["sliced"].kv_dtype), "threads": args.threads,
-        "slice_tokens": args.slice_tokens, "repeats": args.repeats, "output_tokens": OUTPUT_TOKENS,
+        "slice_tokens": args.slice_tokens, "repeats": args.repeats, "side_order_reversed": args.reverse, "output_tokens": OUTPUT_TOKENS,
         "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
         "python": platform.python_version(), "torch": torch.__version__,
         "load_average_before": load_before, "load_average_after": load_after,
