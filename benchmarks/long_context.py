@@ -20,6 +20,10 @@ from other processes on a shared machine hits both alike; timestamps are the eng
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/long_context.py    # writes benchmarks/results/long_context.json
     .venv/bin/python benchmarks/long_context.py --quick              # 256 and 2K only, no side-by-side part
+    .venv/bin/python benchmarks/long_context.py --only-attention --sweep 512,1024,2048,4096 --out /tmp/sweep.json
+                                                                     # part 1 at several slice sizes (the default's
+                                                                     # choice); --only-side --reverse: part 3 only,
+                                                                     # single-shot first (an order check)
 """
 
 from __future__ import annotations
@@ -94,7 +98,8 @@ def token_times(events: list[TokenEvent]) -> list[float]:
 
 # --- 1. attention alone ----------------------------------------------------------------------------------------
 
-def attention_alone(slice_tokens: int, reps: int) -> list[dict]:
+def attention_alone(slice_tokens: int, reps: int, sweep: list[int]) -> list[dict]:
+    """ms per call, sliced at ``slice_tokens`` and single-shot (and at each ``sweep`` size, keys 'slice N')."""
     n_heads, n_kv, hd, bs = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -121,7 +126,7 @@ def attention_alone(slice_tokens: int, reps: int) -> list[dict]:
             decode_mask=torch.ones(d, 1, 1, ctx, dtype=torch.bool), prefills=[], decode_lens=lens)
         q = torch.randn(d, n_heads, hd, generator=gen)
         ms = timed({mode: (lambda s=s, q=q, k=k_cache, v=v_cache, m=meta: LlamaModel._decode_attention(q, k, v, m, s))
-                    for mode, s in (("sliced", slice_tokens), ("single", 0))})
+                    for mode, s in [("sliced", slice_tokens), ("single", 0)] + [(f"slice {n}", n) for n in sweep]})
         rows.append({"case": f"decode, 4 seqs x {ctx}", **ms})
     ctx, n = 8192, 256
     blocks = ctx // bs
@@ -137,7 +142,9 @@ def attention_alone(slice_tokens: int, reps: int) -> list[dict]:
         return torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(0), k, v, attn_mask=mask, enable_gqa=True)
 
     ms = timed({"sliced": lambda: prefill_attention_tiled(q, k_cache, v_cache, gather, mask, slice_tokens),
-                "single": single_shot})
+                "single": single_shot,
+                **{f"slice {n}": (lambda n=n: prefill_attention_tiled(q, k_cache, v_cache, gather, mask, n))
+                   for n in sweep}})
     rows.append({"case": f"prefill chunk {n} at {ctx}", **ms})
     return rows
 
@@ -152,6 +159,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=4, help="short streams beside the long prefill")
     ap.add_argument("--quick", action="store_true", help="contexts 256 and 2048, no side-by-side part")
     ap.add_argument("--only-side", action="store_true", help="parts 1 and 3 only (the streams beside the prefill)")
+    ap.add_argument("--sweep", default="", help="slice sizes to time in part 1 too, e.g. 512,1024,2048,4096")
+    ap.add_argument("--only-attention", action="store_true", help="part 1 only")
     ap.add_argument("--reverse", action="store_true", help="single-shot before sliced in part 3 (order check)")
     ap.add_argument("--out", default=str(HERE / "results" / "long_context.json"))
     args = ap.parse_args()
@@ -163,9 +172,20 @@ def main() -> None:
     t_start = time.perf_counter()
 
     print(f"1. attention alone, one layer (slice {args.slice_tokens} vs single-shot), ms per call", flush=True)
-    alone = attention_alone(args.slice_tokens, reps=3 if args.quick else 7)
+    sweep = [int(n) for n in args.sweep.split(",") if n]
+    alone = attention_alone(args.slice_tokens, reps=3 if args.quick else 7, sweep=sweep)
     for row in alone:
-        print(f"  {row['case']:<28} sliced {row['sliced']:7.1f}   single-shot {row['single']:7.1f}", flush=True)
+        extra = "".join(f"   {k} {v:7.1f}" for k, v in row.items() if k.startswith("slice "))
+        print(f"  {row['case']:<28} sliced {row['sliced']:7.1f}   single-shot {row['single']:7.1f}{extra}", flush=True)
+    if args.only_attention:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"benchmark": "long_context (attention alone)", "threads": args.threads,
+                                              "slice_tokens": args.slice_tokens, "attention_alone_ms": alone,
+                                              "load_average_before": load_before, "torch": torch.__version__,
+                                              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                                             indent=2) + "\n")
+        print(f"wrote {args.out}")
+        return
 
     common = dict(model=args.model, num_threads=args.threads, kv_cache_tokens=16384, max_num_batched_tokens=512,
                   max_prefill_chunk=256, enable_prefix_caching=False, max_model_len=MAX_POSITION)
