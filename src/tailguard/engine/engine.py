@@ -23,7 +23,7 @@ from tailguard.engine.blocks import BlockPool
 from tailguard.engine.drafting import make_draft_model, make_self_draft
 from tailguard.engine.loader import load_gguf, write_tiny_gguf
 from tailguard.engine.memory import format_bytes, parse_budget
-from tailguard.engine.model import LlamaModel
+from tailguard.engine.model import DEFAULT_ATTENTION_SLICE_TOKENS, LlamaModel
 from tailguard.engine.model_store import cache_dir, resolve_model_path
 from tailguard.engine.request import EngineClosed, FinishReason, RequestError, SamplingParams, Sequence
 from tailguard.engine.runner import ModelRunner, pick_device
@@ -62,6 +62,10 @@ class EngineArgs:
     # Prefix caching: requests that start with the same tokens (a system prompt, earlier chat turns) share the KV of
     # those full blocks instead of computing it again.
     enable_prefix_caching: bool = True
+    # Attention over a context longer than this many keys runs slice by slice, merged by log-sum-exp, so a long
+    # context's step holds one slice of float K/V and scores, not the whole context's (torch paths; the C decode step
+    # always streams 256-key slices). 0: one slice whatever the length. Default: benchmarks/long_context.py.
+    attention_slice_tokens: int = DEFAULT_ATTENTION_SLICE_TOKENS
 
 
 @dataclass
@@ -159,6 +163,8 @@ class LLMEngine:
         proposer = make_proposer(args.speculative)  # a bad value fails before the model loads
         if args.speculative != "off" and (args.num_speculative_tokens < 1 or args.speculative_max_running < 1):
             raise ValueError("num_speculative_tokens and speculative_max_running must be at least 1")
+        if args.attention_slice_tokens < 0:
+            raise ValueError("attention_slice_tokens must be 0 (no slicing) or a number of keys per slice")
         if args.model == "tiny":
             path = tiny_model_path(resolve_model_path("smollm2"))
         else:
@@ -170,6 +176,7 @@ class LLMEngine:
         self.weight_format = resolve_weight_format(args.weight_format, self.device)
         weights = load_gguf(path, packed=self.weight_format == "native")
         self.model = LlamaModel(weights, self.weight_format, self.device)
+        self.model.attention_slice_tokens = args.attention_slice_tokens
         self.config = weights.config
         self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype)
         per_token = self.model.kv_bytes_per_token(self.kv_dtype)

@@ -35,6 +35,12 @@ NATIVE_GEMM_MIN_TOKENS = 192
 # row for head_dim 64 (1.94x float16's tokens per byte, 3.9x float32's) instead of 68 (1.88x, 3.8x).
 KV_INT8_SCALE_BYTES = 2
 
+# Attention over a context longer than this many keys runs in slices of about this size (whole KV blocks), merged by
+# log-sum-exp (flash-decoding): per step the float copy of the gathered K/V and the scores stay one slice wide
+# whatever the context. 0 turns slicing off (one gather and one SDPA over the whole context). Default: the size
+# measured on this machine class to cost nothing at short contexts and the least at 8K (benchmarks/long_context.py).
+DEFAULT_ATTENTION_SLICE_TOKENS = 1024
+
 
 def kv_row_bytes(kv_dtype: torch.dtype, head_dim: int) -> int:
     """Bytes of one stored (position, kv head) row of K or V."""
@@ -125,6 +131,9 @@ class Linear:
 
 
 class LlamaModel:
+    # Keys per attention slice in the torch paths (decode and prefill over a cached prefix); 0: no slicing.
+    attention_slice_tokens: int = DEFAULT_ATTENTION_SLICE_TOKENS
+
     def __init__(self, weights: ModelWeights, weight_format: str = "float32", device: str | torch.device = "cpu") -> None:
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}")
@@ -227,13 +236,36 @@ class LlamaModel:
 
     @staticmethod
     def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata) -> torch.Tensor:
-        """One query token per decoding sequence against its paged keys: [D, H, hd]."""
-        # Only the step's own blocks are gathered (and, for int8, dequantized): never a float copy of the cache.
-        kd = _kv_values(k_cache[meta.decode_gather], q.dtype).flatten(1, 2).transpose(1, 2)  # [D, kv, L, hd]
-        vd = _kv_values(v_cache[meta.decode_gather], q.dtype).flatten(1, 2).transpose(1, 2)
-        od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
-        return od.squeeze(2)
+                          meta: AttentionMetadata, slice_tokens: int = 0) -> torch.Tensor:
+        """One query token per decoding sequence against its paged keys: [D, H, hd]. Contexts wider than
+        ``slice_tokens`` keys (> 0) are attended slice by slice (attention_sliced)."""
+        assert meta.decode_gather is not None and meta.decode_mask is not None
+        bs = k_cache.shape[1]
+        n_blocks = meta.decode_gather.shape[1]
+        if slice_tokens <= 0 or n_blocks * bs <= slice_tokens:
+            # Short contexts (most steps): one gather, one SDPA. Only the step's own blocks are gathered (and, for
+            # int8, dequantized): never a float copy of the cache.
+            kd = _kv_values(k_cache[meta.decode_gather], q.dtype).flatten(1, 2).transpose(1, 2)  # [D, kv, L, hd]
+            vd = _kv_values(v_cache[meta.decode_gather], q.dtype).flatten(1, 2).transpose(1, 2)
+            od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
+            return od.squeeze(2)
+        n_dec, n_heads, head_dim = q.shape
+        n_kv = k_cache.shape[2]
+        step = slice_blocks(slice_tokens, bs)
+        mask = meta.decode_mask.view(n_dec, 1, 1, 1, -1)  # broadcast over [D, kv, group, 1 query, keys]
+        # keys every sequence of the step has: slices below this need no mask
+        common = int(meta.decode_lens.min()) if meta.decode_lens is not None else 0
+
+        def slices():
+            for b0 in range(0, n_blocks, step):
+                gather = meta.decode_gather[:, b0 : b0 + step]
+                k = _kv_values(k_cache[gather], q.dtype).flatten(1, 2).transpose(1, 2)  # [D, kv, S, hd]
+                v = _kv_values(v_cache[gather], q.dtype).flatten(1, 2).transpose(1, 2)
+                end = (b0 + gather.shape[1]) * bs
+                yield k, v, None if end <= common else mask[..., b0 * bs : end]
+
+        out = attention_sliced(q.view(n_dec, n_kv, n_heads // n_kv, 1, head_dim), slices())
+        return out.reshape(n_dec, n_heads, head_dim)
 
     @torch.inference_mode()
     def forward(
@@ -269,17 +301,22 @@ class LlamaModel:
             v_cache.view(-1, n_kv, kv_cache.shape[-1]).index_copy_(0, meta.slot_mapping, v)
             k, v = _kv_values(k, x.dtype), _kv_values(v, x.dtype)
             if d == n_tok:  # a decode-only step (most steps): no buffer to assemble
-                attn = self._decode_attention(q, k_cache, v_cache, meta)
+                attn = self._decode_attention(q, k_cache, v_cache, meta, self.attention_slice_tokens)
             else:
                 attn = torch.empty(n_tok, n_heads, head_dim, dtype=x.dtype, device=x.device)
                 if d:
-                    attn[:d] = self._decode_attention(q[:d], k_cache, v_cache, meta)
+                    attn[:d] = self._decode_attention(q[:d], k_cache, v_cache, meta, self.attention_slice_tokens)
             for span in meta.prefills:
                 qp = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
                 if span.gather is None:
                     kp = k[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
                     vp = v[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
                     op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+                elif self.attention_slice_tokens > 0 and span.gather.shape[0] * kv_cache.shape[3] > (
+                        self.attention_slice_tokens):
+                    # A chunk against a long cached prefix: key tiles, so the scores stay [H, n, tile] wide.
+                    op = prefill_attention_tiled(qp[0], k_cache, v_cache, span.gather, span.mask,
+                                                 self.attention_slice_tokens).unsqueeze(0)
                 else:
                     kp = _kv_values(k_cache[span.gather], qp.dtype).flatten(0, 1).transpose(0, 1).unsqueeze(0)
                     vp = _kv_values(v_cache[span.gather], qp.dtype).flatten(0, 1).transpose(0, 1).unsqueeze(0)
@@ -291,6 +328,101 @@ class LlamaModel:
             x = x + down_proj(F.silu(gate) * up)
         x = F.rms_norm(x[logits_indices], (cfg.hidden_size,), self.norm, cfg.rms_eps)
         return self.lm_head(x).float()
+
+
+def slice_blocks(slice_tokens: int, block_size: int) -> int:
+    """KV blocks per attention slice: ``slice_tokens`` rounded down to whole blocks, at least one."""
+    return max(1, slice_tokens // block_size)
+
+
+# The fused flash-attention kernel that F.scaled_dot_product_attention runs on the CPU, called directly because it
+# also returns each row's log-sum-exp, which merging slices needs and the public function drops. Elsewhere (CUDA, or
+# a torch without it) slices go through _slice_attention_unfused: the same numbers, about half the speed on the CPU.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _slice_attention_fused(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [B, kv, r, hd] against k, v [B, kv, S, hd]; mask: additive float [B or 1, 1, r, S] or None.
+    Returns (softmax-normalized output [B, kv, r, hd], log-sum-exp of the scaled scores [B, kv, r])."""
+    out, lse = _FLASH_CPU(rows, k, v, 0.0, False, attn_mask=mask, scale=scale)
+    return out, lse
+
+
+def _slice_attention_unfused(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """As _slice_attention_fused, in plain torch ops (scores for one slice only)."""
+    scores = torch.matmul(rows * scale, k.transpose(-1, -2))
+    if mask is not None:
+        scores = scores.add_(mask)
+    row_max = scores.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)
+    probs = torch.exp_(scores.sub_(row_max))
+    total = probs.sum(dim=-1, keepdim=True)
+    out = torch.matmul(probs, v).div_(total.clamp(min=torch.finfo(total.dtype).tiny))
+    return out, (row_max + total.log()).squeeze(-1)
+
+
+def attention_sliced(q: torch.Tensor, slices) -> torch.Tensor:
+    """Softmax attention over keys that arrive in slices, merged by log-sum-exp (flash-decoding): each slice gives
+    its normalized output o_i and log-sum-exp l_i, and out = sum_i o_i * exp(l_i - logsumexp_i(l_i)), accumulated
+    slice by slice. Nothing wider than one slice of keys (and its scores) is ever materialized.
+
+    q: [..., kv, group, n, hd] (query heads grouped under their KV head, GQA). ``slices`` yields (k, v, mask):
+    k, v [..., kv, S, hd]; mask (True where a key is visible) broadcastable to [..., 1, group, n, S] (one mask for
+    every head), or None when every query sees every key of the slice. Returns [..., kv, group, n, hd]; a query that
+    sees no key at all gets zeros.
+    """
+    *lead, n_kv, group, n_q, head_dim = q.shape
+    batch = math.prod(lead)
+    rows = q.reshape(batch, n_kv, group * n_q, head_dim)  # the group's heads as extra query rows of their KV head
+    scale = 1.0 / math.sqrt(head_dim)
+    fused = _FLASH_CPU is not None and q.device.type == "cpu"
+    floor = torch.finfo(q.dtype).min  # a finite stand-in for -inf: exp(-inf - floor) = 0, never nan
+    out = run_lse = None
+    for k, v, mask in slices:
+        k = k.reshape(batch, n_kv, k.shape[-2], head_dim) if lead else k.unsqueeze(0)
+        v = v.reshape(batch, n_kv, v.shape[-2], head_dim) if lead else v.unsqueeze(0)
+        additive = None
+        if mask is not None:
+            shape = (*lead, 1, group, n_q, k.shape[-2])
+            additive = torch.zeros(shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            additive = additive.view(batch, 1, group * n_q, k.shape[-2])
+        part, lse = (_slice_attention_fused if fused else _slice_attention_unfused)(rows, k, v, additive, scale)
+        if mask is not None:
+            # a row that sees no key of this slice contributes nothing (the fused kernel reports lse 0 for it)
+            seen = mask.any(dim=-1).expand(*lead, 1, group, n_q).reshape(batch, 1, group * n_q)
+            lse = lse.masked_fill(~seen, float("-inf"))
+        lse = lse.unsqueeze(-1)
+        if out is None:
+            out, run_lse = part, lse
+            continue
+        merged = torch.logaddexp(run_lse, lse).clamp_(min=floor)
+        out = out.mul_(torch.exp(run_lse - merged)).add_(part.mul_(torch.exp(lse - merged)))
+        run_lse = merged
+    if out is None:
+        raise ValueError("attention over no keys")
+    return out.reshape(*lead, n_kv, group, n_q, head_dim)
+
+
+def prefill_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: torch.Tensor,
+                            mask: torch.Tensor, slice_tokens: int) -> torch.Tensor:
+    """A prefill chunk's queries q [H, n, hd] against its sequence's cached keys (block table ``gather``, causal
+    ``mask`` [n, blocks * block_size]), key tile by key tile: [H, n, hd]."""
+    n_heads, n_q, head_dim = q.shape
+    n_kv, bs = k_cache.shape[2], k_cache.shape[1]
+    step = slice_blocks(slice_tokens, bs)
+
+    def tiles():
+        for b0 in range(0, gather.shape[0], step):
+            blocks = gather[b0 : b0 + step]
+            k = _kv_values(k_cache[blocks], q.dtype).flatten(0, 1).transpose(0, 1)  # [kv, S, hd]
+            v = _kv_values(v_cache[blocks], q.dtype).flatten(0, 1).transpose(0, 1)
+            end = (b0 + blocks.shape[0]) * bs
+            # the mask is causal: a tile the chunk's first query sees whole, every query sees whole
+            yield k, v, None if bool(mask[0, end - 1]) else mask[:, b0 * bs : end]
+
+    out = attention_sliced(q.view(n_kv, n_heads // n_kv, n_q, head_dim), tiles())
+    return out.view(n_heads, n_q, head_dim)
 
 
 def _dense_bytes(lin: Linear) -> int:

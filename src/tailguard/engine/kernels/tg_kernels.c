@@ -692,6 +692,12 @@ static float exp_shifted_sum(float *s, int n, float shift) {
     return sum;
 }
 
+/* Decode attention is already sliced (flash-decoding): every (sequence, KV head) context is cut into SLICE-position
+ * slices, each a task with its own max, sum of exp and unnormalised output, merged by log-sum-exp below. The score
+ * buffer is one slice on the stack whatever the context; the only per-context memory is pm (hd + 2 floats per slice,
+ * KV head and query head: ~76 KB for SmolLM2 at 8K tokens). No float copy of K/V is made (rows are read, and int8
+ * rows dequantized, one at a time). So an 8K context needs nothing more here; the torch paths (model.py
+ * attention_sliced, EngineArgs.attention_slice_tokens) do the same for steps with prefill chunks. */
 #define SLICE 256   /* positions per attention slice: long contexts split across threads, merged by log-sum-exp */
 #define MAX_GROUP 16
 
