@@ -237,3 +237,14 @@ def test_engine_greedy_outputs_identical_with_small_slices(tiny_gguf, monkeypatc
 def test_negative_slice_size_is_refused():
     with pytest.raises(ValueError, match="attention_slice_tokens"):
         LLMEngine(EngineArgs(model="tiny", attention_slice_tokens=-1))
+
+
+def test_the_slice_size_is_a_command_line_option():
+    import argparse
+
+    from tailguard.engine_options import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args_from(parser.parse_args([])).attention_slice_tokens == 1024
+    assert engine_args_from(parser.parse_args(["--attention-slice-tokens", "0"])).attention_slice_tokens == 0

@@ -40,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "requests (the default)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn prefix caching off")
+    p.add_argument("--attention-slice-tokens", type=int, default=1024,
+                   help="long contexts: attention runs over slices of this many keys merged by log-sum-exp, so memory "
+                        "per step stays bounded (0: one slice; default 1024, measured fastest at 8K here)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> Any:
@@ -62,6 +65,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         num_speculative_tokens=ns.num_speculative_tokens,
         speculative_max_running=ns.speculative_max_running,
         enable_prefix_caching=ns.enable_prefix_caching,
+        attention_slice_tokens=ns.attention_slice_tokens,
     )
 
 
