@@ -122,6 +122,8 @@ class ServerConfig(BaseModel):
                                                                    "standard, batch when keys or upstreams are set")
     capacity: CapacityConfig = Field(default_factory=CapacityConfig)
     default_lane: str = Field("standard", description="the lane of a caller whose key names no tenant")
+    redis_url: str | None = Field(None, description="redis://HOST:PORT/DB shared by a fleet of gateways: tenant rate "
+                                                    "limits, lane budgets and the SLO windows (docs/gateway.md, Fleet)")
     trust_lane_header: bool = Field(False, description="take X-Lane from the client (only behind a proxy that "
                                                        "sets it): otherwise a claimed lane is ignored and recorded")
 

@@ -90,6 +90,13 @@ class Lifespan:
     async def __call__(self, app: Starlette) -> AsyncIterator[None]:
         state = self.state
         state.store = await self.open_store()
+        if state.config.redis_url:  # a fleet: rate limits, lane budgets and SLO windows shared through Redis
+            from tailguard.gateway.shared import open_shared
+
+            state.shared = open_shared(state.config.redis_url, state.metrics.registry if state.metrics else None)
+            await state.shared.start()
+            if state.slo is not None:
+                state.slo.join_fleet(state.config.redis_url, gateway_id=state.shared.gateway_id)
         if state.config.tracing.enabled:
             from tailguard.observe.tracing import RequestTracer
 
@@ -122,6 +129,7 @@ class Lifespan:
                 if aclose is not None:
                     await aclose()
                 await asyncio.to_thread(state.engine.shutdown)
+            await state.shared.close()
             if state.slo is not None:
                 await asyncio.to_thread(state.slo.close)  # waits (bounded) for scale-hook calls in flight
             if state.tracer is not None:

@@ -10,14 +10,20 @@ Recording a request is therefore a dict lookup and a few list appends (microseco
 :class:`PeakDetector`) and the keys its :class:`~tailguard.slo.profiles.Selector` matches, and merges their digests.
 Closed slots never change, so the merge of a key's closed slots is cached until the ring turns.
 
+A fleet of gateways judges one view: each exports its slots (``export_slots``: counts and serialized digests per
+key) and :meth:`SlidingWindows.merged` builds a read-only ring from every gateway's slots (t-digests merge), which the
+evaluator queries like a local one (``tailguard.slo.monitor``, ``join_fleet``).
+
 Window edges are slot-aligned: a window of ``n`` slots covers the current, partial slot and the ``n - 1`` before
 it, i.e. between ``(n - 1) * slot_s`` and ``n * slot_s`` seconds of history.
 """
 
 from __future__ import annotations
 
+import base64
 import bisect
 import heapq
+import json
 import math
 import threading
 import time
@@ -156,10 +162,11 @@ class _Cell:
 
 
 class _Slot:
-    __slots__ = ("index", "cells", "top", "closed", "compacted", "aggs")
+    __slots__ = ("index", "cells", "top", "closed", "compacted", "aggs", "exported")
 
     def __init__(self, index: int) -> None:
         self.index = index
+        self.exported: bytes | None = None  # a closed slot's serialized form (it never changes)
         self.cells: dict[Key, _Cell] = {}
         self.top: list[tuple] = []  # min-heap of the slowest requests: (e2e, seq, request_id, key, stages)
         self.closed = False  # no more writes (record only ever writes to the current slot)
@@ -801,6 +808,106 @@ class SlidingWindows:
         ]
         out.sort(key=lambda r: -r["e2e"])
         return out
+
+    # --- a fleet's view ----------------------------------------------------------------------------------------------
+    def export_slots(self, now: float | None = None) -> dict[int, bytes]:
+        """Every slot in the ring, serialized (JSON; digests as fastdigest's bytes, base64), by slot index: what
+        another gateway needs to merge this one's windows into a fleet view. Closed slots are serialized once."""
+        self.advance(now)
+        with self._lock:
+            slots = list(self._ring)
+            cur = self._cur
+            open_cells: dict[Key, _Cell] = {}
+            open_top: list[tuple] = []
+            if cur is not None and not cur.closed:
+                mis = list(range(len(self.metrics)))
+                for k in cur.cells:
+                    snap = self._current_snapshot(cur, [k], mis)
+                    open_cells[k] = snap
+                open_top = list(cur.top)
+        out: dict[int, bytes] = {}
+        mc = self.max_centroids
+        for slot in slots:
+            if slot is cur and not slot.closed:
+                cells = []
+                for k, snap in open_cells.items():
+                    parts = snap.digests  # lists of digest copies (see _current_snapshot), plus the raw buffers
+                    digests: list[TDigest | None] = []
+                    for mi in range(len(self.metrics)):
+                        ps = list(parts[mi])  # type: ignore[arg-type]
+                        if snap.bufs[mi]:
+                            ps.append(TDigest.from_values(snap.bufs[mi], max_centroids=mc))
+                        digests.append(_merge_into(ps))
+                    cells.append(self._encode_cell(k, snap, digests))
+                out[slot.index] = self._encode_slot(slot.index, cells, open_top, closed=False)
+                continue
+            if slot.exported is None:
+                with self._agg_lock:
+                    self._compact(slot)
+                cells = [self._encode_cell(k, c, c.digests) for k, c in slot.cells.items()]
+                slot.exported = self._encode_slot(slot.index, cells, slot.top, closed=True)
+            out[slot.index] = slot.exported
+        return out
+
+    def _encode_cell(self, key: Key, c: _Cell, digests: Sequence[TDigest | None]) -> dict[str, Any]:
+        return {
+            "key": list(key),
+            "counts": [c.total, c.served, c.errors, c.rejected, c.aborted, c.degraded, c.log_n, c.log_sum, c.log_sq,
+                       c.stage_n],
+            "stage_sum": c.stage_sum, "stage_sq": c.stage_sq,
+            "digests": {m: base64.b64encode(d.to_bytes()).decode() for m, d in zip(self.metrics, digests, strict=True)
+                        if d is not None},
+        }
+
+    @staticmethod
+    def _encode_slot(index: int, cells: list[dict[str, Any]], top: list[tuple], closed: bool) -> bytes:
+        return json.dumps({"index": index, "closed": closed, "cells": cells,
+                           "top": [[e2e, rid, list(key), stages, at] for e2e, _seq, rid, key, stages, at in top]},
+                          separators=(",", ":")).encode()
+
+    def merged(self, exports: Iterable[Mapping[int, bytes]]) -> SlidingWindows:
+        """A read-only ring holding every given export's slots merged (counts added, digests merged, the slowest
+        requests pooled): the fleet's windows, to query like this one. Metrics this ring does not keep are skipped."""
+        fleet = SlidingWindows(self.slot_s, self.max_slots * self.slot_s, self.metrics, self.ctx_edges,
+                               self.max_centroids, self.buffer_limit, self.top_per_slot, self.max_keys, clock=self.clock)
+        slots: dict[int, _Slot] = {}
+        for export in exports:
+            for index, raw in export.items():
+                data = json.loads(raw)
+                slot = slots.get(int(index))
+                if slot is None:
+                    slot = slots[int(index)] = _Slot(int(index))
+                    slot.closed = slot.compacted = True
+                for cd in data["cells"]:
+                    key = Key(*cd["key"][:5], bool(cd["key"][5]) if len(cd["key"]) > 5 else False)
+                    cell = slot.cells.get(key)
+                    if cell is None:
+                        cell = slot.cells[key] = _Cell(len(fleet.metrics))
+                    (t, sv, er, rj, ab, dg, ln, ls, lq, sn) = cd["counts"]
+                    part = _Cell(len(fleet.metrics))
+                    part.total, part.served, part.errors, part.rejected, part.aborted, part.degraded =                         t, sv, er, rj, ab, dg
+                    part.log_n, part.log_sum, part.log_sq, part.stage_n = ln, ls, lq, sn
+                    part.stage_sum, part.stage_sq = list(cd["stage_sum"]), list(cd["stage_sq"])
+                    _add_counts(cell, part)
+                    for m, b64 in cd["digests"].items():
+                        mi = fleet._mi.get(m)
+                        if mi is None:
+                            continue
+                        d = TDigest.from_bytes(base64.b64decode(b64))
+                        if cell.digests[mi] is None:
+                            cell.digests[mi] = d
+                        else:
+                            cell.digests[mi].merge_inplace(d)  # type: ignore[union-attr]
+                    fleet._keys.add(key)
+                for e2e, rid, key, stages, at in data["top"]:
+                    fleet._seq += 1
+                    item = (e2e, fleet._seq, rid, Key(*key[:5], bool(key[5]) if len(key) > 5 else False), stages, at)
+                    if len(slot.top) < fleet.top_per_slot:
+                        heapq.heappush(slot.top, item)
+                    elif e2e > slot.top[0][0]:
+                        heapq.heapreplace(slot.top, item)
+        fleet._ring = deque(slots[i] for i in sorted(slots))
+        return fleet
 
     def requests_in(self, seconds: float, now: float | None = None) -> int:
         """Finished requests in the last ``seconds`` (slot-aligned), for rate estimates."""
