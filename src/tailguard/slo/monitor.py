@@ -127,7 +127,9 @@ class SLOMonitor:
 
     def _leader_only(self, sink: RecordSink) -> RecordSink:
         def emit(record: dict[str, Any]) -> None:
-            if self.fires:
+            # The fleet's judgement (tiers, actions, advisories) is written once; what one gateway saw on its own
+            # (a speculation audit of its engine) is written by that gateway.
+            if self.fires or record.get("kind") == "audit" or record.get("name") == "spec_inconsistent":
                 sink(record)
         return emit
 
