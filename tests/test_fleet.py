@@ -242,13 +242,27 @@ def test_an_alert_fires_once_for_the_fleet(tmp_path, redis):
     assert sorted(leaders) == [False, True]
     counted = [m.metrics.alerts.labels("all", "yellow")._value.get() for m in mons]
     assert sorted(counted) == [0, 1]
+    # The leader stops: the other takes the lead at its next evaluation and fires the fleet's next transition.
+    lead, other = (mons[0], mons[1]) if leaders[0] else (mons[1], mons[0])
+    lead.close()
+    clock.advance(1.0)
+    for _ in range(6):
+        other.record(RequestSample(e2e=0.01, ttft=0.005, queue_wait=0.0))
+    other.evaluate()
+    assert other.fleet.leader
+    clock.advance(1.0)
+    for _ in range(6):
+        other.record(RequestSample(e2e=0.01, ttft=0.005, queue_wait=0.0))
+    assert other.evaluate().to_dict()["tier"] == "green"  # clear_after: 2
+    cleared = [r for s in sunk for r in s if r["kind"] == "alert" and r["event"] == "cleared"]
+    assert len(cleared) == 1 and cleared[0] in sunk[mons.index(other)]
     # Alone (no fleet), the same samples would not be judged at all.
     solo = SLOMonitor(cfg, clock=clock)
     for _ in range(3):
         solo.record(RequestSample(e2e=0.45, ttft=0.2, queue_wait=0.0))
     assert solo.evaluate().to_dict()["tier"] == "green"
-    for m in (*mons, solo):
-        m.close()
+    other.close()
+    solo.close()
 
 
 # --- Redis goes away ----------------------------------------------------------------------------------------------
