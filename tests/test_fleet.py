@@ -201,8 +201,10 @@ def test_merged_digests_give_the_fleet_percentile():
     for i, v in enumerate(b_vals):
         wb.record(RequestSample(e2e=float(v), ttft=float(v) / 3), now=clock.t + (i % 3))
     now = clock.t + 2.5
-    fleet_w = wa.merged([wa.export_slots(now), wb.export_slots(now)])
-    st = fleet_w.query(window_s=5, now=now)
+    parts = [wa.decode_slot(raw) for w in (wa, wb) for raw in w.export_slots(now).values()]
+    st = wa.merged(parts).query(window_s=5, now=now)
+    again = wa.merged(parts).query(window_s=5, now=now)  # decoded slots are kept between evaluations: unchanged
+    assert (again.total, again.quantile("e2e", 0.99)) == (st.total, st.quantile("e2e", 0.99))
     every = np.concatenate([a_vals, b_vals])
     assert st.total == 4000 and st.n("e2e") == 4000
     reference = TDigest.from_values(every.tolist(), max_centroids=200)

@@ -388,6 +388,7 @@ class FleetView:
         self.client = client or redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._lead = self.client.register_script(_LEAD)
         self._sent: dict[int, bytes] = {}  # slot index -> what Redis holds for it (closed slots are sent once)
+        self._closed: dict[tuple[str, int], Any] = {}  # (gateway, slot index) -> its closed slot, decoded
         self.leader = False
         self.down = False
         self._down_until = 0.0
@@ -409,6 +410,7 @@ class FleetView:
             self.failures += 1
             self._down_until = time.monotonic() + self.retry_s
             self._sent.clear()
+            self._closed.clear()
             self.leader = True
             if not self.down:
                 self.down = True
@@ -439,16 +441,40 @@ class FleetView:
         self._sent = dict(own)
         peers = [g.decode() if isinstance(g, bytes) else g for g in res[-1]]
         peers = [g for g in peers if g != self.gateway_id]
-        exports: list[dict[int, bytes]] = [own]
+        parts = [self._decoded(self.gateway_id, i, raw) for i, raw in own.items()]
         if peers:
+            # Closed slots never change: only the indices not kept yet (and each peer's open slot) are fetched.
             pipe = self.client.pipeline(transaction=False)
             for g in peers:
-                pipe.hgetall(self.key("slo", "slots", g))
-            for h in pipe.execute():
-                exports.append({int(k): v for k, v in h.items()})
+                pipe.hkeys(self.key("slo", "slots", g))
+            wanted: list[tuple[str, list[int]]] = []
+            for g, fields in zip(peers, pipe.execute(), strict=True):
+                idx = sorted(int(f) for f in fields)
+                parts += [self._closed[(g, i)] for i in idx if (g, i) in self._closed]
+                wanted.append((g, [i for i in idx if (g, i) not in self._closed]))
+            pipe = self.client.pipeline(transaction=False)
+            for g, idx in wanted:
+                if idx:
+                    pipe.hmget(self.key("slo", "slots", g), [str(i) for i in idx])
+            got = iter(pipe.execute())
+            for g, idx in wanted:
+                if idx:
+                    parts += [self._decoded(g, i, raw) for i, raw in zip(idx, next(got), strict=True) if raw]
+        oldest = int(now // self.windows.slot_s) - self.windows.max_slots
+        live = {self.gateway_id, *peers}
+        self._closed = {k: v for k, v in self._closed.items() if k[0] in live and k[1] > oldest}
         self.leader = bool(self._lead(keys=[self.key("slo", "leader")], args=[self.gateway_id, self.leader_ttl_ms]))
-        self.gateways = len(exports)
-        return self.windows.merged(exports)
+        self.gateways = len(live)
+        return self.windows.merged(parts)
+
+    def _decoded(self, gateway: str, index: int, raw: bytes) -> Any:
+        """A slot decoded once it is closed (kept), every time while it is open."""
+        slot = self._closed.get((gateway, index))
+        if slot is None:
+            slot = self.windows.decode_slot(raw)
+            if slot.closed:
+                self._closed[(gateway, index)] = slot
+        return slot
 
     def close(self) -> None:
         try:

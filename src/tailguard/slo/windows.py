@@ -174,6 +174,12 @@ class _Slot:
         self.aggs: dict[frozenset[Key], _Cell] = {}  # merged cells per key set: closed slots never change
 
 
+def _key(parts: Sequence[Any]) -> Key:
+    """A Key from its JSON list (``degraded`` defaults to False)."""
+    return Key(str(parts[0]), str(parts[1]), str(parts[2]), str(parts[3]), int(parts[4]),
+               bool(parts[5]) if len(parts) > 5 else False)
+
+
 def _add_counts(dst: _Cell, c: _Cell) -> None:
     dst.total += c.total
     dst.served += c.served
@@ -865,47 +871,60 @@ class SlidingWindows:
                            "top": [[e2e, rid, list(key), stages, at] for e2e, _seq, rid, key, stages, at in top]},
                           separators=(",", ":")).encode()
 
-    def merged(self, exports: Iterable[Mapping[int, bytes]]) -> SlidingWindows:
-        """A read-only ring holding every given export's slots merged (counts added, digests merged, the slowest
-        requests pooled): the fleet's windows, to query like this one. Metrics this ring does not keep are skipped."""
+    def decode_slot(self, raw: bytes) -> _Slot:
+        """One slot as ``export_slots`` wrote it, decoded (``closed``: it will not change again, so it may be kept).
+        Metrics this ring does not keep are skipped."""
+        data = json.loads(raw)
+        slot = _Slot(int(data["index"]))
+        slot.closed = bool(data["closed"])
+        slot.compacted = True
+        for cd in data["cells"]:
+            cell = slot.cells[_key(cd["key"])] = _Cell(len(self.metrics))
+            (cell.total, cell.served, cell.errors, cell.rejected, cell.aborted, cell.degraded, cell.log_n,
+             cell.log_sum, cell.log_sq, cell.stage_n) = cd["counts"]
+            cell.stage_sum, cell.stage_sq = list(cd["stage_sum"]), list(cd["stage_sq"])
+            for m, b64 in cd["digests"].items():
+                mi = self._mi.get(m)
+                if mi is not None:
+                    cell.digests[mi] = TDigest.from_bytes(base64.b64decode(b64))
+        slot.top = [(e2e, 0, rid, _key(key), stages, at) for e2e, rid, key, stages, at in data["top"]]
+        return slot
+
+    def merged(self, parts: Iterable[_Slot | bytes]) -> SlidingWindows:
+        """A read-only ring holding the given slots (decoded, or as exported, from any number of gateways) merged by
+        index: counts added, digests merged, the slowest requests pooled. The fleet's windows, to query like this
+        one. The parts are left unchanged (decoded closed slots can be kept and merged again)."""
         fleet = SlidingWindows(self.slot_s, self.max_slots * self.slot_s, self.metrics, self.ctx_edges,
                                self.max_centroids, self.buffer_limit, self.top_per_slot, self.max_keys, clock=self.clock)
         slots: dict[int, _Slot] = {}
-        for export in exports:
-            for index, raw in export.items():
-                data = json.loads(raw)
-                slot = slots.get(int(index))
-                if slot is None:
-                    slot = slots[int(index)] = _Slot(int(index))
-                    slot.closed = slot.compacted = True
-                for cd in data["cells"]:
-                    key = Key(*cd["key"][:5], bool(cd["key"][5]) if len(cd["key"]) > 5 else False)
-                    cell = slot.cells.get(key)
-                    if cell is None:
-                        cell = slot.cells[key] = _Cell(len(fleet.metrics))
-                    (t, sv, er, rj, ab, dg, ln, ls, lq, sn) = cd["counts"]
-                    part = _Cell(len(fleet.metrics))
-                    part.total, part.served, part.errors, part.rejected, part.aborted, part.degraded =                         t, sv, er, rj, ab, dg
-                    part.log_n, part.log_sum, part.log_sq, part.stage_n = ln, ls, lq, sn
-                    part.stage_sum, part.stage_sq = list(cd["stage_sum"]), list(cd["stage_sq"])
-                    _add_counts(cell, part)
-                    for m, b64 in cd["digests"].items():
-                        mi = fleet._mi.get(m)
-                        if mi is None:
-                            continue
-                        d = TDigest.from_bytes(base64.b64decode(b64))
-                        if cell.digests[mi] is None:
-                            cell.digests[mi] = d
-                        else:
-                            cell.digests[mi].merge_inplace(d)  # type: ignore[union-attr]
-                    fleet._keys.add(key)
-                for e2e, rid, key, stages, at in data["top"]:
-                    fleet._seq += 1
-                    item = (e2e, fleet._seq, rid, Key(*key[:5], bool(key[5]) if len(key) > 5 else False), stages, at)
-                    if len(slot.top) < fleet.top_per_slot:
-                        heapq.heappush(slot.top, item)
-                    elif e2e > slot.top[0][0]:
-                        heapq.heapreplace(slot.top, item)
+        for part in parts:
+            if isinstance(part, bytes):
+                part = self.decode_slot(part)
+            slot = slots.get(part.index)
+            if slot is None:
+                slot = slots[part.index] = _Slot(part.index)
+                slot.closed = slot.compacted = True
+            for key, c in part.cells.items():
+                cell = slot.cells.get(key)
+                if cell is None:
+                    cell = slot.cells[key] = _Cell(len(fleet.metrics))
+                _add_counts(cell, c)
+                for mi, d in enumerate(c.digests):
+                    if d is None:
+                        continue
+                    mine = cell.digests[mi]
+                    if mine is None:
+                        cell.digests[mi] = d.copy()
+                    else:
+                        mine.merge_inplace(d)
+                fleet._keys.add(key)
+            for e2e, _seq, rid, key, stages, at in part.top:
+                fleet._seq += 1
+                item = (e2e, fleet._seq, rid, key, stages, at)
+                if len(slot.top) < fleet.top_per_slot:
+                    heapq.heappush(slot.top, item)
+                elif e2e > slot.top[0][0]:
+                    heapq.heapreplace(slot.top, item)
         fleet._ring = deque(slots[i] for i in sorted(slots))
         return fleet
 
