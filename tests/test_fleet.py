@@ -267,6 +267,16 @@ def test_an_alert_fires_once_for_the_fleet(tmp_path, redis):
     solo.close()
 
 
+def test_a_bad_redis_url_is_refused_with_a_clear_error():
+    from pydantic import ValidationError
+
+    from tailguard.serving.config import ServerConfig
+
+    with pytest.raises(ValidationError, match="redis_url must be a redis://"):
+        ServerConfig(redis_url="http://127.0.0.1:6379")
+    assert ServerConfig(redis_url="redis://127.0.0.1:6379/0").redis_url == "redis://127.0.0.1:6379/0"
+
+
 # --- Redis goes away ----------------------------------------------------------------------------------------------
 
 def test_redis_killed_mid_run_gateways_keep_serving(tmp_path, redis):

@@ -135,6 +135,13 @@ class ServerConfig(BaseModel):
         return check_store_target(v)
     tracing: TracingConfig = Field(default_factory=TracingConfig, description="OpenTelemetry traces over OTLP/HTTP")
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("redis_url must be a redis://HOST:PORT/DB, rediss:// or unix:// URL")
+        return v or None
+
     @field_validator("log_level")
     @classmethod
     def _level(cls, v: str) -> str:
