@@ -389,6 +389,7 @@ class FleetView:
         self._lead = self.client.register_script(_LEAD)
         self._sent: dict[int, bytes] = {}  # slot index -> what Redis holds for it (closed slots are sent once)
         self._closed: dict[tuple[str, int], Any] = {}  # (gateway, slot index) -> its closed slot, decoded
+        self._merged: dict[int, tuple[frozenset[str], Any]] = {}  # slot index -> (its holders, the merged slot)
         self.leader = False
         self.down = False
         self._down_until = 0.0
@@ -411,6 +412,7 @@ class FleetView:
             self._down_until = time.monotonic() + self.retry_s
             self._sent.clear()
             self._closed.clear()
+            self._merged.clear()
             self.leader = True
             if not self.down:
                 self.down = True
@@ -441,7 +443,7 @@ class FleetView:
         self._sent = dict(own)
         peers = [g.decode() if isinstance(g, bytes) else g for g in res[-1]]
         peers = [g for g in peers if g != self.gateway_id]
-        parts = [self._decoded(self.gateway_id, i, raw) for i, raw in own.items()]
+        parts = [(self.gateway_id, self._decoded(self.gateway_id, i, raw)) for i, raw in own.items()]
         if peers:
             # Closed slots never change: only the indices not kept yet (and each peer's open slot) are fetched.
             pipe = self.client.pipeline(transaction=False)
@@ -450,7 +452,7 @@ class FleetView:
             wanted: list[tuple[str, list[int]]] = []
             for g, fields in zip(peers, pipe.execute(), strict=True):
                 idx = sorted(int(f) for f in fields)
-                parts += [self._closed[(g, i)] for i in idx if (g, i) in self._closed]
+                parts += [(g, self._closed[(g, i)]) for i in idx if (g, i) in self._closed]
                 wanted.append((g, [i for i in idx if (g, i) not in self._closed]))
             pipe = self.client.pipeline(transaction=False)
             for g, idx in wanted:
@@ -459,13 +461,34 @@ class FleetView:
             got = iter(pipe.execute())
             for g, idx in wanted:
                 if idx:
-                    parts += [self._decoded(g, i, raw) for i, raw in zip(idx, next(got), strict=True) if raw]
+                    parts += [(g, self._decoded(g, i, raw)) for i, raw in zip(idx, next(got), strict=True) if raw]
         oldest = int(now // self.windows.slot_s) - self.windows.max_slots
         live = {self.gateway_id, *peers}
         self._closed = {k: v for k, v in self._closed.items() if k[0] in live and k[1] > oldest}
         self.leader = bool(self._lead(keys=[self.key("slo", "leader")], args=[self.gateway_id, self.leader_ttl_ms]))
         self.gateways = len(live)
-        return self.windows.merged(parts)
+        return self._ring(parts, oldest)
+
+    def _ring(self, parts: list[Any], oldest: int) -> SlidingWindows:
+        """The fleet's ring. A slot closed on every gateway that has it is merged once and kept (with the query
+        aggregates it caches), as long as the same gateways hold it."""
+        by_index: dict[int, list[tuple[str, Any]]] = {}
+        for gateway, slot in parts:
+            by_index.setdefault(slot.index, []).append((gateway, slot))
+        slots = []
+        for index, group in by_index.items():
+            holders = frozenset(g for g, _ in group)
+            closed = all(sl.closed for _, sl in group)
+            kept = self._merged.get(index)
+            if closed and kept is not None and kept[0] == holders:
+                slots.append(kept[1])
+                continue
+            merged = self.windows.merge_slots(sl for _, sl in group)
+            if closed:
+                self._merged[index] = (holders, merged)
+            slots.append(merged)
+        self._merged = {i: v for i, v in self._merged.items() if i > oldest}
+        return self.windows.ring(slots)
 
     def _decoded(self, gateway: str, index: int, raw: bytes) -> Any:
         """A slot decoded once it is closed (kept), every time while it is open."""

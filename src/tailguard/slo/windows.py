@@ -890,24 +890,19 @@ class SlidingWindows:
         slot.top = [(e2e, 0, rid, _key(key), stages, at) for e2e, rid, key, stages, at in data["top"]]
         return slot
 
-    def merged(self, parts: Iterable[_Slot | bytes]) -> SlidingWindows:
-        """A read-only ring holding the given slots (decoded, or as exported, from any number of gateways) merged by
-        index: counts added, digests merged, the slowest requests pooled. The fleet's windows, to query like this
-        one. The parts are left unchanged (decoded closed slots can be kept and merged again)."""
-        fleet = SlidingWindows(self.slot_s, self.max_slots * self.slot_s, self.metrics, self.ctx_edges,
-                               self.max_centroids, self.buffer_limit, self.top_per_slot, self.max_keys, clock=self.clock)
-        slots: dict[int, _Slot] = {}
+    def merge_slots(self, parts: Iterable[_Slot]) -> _Slot:
+        """One slot from the same slot of several gateways: counts added, digests merged, the slowest requests
+        pooled. The parts are left unchanged (decoded closed slots are kept and merged again)."""
+        slot: _Slot | None = None
+        seq = 0
         for part in parts:
-            if isinstance(part, bytes):
-                part = self.decode_slot(part)
-            slot = slots.get(part.index)
             if slot is None:
-                slot = slots[part.index] = _Slot(part.index)
+                slot = _Slot(part.index)
                 slot.closed = slot.compacted = True
             for key, c in part.cells.items():
                 cell = slot.cells.get(key)
                 if cell is None:
-                    cell = slot.cells[key] = _Cell(len(fleet.metrics))
+                    cell = slot.cells[key] = _Cell(len(self.metrics))
                 _add_counts(cell, c)
                 for mi, d in enumerate(c.digests):
                     if d is None:
@@ -917,16 +912,33 @@ class SlidingWindows:
                         cell.digests[mi] = d.copy()
                     else:
                         mine.merge_inplace(d)
-                fleet._keys.add(key)
             for e2e, _seq, rid, key, stages, at in part.top:
-                fleet._seq += 1
-                item = (e2e, fleet._seq, rid, key, stages, at)
-                if len(slot.top) < fleet.top_per_slot:
+                seq += 1
+                item = (e2e, seq, rid, key, stages, at)
+                if len(slot.top) < self.top_per_slot:
                     heapq.heappush(slot.top, item)
                 elif e2e > slot.top[0][0]:
                     heapq.heapreplace(slot.top, item)
-        fleet._ring = deque(slots[i] for i in sorted(slots))
+        if slot is None:
+            raise ValueError("no slot to merge")
+        return slot
+
+    def ring(self, slots: Iterable[_Slot]) -> SlidingWindows:
+        """A read-only ring of these (merged, closed) slots, one per index, to query like this one."""
+        fleet = SlidingWindows(self.slot_s, self.max_slots * self.slot_s, self.metrics, self.ctx_edges,
+                               self.max_centroids, self.buffer_limit, self.top_per_slot, self.max_keys, clock=self.clock)
+        fleet._ring = deque(sorted(slots, key=lambda sl: sl.index))
+        fleet._keys = set().union(*(sl.cells.keys() for sl in fleet._ring)) if fleet._ring else set()
         return fleet
+
+    def merged(self, parts: Iterable[_Slot | bytes]) -> SlidingWindows:
+        """The fleet's windows from the given slots (decoded, or as exported) of any number of gateways: the slots
+        of each index merged (``merge_slots``), in a read-only ring (``ring``). The parts are left unchanged."""
+        by_index: dict[int, list[_Slot]] = {}
+        for part in parts:
+            sl = self.decode_slot(part) if isinstance(part, bytes) else part
+            by_index.setdefault(sl.index, []).append(sl)
+        return self.ring(self.merge_slots(group) for group in by_index.values())
 
     def requests_in(self, seconds: float, now: float | None = None) -> int:
         """Finished requests in the last ``seconds`` (slot-aligned), for rate estimates."""
