@@ -160,6 +160,11 @@ def test_a_lanes_fleet_in_flight_budget_holds_across_two_gateways(tmp_path, redi
 
         longest = max(lane_wait(r) for r in answers)
         assert lane_wait(vip) < 0.25 * longest, (lane_wait(vip), longest)
+        # Each gateway's SLO monitor judges the fleet: both see all 13 requests (the first round publishes).
+        for _ in range(2):
+            for g in gws:
+                g.state.slo.evaluate()
+        assert [next(iter(g.state.slo.last.scopes.values()))["total"] for g in gws] == [13, 13]
         assert all(g.state.shared.fallbacks == 0 for g in gws)
 
 
