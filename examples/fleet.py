@@ -232,7 +232,7 @@ def bench(fl: Fleet, rate: float, duration: float, key: str | None, output_token
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=20, help="seconds of load")
-    p.add_argument("--rate", type=float, default=8, help="requests/s sent to each gateway")
+    p.add_argument("--rate", type=float, default=10, help="requests/s sent to each gateway")
     p.add_argument("--replica-slots", type=int, default=4, help="concurrent sequences per fake replica")
     p.add_argument("--tenant-rate", type=float, default=12, help="the tenant's requests/s, shared by the fleet")
     p.add_argument("--keep", action="store_true", help="keep the fleet running after the load, until Ctrl-C")
