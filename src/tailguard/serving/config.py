@@ -124,6 +124,8 @@ class ServerConfig(BaseModel):
     default_lane: str = Field("standard", description="the lane of a caller whose key names no tenant")
     redis_url: str | None = Field(None, description="redis://HOST:PORT/DB shared by a fleet of gateways: tenant rate "
                                                     "limits, lane budgets and the SLO windows (docs/gateway.md, Fleet)")
+    redis_timeout_s: float = Field(0.25, gt=0, le=10, description="the longest a request waits on Redis before the "
+                                                                   "gateway decides alone (fail open)")
     trust_lane_header: bool = Field(False, description="take X-Lane from the client (only behind a proxy that "
                                                        "sets it): otherwise a claimed lane is ignored and recorded")
 

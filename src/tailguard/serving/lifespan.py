@@ -93,10 +93,13 @@ class Lifespan:
         if state.config.redis_url:  # a fleet: rate limits, lane budgets and SLO windows shared through Redis
             from tailguard.gateway.shared import open_shared
 
-            state.shared = open_shared(state.config.redis_url, state.metrics.registry if state.metrics else None)
+            timeout = state.config.redis_timeout_s
+            state.shared = open_shared(state.config.redis_url, state.metrics.registry if state.metrics else None,
+                                       timeout_s=timeout)
             await state.shared.start()
-            if state.slo is not None:
-                state.slo.join_fleet(state.config.redis_url, gateway_id=state.shared.gateway_id)
+            if state.slo is not None:  # off the request path: it may wait longer
+                state.slo.join_fleet(state.config.redis_url, gateway_id=state.shared.gateway_id,
+                                     timeout_s=max(0.5, 2 * timeout))
         if state.config.tracing.enabled:
             from tailguard.observe.tracing import RequestTracer
 
