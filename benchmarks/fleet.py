@@ -184,7 +184,8 @@ def main() -> int:
         "benchmark": "fleet", "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "note": "2 shared cores; other agents were running: absolute figures are pessimistic"},
-        "config": vars(a), "nominal_replica_rps": c1, "one": one, "two": two, "goodput_ratio": ratio, "passing_rate_ratio": rate_ratio,
+        "config": vars(a), "nominal_replica_rps": c1, "one": one, "two": two, "goodput_ratio": ratio,
+        "passing_rate_ratio": rate_ratio,
         "rate_limit": limits,
     }
     out = Path(a.out)

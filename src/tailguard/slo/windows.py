@@ -926,7 +926,8 @@ class SlidingWindows:
     def ring(self, slots: Iterable[_Slot]) -> SlidingWindows:
         """A read-only ring of these (merged, closed) slots, one per index, to query like this one."""
         fleet = SlidingWindows(self.slot_s, self.max_slots * self.slot_s, self.metrics, self.ctx_edges,
-                               self.max_centroids, self.buffer_limit, self.top_per_slot, self.max_keys, clock=self.clock)
+                               self.max_centroids, self.buffer_limit, self.top_per_slot, self.max_keys,
+                               clock=self.clock)
         fleet._ring = deque(sorted(slots, key=lambda sl: sl.index))
         fleet._keys = set().union(*(sl.cells.keys() for sl in fleet._ring)) if fleet._ring else set()
         return fleet
