@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "tailguard) instead of loading a model (repeatable)")
     serve.add_argument("--keys", dest="keys_file", default=None, metavar="FILE",
                        help="API key file: hashed keys -> tenant -> lane (`tailguard keys add` writes it)")
+    serve.add_argument("--redis", dest="redis_url", default=None, metavar="URL",
+                       help="redis://HOST:PORT: share rate limits, lane budgets and SLO windows with other gateways")
 
     rp = sub.add_parser("replay", help="send a stored request again to any endpoint; compare outputs and stage times")
     rp.add_argument("request_id")
@@ -201,7 +203,8 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
 
     overrides = {k: getattr(args, k) for k in ("host", "port", "store_path", "store_text", "retention_days",
                                                 "max_queue", "served_model_names", "api_key", "admin_key", "access_log",
-                                                "log_level", "model", "keys_file") if getattr(args, k) is not None}
+                                                "log_level", "model", "keys_file", "redis_url")
+                 if getattr(args, k) is not None}
     if args.upstream:
         overrides["upstreams"] = [{"url": u} for u in args.upstream]
     # Engine flags set on the command line override the config file's ``engine:`` section; their defaults do not.

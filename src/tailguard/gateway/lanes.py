@@ -13,18 +13,29 @@ Each lane has a bounded queue. Within a lane, tenants are served round-robin (fa
 cannot push another tenant's requests back. Each request has a deadline to be admitted: when the measured drain rate
 says it cannot make it, it is refused at once with a ``Retry-After`` (before it costs a queue slot), and one that
 waits past its deadline is refused then.
+
+In a fleet (several gateways sharing Redis, ``tailguard.gateway.shared``), the same rule runs over the fleet's
+in-flight counts: a slot is a lease in Redis, taken atomically, and the reserve is a fleet reserve. Queues and
+fairness stay per gateway; waiters are admitted by a pump that retries the fleet every ``FLEET_POLL_S`` (and at once
+when this gateway releases a slot). Redis unreachable: the gateway falls back to its own counts (fail open).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+if TYPE_CHECKING:
+    from tailguard.gateway.shared import RedisState
+
+FLEET_POLL_S = 0.02  # how often queued requests retry the fleet's budget (slots freed on another gateway)
 MIN_DRAIN_SAMPLES = 8  # admissions in the window before the drain rate is trusted to refuse a request at once
 
 
@@ -95,15 +106,21 @@ class LaneState:
     queues: OrderedDict[str, deque[_Waiter]] = field(default_factory=OrderedDict)
     waiting: int = 0
     drained: deque[float] = field(default_factory=deque)  # admission times, for this lane's drain rate
+    leases: list[str] = field(default_factory=list)  # fleet leases held by this lane's requests ("" = local slot)
 
 
 class Lanes:
     """Admission by lane against a capacity split into reserved, burst and general parts."""
 
-    def __init__(self, lanes: dict[str, LaneConfig], capacity: int, cfg: CapacityConfig | None = None) -> None:
+    def __init__(self, lanes: dict[str, LaneConfig], capacity: int, cfg: CapacityConfig | None = None,
+                 fleet: RedisState | None = None) -> None:
         if not lanes:
             raise ValueError("at least one lane is needed")
         self.cfg = cfg or CapacityConfig()
+        self.fleet = fleet  # None: this gateway's counts alone (the single-gateway path)
+        self._pump: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._marked: set[str] = set()  # reserved lanes this gateway told the fleet it has waiters in
         self.lanes = {name: LaneState(name, lc) for name, lc in lanes.items()}
         self.order = sorted(self.lanes.values(), key=lambda s: s.cfg.priority)
         self.set_capacity(capacity)
@@ -116,6 +133,10 @@ class Lanes:
             self.cfg.reserved_share > 0 and self.capacity > 1 else 0
         self.burst = round(self.capacity * self.cfg.burst_share)
         self.general = max(1, self.capacity - self.reserved - self.burst)
+        if self.fleet is not None:
+            from tailguard.gateway.shared import lane_rule
+
+            self.rule = lane_rule(self.capacity, self.general, self.burst, self.reserved, self.lanes)
         self._dispatch()
 
     # --- the rule ---------------------------------------------------------------------------------------------------
@@ -162,7 +183,11 @@ class Lanes:
         """Wait for a slot in lane ``name``; returns when admitted (the wait in seconds) or raises ``Overloaded``."""
         lane = self.lane(name)
         now = time.monotonic() if now is None else now
-        if lane.waiting == 0 and self._fits(lane):
+        if self.fleet is None:
+            if lane.waiting == 0 and self._fits(lane):
+                self._admit(lane, now)
+                return 0.0
+        elif lane.waiting == 0 and await self._fleet_take(lane):
             self._admit(lane, now)
             return 0.0
         if lane.waiting >= lane.cfg.max_queue:
@@ -178,6 +203,8 @@ class Lanes:
         w = _Waiter(asyncio.get_running_loop().create_future(), tenant, now)
         lane.queues.setdefault(tenant, deque()).append(w)
         lane.waiting += 1
+        if self.fleet is not None:
+            self._kick()
         try:
             await asyncio.wait_for(asyncio.shield(w.future), lane.cfg.max_queue_wait_s)
         except (TimeoutError, asyncio.CancelledError) as exc:
@@ -198,7 +225,69 @@ class Lanes:
     def release(self, name: str) -> None:
         lane = self.lanes[name]
         lane.in_use = max(0, lane.in_use - 1)
-        self._dispatch()
+        if self.fleet is None:
+            self._dispatch()
+            return
+        lease = lane.leases.pop() if lane.leases else ""
+        if lease:
+            self.fleet.give_slot(name, lease, then=self._kick)  # the pump tries again once Redis has it back
+        else:
+            self._kick()
+
+    # --- the fleet ----------------------------------------------------------------------------------------------------
+    async def _fleet_take(self, lane: LaneState) -> bool:
+        """A slot for ``lane`` under the fleet's rule (its lease kept with the lane), or False. Redis unreachable:
+        this gateway's own counts decide (fail open)."""
+        from tailguard.gateway.shared import SharedUnavailable
+
+        assert self.fleet is not None
+        try:
+            lease = await self.fleet.take_slot(lane.name, self.rule)
+        except SharedUnavailable:
+            if not self._fits(lane):
+                return False
+            lease = ""
+        if lease is None:
+            return False
+        lane.leases.append(lease)
+        return True
+
+    def _kick(self) -> None:
+        """Wake the pump (start it if it is not running)."""
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        self._wake.set()
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.get_running_loop().create_task(self._pump_loop())
+
+    async def _pump_loop(self) -> None:
+        """Admit waiters as the fleet's budget allows, most important lane first, until nobody waits."""
+        from tailguard.gateway.shared import SharedUnavailable
+
+        assert self.fleet is not None and self._wake is not None
+        while True:
+            self._wake.clear()
+            for lane in self.order:
+                while lane.waiting:
+                    if not await self._fleet_take(lane):
+                        break
+                    w = self._next(lane)
+                    if w is None:  # every waiter gave up meanwhile: hand the slot back
+                        lease = lane.leases.pop()
+                        if lease:
+                            self.fleet.give_slot(lane.name, lease)
+                        break
+                    self._admit(lane, time.monotonic())
+                    w.future.set_result(None)
+            waiting_reserved = {s.name for s in self.order if s.cfg.reserved and s.waiting}
+            for name in waiting_reserved | self._marked:
+                with contextlib.suppress(SharedUnavailable):
+                    await self.fleet.mark_waiting(name, name in waiting_reserved)
+            self._marked = waiting_reserved
+            if not any(s.waiting for s in self.order) and not self._marked:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), FLEET_POLL_S)
 
     def _admit(self, lane: LaneState, now: float) -> None:
         lane.in_use += 1
@@ -229,6 +318,8 @@ class Lanes:
 
     def _dispatch(self) -> None:
         """Admit waiters while they fit, most important lane first."""
+        if self.fleet is not None:
+            return  # the fleet's pump admits (it must ask Redis, which takes an await)
         now = time.monotonic()
         for lane in self.order:
             while lane.waiting and self._fits(lane):

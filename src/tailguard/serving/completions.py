@@ -132,7 +132,7 @@ class Exchange:
     output: list[str] = field(default_factory=list)
     lane: LaneConfig | None = None  # the request's lane, when lanes are on
     lane_slot: str | None = None  # the lane whose capacity slot this request holds (given back once, at the end)
-    charged: tuple[Any, int] | None = None  # (tenant, output tokens charged to its rate limit)
+    charged: tuple[Any, int, bool] | None = None  # (tenant, output tokens charged, charged in the shared store)
     audit_ids: list[int] | None = None  # the output token ids, kept when the speculation audit will rerun it
 
     def move(self, to: Phase) -> None:
@@ -279,8 +279,8 @@ class CompletionEndpoint:
                 st.lanes.release(ex.lane_slot)
                 ex.lane_slot = None
             if ex.charged is not None:  # output tokens charged but never produced go back to the tenant
-                tenant, max_out = ex.charged
-                tenant.refund(max_out - tl.num_output_tokens)
+                tenant, max_out, shared = ex.charged
+                st.shared.refund(tenant, max_out - tl.num_output_tokens, shared)
             try:
                 st.close_record(tl)
             finally:
@@ -321,8 +321,8 @@ class CompletionEndpoint:
             await self._template(ex, prep.parsed, prep.degradation.template)
             return
         if caller.tenant is not None:
-            self._charge(tl, caller.tenant, prep)
-            ex.charged = (caller.tenant, prep.sampling.max_tokens)
+            shared = await self._charge(tl, caller.tenant, prep)
+            ex.charged = (caller.tenant, prep.sampling.max_tokens, shared)
         if ex.lane is not None:
             await self._admit(ex)
         ex.enqueue()
@@ -403,9 +403,10 @@ class CompletionEndpoint:
         tl.lane = name
         ex.lane = st.lanes.lanes[name].cfg
 
-    def _charge(self, tl: Timeline, tenant: Any, prep: _Prepared) -> None:
+    async def _charge(self, tl: Timeline, tenant: Any, prep: _Prepared) -> bool:
+        """Charge the tenant's rate limits (this gateway's, or the fleet's in Redis); True if charged in Redis."""
         try:
-            tenant.charge(tl.num_prompt_tokens + prep.sampling.max_tokens)
+            return await self.state.shared.charge(tenant, tl.num_prompt_tokens + prep.sampling.max_tokens)
         except RateLimited as exc:
             gm = self.state.gateway_metrics
             if gm is not None:

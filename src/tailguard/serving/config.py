@@ -122,6 +122,10 @@ class ServerConfig(BaseModel):
                                                                    "standard, batch when keys or upstreams are set")
     capacity: CapacityConfig = Field(default_factory=CapacityConfig)
     default_lane: str = Field("standard", description="the lane of a caller whose key names no tenant")
+    redis_url: str | None = Field(None, description="redis://HOST:PORT/DB shared by a fleet of gateways: tenant rate "
+                                                    "limits, lane budgets and the SLO windows (docs/gateway.md, Fleet)")
+    redis_timeout_s: float = Field(0.25, gt=0, le=10, description="the longest a request waits on Redis before the "
+                                                                   "gateway decides alone (fail open)")
     trust_lane_header: bool = Field(False, description="take X-Lane from the client (only behind a proxy that "
                                                        "sets it): otherwise a claimed lane is ignored and recorded")
 
@@ -132,6 +136,13 @@ class ServerConfig(BaseModel):
 
         return check_store_target(v)
     tracing: TracingConfig = Field(default_factory=TracingConfig, description="OpenTelemetry traces over OTLP/HTTP")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("redis_url must be a redis://HOST:PORT/DB, rediss:// or unix:// URL")
+        return v or None
 
     @field_validator("log_level")
     @classmethod

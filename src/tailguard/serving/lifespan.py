@@ -90,6 +90,16 @@ class Lifespan:
     async def __call__(self, app: Starlette) -> AsyncIterator[None]:
         state = self.state
         state.store = await self.open_store()
+        if state.config.redis_url:  # a fleet: rate limits, lane budgets and SLO windows shared through Redis
+            from tailguard.gateway.shared import open_shared
+
+            timeout = state.config.redis_timeout_s
+            state.shared = open_shared(state.config.redis_url, state.metrics.registry if state.metrics else None,
+                                       timeout_s=timeout)
+            await state.shared.start()
+            if state.slo is not None:  # off the request path: it may wait longer
+                state.slo.join_fleet(state.config.redis_url, gateway_id=state.shared.gateway_id,
+                                     timeout_s=max(0.5, 2 * timeout))
         if state.config.tracing.enabled:
             from tailguard.observe.tracing import RequestTracer
 
@@ -122,6 +132,7 @@ class Lifespan:
                 if aclose is not None:
                     await aclose()
                 await asyncio.to_thread(state.engine.shutdown)
+            await state.shared.close()
             if state.slo is not None:
                 await asyncio.to_thread(state.slo.close)  # waits (bounded) for scale-hook calls in flight
             if state.tracer is not None:

@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from tailguard.gateway.lanes import Lanes
 from tailguard.gateway.metrics import GatewayMetrics
+from tailguard.gateway.shared import LocalState, SharedState
 from tailguard.gateway.tenants import Tenants
 from tailguard.observe.metrics import ServerMetrics
 from tailguard.observe.resources import ResourceSampler
@@ -55,6 +56,7 @@ class ServerState:
     audit: SpeculationAudit | None = None  # when the embedded engine speculates
     machine: ResourceSampler | None = None  # CPU and memory (and the accelerator's) every 100 ms (O2)
     tracer: RequestTracer | None = None  # when tracing is configured (started and stopped by the lifespan)
+    shared: SharedState = field(default_factory=LocalState)  # rate limits and lane budgets: in-process or Redis
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config.max_queue)
@@ -70,7 +72,8 @@ class ServerState:
         self.token_text = TokenText(engine.tokenizer) if engine.tokenizer is not None else None
         if self.config.lanes_enabled:
             cap = self.config.capacity
-            self.lanes = Lanes(self.config.lane_configs(), cap.max_concurrent or backend_capacity(engine), cap)
+            self.lanes = Lanes(self.config.lane_configs(), cap.max_concurrent or backend_capacity(engine), cap,
+                               fleet=self.shared if self.shared.fleet else None)  # type: ignore[arg-type]
             if self.metrics is not None:
                 self.gateway_metrics = GatewayMetrics(self.metrics.registry, self.metrics.model)
                 if hasattr(engine, "on_attempt"):  # over upstream replicas: count each attempt per replica

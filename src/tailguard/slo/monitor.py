@@ -8,6 +8,12 @@
     monitor.snapshot()                       # JSON for the dashboard and GET /v1/alerts
     monitor.alerts()                         # the alert/action records kept in memory
 
+A fleet of gateways (``join_fleet(redis_url)``): each evaluation publishes this gateway's window slots to Redis and
+judges the merged view of every gateway's slots, so that every gateway sees the fleet's tier (and sheds or degrades
+alike), while one of them, the leader (a Redis key with an expiry, renewed each evaluation), is the one that emits the
+alert and action records to the sinks, counts them in the alert metrics and calls the scale hooks: a tier fires once
+for the fleet. Redis unreachable: this gateway judges its own windows and acts as its own leader (fail open).
+
 All times are unix seconds from ``clock`` (``time.time`` by default; tests pass a fake clock).
 """
 
@@ -92,7 +98,9 @@ class SLOMonitor:
             on_slot_closed=self.peak.observe_slot,
         )
         self.evaluator = Evaluator(self.windows, cfg, self.profiles)
-        self.records = RecordLog(cfg.max_records, list(sinks))
+        self.fleet: FleetView | None = None
+        # Sinks hear only the fleet's leader (every record when there is no fleet).
+        self.records = RecordLog(cfg.max_records, [self._leader_only(s) for s in sinks])
         self.metrics = SLOMetrics(registry)
         scopes = {s.name: s.where for s in cfg.scopes}
         self.actions = ActionEngine(cfg.actions, scopes, self.records, self.metrics, hooks, clock=clock)
@@ -104,6 +112,26 @@ class SLOMonitor:
         self._eval_lock = threading.RLock()  # snapshot() calls alerts() under it
         self.recorded = 0
         self._t_start: float | None = None
+
+    # --- a fleet ------------------------------------------------------------------------------------------------------
+    def join_fleet(self, redis_url: str, gateway_id: str, **kw: Any) -> FleetView:
+        """Judge the fleet's merged windows from now on (see the module's docstring)."""
+        self.fleet = FleetView(redis_url, gateway_id, self.windows, self.config, **kw)
+        self.actions.hooks = _LeaderHooks(self.actions.hooks, self)  # type: ignore[assignment]
+        return self.fleet
+
+    @property
+    def fires(self) -> bool:
+        """Whether this monitor emits records and calls hooks: always alone, only as the leader in a fleet."""
+        return self.fleet is None or self.fleet.leader
+
+    def _leader_only(self, sink: RecordSink) -> RecordSink:
+        def emit(record: dict[str, Any]) -> None:
+            # The fleet's judgement (tiers, actions, advisories) is written once; what one gateway saw on its own
+            # (a speculation audit of its engine) is written by that gateway.
+            if self.fires or record.get("kind") == "audit" or record.get("name") == "spec_inconsistent":
+                sink(record)
+        return emit
 
     # --- request path ----------------------------------------------------------------------------------------------
     def record(self, request: Any, now: float | None = None) -> None:
@@ -136,6 +164,9 @@ class SLOMonitor:
             if now is None:
                 now = self.clock()
             self.windows.advance(now)
+            if self.fleet is not None:
+                # The fleet's windows (this gateway's own when Redis cannot be reached).
+                self.evaluator.w = self.fleet.exchange(now) or self.windows
             cfg = self.config
             recent = self.windows.requests_in(cfg.peak_window_s, now)
             covered = min(cfg.peak_window_s, max(self.windows.slot_s, now - self._started_at(now)))
@@ -185,7 +216,8 @@ class SLOMonitor:
                 rec = SLORecord.start("alert", f"tier_{tr.tier}", "raised", tr.scope, tr.tier, now, figures=figs,
                                       details=why, dry_run=dry)
                 self._alerts[k] = rec
-                self.metrics.alerts.labels(tr.scope, tr.tier).inc()
+                if self.fires:  # counted once for the fleet
+                    self.metrics.alerts.labels(tr.scope, tr.tier).inc()
                 self.metrics.alert_active.labels(tr.scope, tr.tier).set(1)
             else:
                 start = self._alerts.pop(k, None)
@@ -294,7 +326,186 @@ class SLOMonitor:
                 await asyncio.wait_for(stop.wait(), interval)
 
     def close(self) -> None:
+        if self.fleet is not None:
+            self.fleet.close()
         # A cancelled run() leaves its worker thread evaluating: wait for it, so its records reach the sinks (the
         # server closes the store after this) and no hook is submitted after the hook runner has shut down.
         with self._eval_lock:
             self.actions.close()
+
+
+class _LeaderHooks:
+    """The scale hooks of a fleet member: called by the leader only (the others would call them again)."""
+
+    def __init__(self, inner: HookRunner, monitor: SLOMonitor) -> None:
+        self.inner = inner
+        self.monitor = monitor
+
+    @property
+    def configured(self) -> bool:
+        return self.inner.configured and self.monitor.fires
+
+    def submit(self, payload: dict[str, Any], done: Callable[[dict[str, Any]], None]) -> None:
+        if self.monitor.fires:
+            self.inner.submit(payload, done)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+# Keeps the leader key while its holder renews it; taken by whoever asks first once it lapses.
+_LEAD = """
+local cur = redis.call('GET', KEYS[1])
+if (not cur) or cur == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[2]))
+  return 1
+end
+return 0
+"""
+
+
+class FleetView:
+    """This gateway's slots out to Redis, every gateway's slots back, merged (runs in the evaluation thread).
+
+    Layout: ``{prefix}slo:gateways`` (sorted set: gateway id -> last publish, unix s), ``{prefix}slo:slots:{id}``
+    (hash: slot index -> serialized slot, expiring after the longest window), ``{prefix}slo:leader`` (the leader's
+    id, expiring after ``3 x eval_interval_s`` unless renewed).
+    """
+
+    def __init__(self, url: str, gateway_id: str, windows: SlidingWindows, config: MonitorConfig, *,
+                 prefix: str = "tailguard:", timeout_s: float = 0.5, retry_s: float = 5.0,
+                 leader_ttl_s: float | None = None, client: Any = None) -> None:
+        import redis
+
+        self.url = url
+        self.gateway_id = gateway_id
+        self.windows = windows
+        self.prefix = prefix
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.max_window_s = windows.max_slots * windows.slot_s
+        self.leader_ttl_ms = int((leader_ttl_s or 3 * config.eval_interval_s) * 1000)
+        self.client = client or redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._lead = self.client.register_script(_LEAD)
+        self._sent: dict[int, bytes] = {}  # slot index -> what Redis holds for it (closed slots are sent once)
+        self._closed: dict[tuple[str, int], Any] = {}  # (gateway, slot index) -> its closed slot, decoded
+        self._merged: dict[int, tuple[frozenset[str], Any]] = {}  # slot index -> (its holders, the merged slot)
+        self.leader = False
+        self.down = False
+        self._down_until = 0.0
+        self.gateways = 1  # gateways in the last merged view
+        self.failures = 0
+
+    def key(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    def exchange(self, now: float) -> SlidingWindows | None:
+        """Publish, read the others, merge; None (and lead alone) when Redis cannot be reached."""
+        if self._down_until and time.monotonic() < self._down_until:
+            self.leader = True
+            return None
+        own = self.windows.export_slots(now)
+        try:
+            merged = self._exchange(own, now)
+        except Exception as exc:  # noqa: BLE001 - the fleet view is optional: judge alone rather than not at all
+            self.failures += 1
+            self._down_until = time.monotonic() + self.retry_s
+            self._sent.clear()
+            self._closed.clear()
+            self._merged.clear()
+            self.leader = True
+            if not self.down:
+                self.down = True
+                log.warning("fleet: Redis at %s is unreachable (%s: %s): this gateway judges its own SLO windows and "
+                            "fires its own alerts until it answers again", self.url.split("@")[-1],
+                            type(exc).__name__, str(exc)[:200])
+            return None
+        if self.down:
+            self.down = False
+            log.warning("fleet: Redis answers again: judging the fleet's merged SLO windows")
+        return merged
+
+    def _exchange(self, own: dict[int, bytes], now: float) -> SlidingWindows:
+        mine = self.key("slo", "slots", self.gateway_id)
+        gateways = self.key("slo", "gateways")
+        pipe = self.client.pipeline(transaction=False)
+        changed = {i: b for i, b in own.items() if self._sent.get(i) != b}
+        if changed:
+            pipe.hset(mine, mapping={str(i): b for i, b in changed.items()})
+        stale = [str(i) for i in self._sent if i not in own]
+        if stale:
+            pipe.hdel(mine, *stale)
+        pipe.pexpire(mine, int(self.max_window_s * 1000))
+        pipe.zadd(gateways, {self.gateway_id: now})
+        pipe.zremrangebyscore(gateways, "-inf", now - self.max_window_s)
+        pipe.zrangebyscore(gateways, now - self.max_window_s, "+inf")
+        res = pipe.execute()
+        self._sent = dict(own)
+        peers = [g.decode() if isinstance(g, bytes) else g for g in res[-1]]
+        peers = [g for g in peers if g != self.gateway_id]
+        parts = [(self.gateway_id, self._decoded(self.gateway_id, i, raw)) for i, raw in own.items()]
+        if peers:
+            # Closed slots never change: only the indices not kept yet (and each peer's open slot) are fetched.
+            pipe = self.client.pipeline(transaction=False)
+            for g in peers:
+                pipe.hkeys(self.key("slo", "slots", g))
+            wanted: list[tuple[str, list[int]]] = []
+            for g, fields in zip(peers, pipe.execute(), strict=True):
+                idx = sorted(int(f) for f in fields)
+                parts += [(g, self._closed[(g, i)]) for i in idx if (g, i) in self._closed]
+                wanted.append((g, [i for i in idx if (g, i) not in self._closed]))
+            pipe = self.client.pipeline(transaction=False)
+            for g, idx in wanted:
+                if idx:
+                    pipe.hmget(self.key("slo", "slots", g), [str(i) for i in idx])
+            got = iter(pipe.execute())
+            for g, idx in wanted:
+                if idx:
+                    parts += [(g, self._decoded(g, i, raw)) for i, raw in zip(idx, next(got), strict=True) if raw]
+        oldest = int(now // self.windows.slot_s) - self.windows.max_slots
+        live = {self.gateway_id, *peers}
+        self._closed = {k: v for k, v in self._closed.items() if k[0] in live and k[1] > oldest}
+        self.leader = bool(self._lead(keys=[self.key("slo", "leader")], args=[self.gateway_id, self.leader_ttl_ms]))
+        self.gateways = len(live)
+        return self._ring(parts, oldest)
+
+    def _ring(self, parts: list[Any], oldest: int) -> SlidingWindows:
+        """The fleet's ring. A slot closed on every gateway that has it is merged once and kept (with the query
+        aggregates it caches), as long as the same gateways hold it."""
+        by_index: dict[int, list[tuple[str, Any]]] = {}
+        for gateway, slot in parts:
+            by_index.setdefault(slot.index, []).append((gateway, slot))
+        slots = []
+        for index, group in by_index.items():
+            holders = frozenset(g for g, _ in group)
+            closed = all(sl.closed for _, sl in group)
+            kept = self._merged.get(index)
+            if closed and kept is not None and kept[0] == holders:
+                slots.append(kept[1])
+                continue
+            merged = self.windows.merge_slots(sl for _, sl in group)
+            if closed:
+                self._merged[index] = (holders, merged)
+            slots.append(merged)
+        self._merged = {i: v for i, v in self._merged.items() if i > oldest}
+        return self.windows.ring(slots)
+
+    def _decoded(self, gateway: str, index: int, raw: bytes) -> Any:
+        """A slot decoded once it is closed (kept), every time while it is open."""
+        slot = self._closed.get((gateway, index))
+        if slot is None:
+            slot = self.windows.decode_slot(raw)
+            if slot.closed:
+                self._closed[(gateway, index)] = slot
+        return slot
+
+    def close(self) -> None:
+        try:
+            if self.leader:  # hand the lead over at once rather than after its expiry
+                pipe = self.client.pipeline(transaction=False)
+                pipe.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
+                          "return 0", 1, self.key("slo", "leader"), self.gateway_id)
+                pipe.execute()
+            self.client.close()
+        except Exception:  # noqa: BLE001 - closing must not fail the shutdown
+            pass

@@ -10,14 +10,20 @@ Recording a request is therefore a dict lookup and a few list appends (microseco
 :class:`PeakDetector`) and the keys its :class:`~tailguard.slo.profiles.Selector` matches, and merges their digests.
 Closed slots never change, so the merge of a key's closed slots is cached until the ring turns.
 
+A fleet of gateways judges one view: each exports its slots (``export_slots``: counts and serialized digests per
+key) and :meth:`SlidingWindows.merged` builds a read-only ring from every gateway's slots (t-digests merge), which the
+evaluator queries like a local one (``tailguard.slo.monitor``, ``join_fleet``).
+
 Window edges are slot-aligned: a window of ``n`` slots covers the current, partial slot and the ``n - 1`` before
 it, i.e. between ``(n - 1) * slot_s`` and ``n * slot_s`` seconds of history.
 """
 
 from __future__ import annotations
 
+import base64
 import bisect
 import heapq
+import json
 import math
 import threading
 import time
@@ -156,15 +162,22 @@ class _Cell:
 
 
 class _Slot:
-    __slots__ = ("index", "cells", "top", "closed", "compacted", "aggs")
+    __slots__ = ("index", "cells", "top", "closed", "compacted", "aggs", "exported")
 
     def __init__(self, index: int) -> None:
         self.index = index
+        self.exported: bytes | None = None  # a closed slot's serialized form (it never changes)
         self.cells: dict[Key, _Cell] = {}
         self.top: list[tuple] = []  # min-heap of the slowest requests: (e2e, seq, request_id, key, stages)
         self.closed = False  # no more writes (record only ever writes to the current slot)
         self.compacted = False  # buffers folded into digests (by a query, off the request path)
         self.aggs: dict[frozenset[Key], _Cell] = {}  # merged cells per key set: closed slots never change
+
+
+def _key(parts: Sequence[Any]) -> Key:
+    """A Key from its JSON list (``degraded`` defaults to False)."""
+    return Key(str(parts[0]), str(parts[1]), str(parts[2]), str(parts[3]), int(parts[4]),
+               bool(parts[5]) if len(parts) > 5 else False)
 
 
 def _add_counts(dst: _Cell, c: _Cell) -> None:
@@ -801,6 +814,132 @@ class SlidingWindows:
         ]
         out.sort(key=lambda r: -r["e2e"])
         return out
+
+    # --- a fleet's view ----------------------------------------------------------------------------------------------
+    def export_slots(self, now: float | None = None) -> dict[int, bytes]:
+        """Every slot in the ring, serialized (JSON; digests as fastdigest's bytes, base64), by slot index: what
+        another gateway needs to merge this one's windows into a fleet view. Closed slots are serialized once."""
+        self.advance(now)
+        with self._lock:
+            slots = list(self._ring)
+            cur = self._cur
+            open_cells: dict[Key, _Cell] = {}
+            open_top: list[tuple] = []
+            if cur is not None and not cur.closed:
+                mis = list(range(len(self.metrics)))
+                for k in cur.cells:
+                    snap = self._current_snapshot(cur, [k], mis)
+                    open_cells[k] = snap
+                open_top = list(cur.top)
+        out: dict[int, bytes] = {}
+        mc = self.max_centroids
+        for slot in slots:
+            if slot is cur and not slot.closed:
+                cells = []
+                for k, snap in open_cells.items():
+                    parts = snap.digests  # lists of digest copies (see _current_snapshot), plus the raw buffers
+                    digests: list[TDigest | None] = []
+                    for mi in range(len(self.metrics)):
+                        ps = list(parts[mi])  # type: ignore[arg-type]
+                        if snap.bufs[mi]:
+                            ps.append(TDigest.from_values(snap.bufs[mi], max_centroids=mc))
+                        digests.append(_merge_into(ps))
+                    cells.append(self._encode_cell(k, snap, digests))
+                out[slot.index] = self._encode_slot(slot.index, cells, open_top, closed=False)
+                continue
+            if slot.exported is None:
+                with self._agg_lock:
+                    self._compact(slot)
+                cells = [self._encode_cell(k, c, c.digests) for k, c in slot.cells.items()]
+                slot.exported = self._encode_slot(slot.index, cells, slot.top, closed=True)
+            out[slot.index] = slot.exported
+        return out
+
+    def _encode_cell(self, key: Key, c: _Cell, digests: Sequence[TDigest | None]) -> dict[str, Any]:
+        return {
+            "key": list(key),
+            "counts": [c.total, c.served, c.errors, c.rejected, c.aborted, c.degraded, c.log_n, c.log_sum, c.log_sq,
+                       c.stage_n],
+            "stage_sum": c.stage_sum, "stage_sq": c.stage_sq,
+            "digests": {m: base64.b64encode(d.to_bytes()).decode() for m, d in zip(self.metrics, digests, strict=True)
+                        if d is not None},
+        }
+
+    @staticmethod
+    def _encode_slot(index: int, cells: list[dict[str, Any]], top: list[tuple], closed: bool) -> bytes:
+        return json.dumps({"index": index, "closed": closed, "cells": cells,
+                           "top": [[e2e, rid, list(key), stages, at] for e2e, _seq, rid, key, stages, at in top]},
+                          separators=(",", ":")).encode()
+
+    def decode_slot(self, raw: bytes) -> _Slot:
+        """One slot as ``export_slots`` wrote it, decoded (``closed``: it will not change again, so it may be kept).
+        Metrics this ring does not keep are skipped."""
+        data = json.loads(raw)
+        slot = _Slot(int(data["index"]))
+        slot.closed = bool(data["closed"])
+        slot.compacted = True
+        for cd in data["cells"]:
+            cell = slot.cells[_key(cd["key"])] = _Cell(len(self.metrics))
+            (cell.total, cell.served, cell.errors, cell.rejected, cell.aborted, cell.degraded, cell.log_n,
+             cell.log_sum, cell.log_sq, cell.stage_n) = cd["counts"]
+            cell.stage_sum, cell.stage_sq = list(cd["stage_sum"]), list(cd["stage_sq"])
+            for m, b64 in cd["digests"].items():
+                mi = self._mi.get(m)
+                if mi is not None:
+                    cell.digests[mi] = TDigest.from_bytes(base64.b64decode(b64))
+        slot.top = [(e2e, 0, rid, _key(key), stages, at) for e2e, rid, key, stages, at in data["top"]]
+        return slot
+
+    def merge_slots(self, parts: Iterable[_Slot]) -> _Slot:
+        """One slot from the same slot of several gateways: counts added, digests merged, the slowest requests
+        pooled. The parts are left unchanged (decoded closed slots are kept and merged again)."""
+        slot: _Slot | None = None
+        seq = 0
+        for part in parts:
+            if slot is None:
+                slot = _Slot(part.index)
+                slot.closed = slot.compacted = True
+            for key, c in part.cells.items():
+                cell = slot.cells.get(key)
+                if cell is None:
+                    cell = slot.cells[key] = _Cell(len(self.metrics))
+                _add_counts(cell, c)
+                for mi, d in enumerate(c.digests):
+                    if d is None:
+                        continue
+                    mine = cell.digests[mi]
+                    if mine is None:
+                        cell.digests[mi] = d.copy()
+                    else:
+                        mine.merge_inplace(d)
+            for e2e, _seq, rid, key, stages, at in part.top:
+                seq += 1
+                item = (e2e, seq, rid, key, stages, at)
+                if len(slot.top) < self.top_per_slot:
+                    heapq.heappush(slot.top, item)
+                elif e2e > slot.top[0][0]:
+                    heapq.heapreplace(slot.top, item)
+        if slot is None:
+            raise ValueError("no slot to merge")
+        return slot
+
+    def ring(self, slots: Iterable[_Slot]) -> SlidingWindows:
+        """A read-only ring of these (merged, closed) slots, one per index, to query like this one."""
+        fleet = SlidingWindows(self.slot_s, self.max_slots * self.slot_s, self.metrics, self.ctx_edges,
+                               self.max_centroids, self.buffer_limit, self.top_per_slot, self.max_keys,
+                               clock=self.clock)
+        fleet._ring = deque(sorted(slots, key=lambda sl: sl.index))
+        fleet._keys = set().union(*(sl.cells.keys() for sl in fleet._ring)) if fleet._ring else set()
+        return fleet
+
+    def merged(self, parts: Iterable[_Slot | bytes]) -> SlidingWindows:
+        """The fleet's windows from the given slots (decoded, or as exported) of any number of gateways: the slots
+        of each index merged (``merge_slots``), in a read-only ring (``ring``). The parts are left unchanged."""
+        by_index: dict[int, list[_Slot]] = {}
+        for part in parts:
+            sl = self.decode_slot(part) if isinstance(part, bytes) else part
+            by_index.setdefault(sl.index, []).append(sl)
+        return self.ring(self.merge_slots(group) for group in by_index.values())
 
     def requests_in(self, seconds: float, now: float | None = None) -> int:
         """Finished requests in the last ``seconds`` (slot-aligned), for rate estimates."""
