@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,3 +133,34 @@ def real_engine(smollm2_path):
 def pytest_collection_modifyitems(config, items):
     # Real-model tests are the slowest; run them last so that a quick failure elsewhere shows first.
     items.sort(key=lambda item: 1 if item.get_closest_marker("real_model") else 0)
+
+
+def churn(engine, pending: list[tuple[str, list[int], Any, int]], rng: random.Random,
+          after_step: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run requests through an engine the way traffic does: 0-3 arrivals before each step (``pending`` in arrival
+    order: request id, prompt, sampling params, priority) and, after 8% of the steps, the abort of a live request.
+    ``after_step`` runs after every step (invariant checks). Returns each request's final event."""
+    from tailguard.engine.request import FinishReason
+
+    todo = list(reversed(pending))
+    live: set[str] = set()
+    final: dict[str, Any] = {}
+    while todo or engine.has_unfinished():
+        for _ in range(rng.randint(0, 3)):
+            if todo:
+                rid, prompt, sp, prio = todo.pop()
+                engine.add_request(prompt, sp, request_id=rid, priority=prio)
+                live.add(rid)
+        for ev in engine.step():
+            if ev.finished:
+                final[ev.request_id] = ev
+                live.discard(ev.request_id)
+        if after_step is not None:
+            after_step()
+        if live and rng.random() < 0.08:
+            rid = rng.choice(sorted(live))
+            ev = engine.abort(rid)
+            assert ev is not None and ev.finish_reason is FinishReason.ABORT
+            final[rid] = ev
+            live.remove(rid)
+    return final

@@ -15,6 +15,7 @@ import pytest
 from tailguard.engine.engine import AsyncLLMEngine, TokenEvent
 from tailguard.engine.fake import FakeEngine, FakeTiming
 from tailguard.engine.request import FinishReason, RequestError, SamplingParams
+from tests.conftest import churn
 
 
 def greedy(max_tokens: int = 12, **kw) -> SamplingParams:
@@ -127,30 +128,15 @@ def test_no_leaked_blocks_after_random_aborts_and_preemptions(small_kv_engine):
             ignore_eos=True,
         )
         pending.append((f"leak-{i}", [rng.randrange(100, 49000) for _ in range(rng.randint(1, 90))], sp, rng.randint(0, 2)))
-    pending.reverse()
-    live: set[str] = set()
-    final: dict[str, TokenEvent] = {}
-    wanted: dict[str, int] = {}
+    wanted = {rid: sp.max_tokens for rid, _, sp, _ in pending}
     before = engine.stats().num_preemptions
     max_used = 0
-    while pending or engine.has_unfinished():
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                rid, prompt, sp, prio = pending.pop()
-                engine.add_request(prompt, sp, request_id=rid, priority=prio)
-                live.add(rid)
-                wanted[rid] = sp.max_tokens
-        for ev in engine.step():
-            if ev.finished:
-                final[ev.request_id] = ev
-                live.discard(ev.request_id)
+
+    def track() -> None:
+        nonlocal max_used
         max_used = max(max_used, engine.pool.num_used)
-        if live and rng.random() < 0.08:
-            rid = rng.choice(sorted(live))
-            ev = engine.abort(rid)
-            assert ev is not None and ev.finish_reason is FinishReason.ABORT
-            final[rid] = ev
-            live.remove(rid)
+
+    final = churn(engine, pending, rng, track)
     assert engine.abort("leak-0") is None, "aborting a finished request is a no-op"
     stats = engine.stats()
     assert stats.num_preemptions > before, "the workload was meant to force preemptions"

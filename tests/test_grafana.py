@@ -12,6 +12,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -185,6 +186,21 @@ def _panels_without_data(prom_url: str, queries: list[tuple[str, str]], settle_s
         time.sleep(1)
 
 
+def _panels_without_data_under(prom_url: str, queries: list[tuple[str, str]],
+                               traffic: Callable[[threading.Event, int], None], workers: int) -> list[str]:
+    """``_panels_without_data`` while ``workers`` threads run ``traffic(stop, worker)``."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=traffic, args=(stop, w)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        return _panels_without_data(prom_url, queries)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+
+
 needs_prometheus = pytest.mark.skipif(
     PROMETHEUS is None and not REQUIRED,
     reason="needs Prometheus on PATH (Debian: apt-get install prometheus; .ci/run installs it)")
@@ -209,16 +225,9 @@ def test_every_panel_returns_data_from_a_real_prometheus(tmp_path):
     with fake_server(tmp_path, engine=engine, slo=slo, trust_lane_header=True) as server:
         prom, prom_url = _start_prometheus(tmp_path, f"127.0.0.1:{server.port}")
         try:
-            stop, counts = threading.Event(), {}
-            workers = [threading.Thread(target=_traffic, args=(server.url, stop, w, counts)) for w in range(3)]
-            for w in workers:
-                w.start()
-            try:
-                missing = _panels_without_data(prom_url, queries)
-            finally:
-                stop.set()
-                for w in workers:
-                    w.join(30)
+            counts: dict[str, int] = {}
+            missing = _panels_without_data_under(
+                prom_url, queries, lambda stop, w: _traffic(server.url, stop, w, counts), workers=3)
             up = _query(prom_url, 'up{job="tailguard"}')
             variables = {name: httpx.get(f"{prom_url}/api/v1/label/{name}/values",
                                          params={"match[]": series}).json()["data"]
@@ -289,13 +298,13 @@ def test_every_gateway_panel_returns_data_from_a_real_prometheus(tmp_path):
              "batch": {"priority": 2, "burst": False, "max_queue": 1, "max_queue_wait_s": 0.3}}
     counts: dict[str, int] = {}
 
-    def traffic(url: str, stop: threading.Event, worker: int) -> None:
+    def traffic(stop: threading.Event, worker: int) -> None:
         kinds = ["vip", "batch", "batch", "std", "slow"]
         i = worker
         with httpx.Client(timeout=30) as client:
             while not stop.is_set():
                 kind = kinds[i % len(kinds)]
-                r = chat(url, keys[kind], max_tokens=6, stream=kind == "std", client=client)
+                r = chat(gw.url, keys[kind], max_tokens=6, stream=kind == "std", client=client)
                 counts[f"{kind} {r.status_code}"] = counts.get(f"{kind} {r.status_code}", 0) + 1
                 i += 1
                 stop.wait(0.02)
@@ -305,16 +314,7 @@ def test_every_gateway_panel_returns_data_from_a_real_prometheus(tmp_path):
                              capacity={"max_concurrent": 4}) as gw:
         prom, prom_url = _start_prometheus(tmp_path, f"127.0.0.1:{gw.port}")
         try:
-            stop = threading.Event()
-            workers = [threading.Thread(target=traffic, args=(gw.url, stop, w)) for w in range(6)]
-            for w in workers:
-                w.start()
-            try:
-                missing = _panels_without_data(prom_url, queries)
-            finally:
-                stop.set()
-                for w in workers:
-                    w.join(30)
+            missing = _panels_without_data_under(prom_url, queries, traffic, workers=6)
         finally:
             prom.terminate()
             prom.wait(30)

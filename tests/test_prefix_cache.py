@@ -13,7 +13,7 @@ from tailguard.engine.engine import TokenEvent
 from tailguard.engine.prefix_cache import ROOT_HASH, block_hashes, cacheable_prefix_blocks, hash_block
 from tailguard.engine.request import FinishReason, SamplingParams, Sequence, SequenceStatus
 from tailguard.engine_options import add_engine_args, engine_args_from
-from tests.conftest import _assert_clean, _make_engine
+from tests.conftest import _assert_clean, _make_engine, churn
 from tests.test_scheduler import check_pool_accounting, make_scheduler, step
 
 BS = 16
@@ -366,23 +366,7 @@ def test_no_leaked_references_after_200_engine_requests_with_aborts(tiny_gguf):
         prompt = rng.choice(systems) + [rng.randrange(100, 49000) for _ in range(rng.randint(1, 20))]
         sp = SamplingParams(max_tokens=rng.randint(1, 24), temperature=rng.choice([0.0, 0.8]), ignore_eos=True)
         pending.append((f"leak-{i}", prompt, sp, rng.randint(0, 2)))
-    pending.reverse()
-    live: set[str] = set()
-    final: dict[str, TokenEvent] = {}
-    while pending or engine.has_unfinished():
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                rid, prompt, sp, prio = pending.pop()
-                engine.add_request(prompt, sp, request_id=rid, priority=prio)
-                live.add(rid)
-        for ev in engine.step():
-            if ev.finished:
-                final[ev.request_id] = ev
-                live.discard(ev.request_id)
-        if live and rng.random() < 0.08:
-            rid = rng.choice(sorted(live))
-            final[rid] = engine.abort(rid)
-            live.remove(rid)
+    final = churn(engine, pending, rng)
     stats = engine.stats()
     assert len(final) == 200 and stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert sum(ev.finish_reason is FinishReason.ABORT for ev in final.values()) >= 5

@@ -14,7 +14,7 @@ from tailguard.engine.engine import EngineArgs, LLMEngine, TokenEvent
 from tailguard.engine.request import FinishReason, SamplingParams
 from tailguard.engine.scheduler import ScheduledChunk
 from tailguard.engine.speculative import NgramProposer, SpeculationPolicy, make_proposer
-from tests.conftest import _assert_clean, _make_engine
+from tests.conftest import _assert_clean, _make_engine, churn
 
 TEXT_PROMPTS = [
     # formatted / repetitive, English
@@ -466,30 +466,17 @@ def test_no_leaked_blocks_after_200_speculative_requests_with_aborts_and_preempt
         sp = SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 0.0, 0.8]),
                             seed=rng.choice([None, i]), ignore_eos=True, speculative=rng.random() < 0.8)
         pending.append((f"leak-{i}", prompt, sp, rng.randint(0, 2)))
-    pending.reverse()
-    live: set[str] = set()
-    final: dict[str, TokenEvent] = {}
-    wanted: dict[str, int] = {}
+    wanted = {rid: sp.max_tokens for rid, _, sp, _ in pending}
     max_used = 0
-    while pending or engine.has_unfinished():
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                rid, prompt, sp, prio = pending.pop()
-                engine.add_request(prompt, sp, request_id=rid, priority=prio)
-                live.add(rid)
-                wanted[rid] = sp.max_tokens
-        for ev in engine.step():
-            if ev.finished:
-                final[ev.request_id] = ev
-                live.discard(ev.request_id)
+
+    def check() -> None:
+        nonlocal max_used
         max_used = max(max_used, engine.pool.num_used)
         assert engine.pool.num_used == sum(len(t.blocks) for t in engine.scheduler.tables.values())
         for seq in engine.scheduler.running:  # after a step, no sequence holds blocks past what it needs
             assert len(engine.scheduler.tables[seq.request_id].blocks) <= engine.pool.blocks_for(seq.num_tokens)
-        if live and rng.random() < 0.08:
-            rid = rng.choice(sorted(live))
-            final[rid] = engine.abort(rid)
-            live.remove(rid)
+
+    final = churn(engine, pending, rng, check)
     stats = engine.stats()
     print(f"preemptions {stats.num_preemptions}, proposed {stats.num_spec_proposed}, accepted {stats.num_spec_accepted}")
     assert stats.num_preemptions > 0 and max_used == engine.pool.num_blocks, "the workload was meant to fill the KV"

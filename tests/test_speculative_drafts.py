@@ -16,7 +16,7 @@ from tailguard.engine.drafting import DraftProposer, self_draft_layers
 from tailguard.engine.engine import EngineArgs, LLMEngine
 from tailguard.engine.model_store import ModelNotFoundError
 from tailguard.engine.request import FinishReason, SamplingParams
-from tests.conftest import _assert_clean, _make_engine
+from tests.conftest import _assert_clean, _make_engine, churn
 from tests.test_speculative import TEXT_PROMPTS, greedy, repetitive_prompts, run_all, tokens_of
 
 
@@ -123,32 +123,20 @@ def test_no_leaks_after_200_requests_with_a_draft_model_under_preemption_aborts_
                           speculative=f"draft:{tiny_gguf}", speculative_max_running=16)
     rng = random.Random(4)
     prompts = [p[:90] for p in repetitive_prompts(200, seed=52)]
-    live: set[str] = set()
-    final = {}
     pending = [(f"d-{i}", p, SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 0.8]),
                                             seed=i, ignore_eos=True), rng.randint(0, 2))
-               for i, p in enumerate(prompts)][::-1]
-    while pending or engine.has_unfinished():
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                rid, prompt, sp, prio = pending.pop()
-                engine.add_request(prompt, sp, request_id=rid, priority=prio)
-                live.add(rid)
-        for ev in engine.step():
-            if ev.finished:
-                final[ev.request_id] = ev
-                live.discard(ev.request_id)
-        assert engine.pool.num_used == sum(len(t.blocks) for t in engine.scheduler.tables.values())
-        if live and rng.random() < 0.08:
-            rid = rng.choice(sorted(live))
-            final[rid] = engine.abort(rid)
-            live.remove(rid)
+               for i, p in enumerate(prompts)]
+    final = churn(engine, pending, rng, lambda: _blocks_accounted(engine))
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.num_spec_accepted > 50
     assert len(final) == 200
     assert all(ev.finish_reason in (FinishReason.LENGTH, FinishReason.ABORT) for ev in final.values())
     _assert_clean(engine)
     assert engine.speculation.states == {} and engine.speculation.proposer._seen == {}
+
+
+def _blocks_accounted(engine: LLMEngine) -> None:
+    assert engine.pool.num_used == sum(len(t.blocks) for t in engine.scheduler.tables.values())
 
 
 def test_bad_draft_models_are_refused_before_serving(tiny_gguf, tmp_path):
