@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tailguard.engine.blocks import BlockTable
+from tailguard.engine.internals import StepProbe
 from tailguard.engine.model import AttentionMetadata, LlamaModel, PrefillSpan
 from tailguard.engine.request import SamplingParams, Sequence
 from tailguard.engine.scheduler import ScheduledChunk
@@ -34,7 +35,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     # --- batch building -------------------------------------------------------------------------------------------
-    def _build(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable]):
+    def _build(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable], in_torch: bool = False):
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -73,7 +74,7 @@ class ModelRunner:
         if decode_tables:
             widest = max(len(t) for t in decode_tables)
             # The native kernel reads int32 block tables and needs no mask.
-            native_decode = self.model.uses_decode_kernel and not prefills
+            native_decode = self.model.uses_decode_kernel and not prefills and not in_torch  # a probed step: torch
             decode_gather = torch.tensor([t + [0] * (widest - len(t)) for t in decode_tables],
                                          dtype=torch.int32 if native_decode else torch.long).to(dev)
             lengths = torch.tensor(decode_lens, dtype=torch.int32)
@@ -93,13 +94,14 @@ class ModelRunner:
 
     # --- the step -------------------------------------------------------------------------------------------------
     def execute(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable],
-                stop_ids: set[int]) -> list[list[SampledToken]]:
+                stop_ids: set[int], probe: StepProbe | None = None) -> list[list[SampledToken]]:
         """Run one step; returns each chunk's new tokens: none for a prefill chunk that does not reach the end of its
-        prompt, one for a decode or a last prefill chunk, one to K+1 for a chunk verifying K guesses."""
+        prompt, one for a decode or a last prefill chunk, one to K+1 for a chunk verifying K guesses. ``probe``: the
+        step is instrumented (sampled internals) and runs in torch."""
         if not chunks:
             return []
-        input_ids, meta, logits_indices = self._build(chunks, tables)
-        logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices)
+        input_ids, meta, logits_indices = self._build(chunks, tables, in_torch=probe is not None)
+        logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices, probe)
         plain_rows: list[int] = []
         row = 0
         for c in chunks:
