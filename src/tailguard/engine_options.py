@@ -36,6 +36,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "requests (the default)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn prefix caching off")
+    p.add_argument("--internals-sample-rate", type=_share, default=0.0,
+                   help="share of requests (0-1) whose prefill and every 16th decode step run instrumented: per-layer "
+                        "times, hidden-state norms and attention entropy kept with the record (default 0: off)")
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, not {text}")
+    return value
 
 
 def engine_args_from(ns: argparse.Namespace) -> Any:
@@ -58,4 +71,5 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         num_speculative_tokens=ns.num_speculative_tokens,
         speculative_max_running=ns.speculative_max_running,
         enable_prefix_caching=ns.enable_prefix_caching,
+        internals_sample_rate=ns.internals_sample_rate,
     )
