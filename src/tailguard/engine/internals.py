@@ -10,10 +10,10 @@ of a sampled request is bounded whatever its length.
 
 Entropy is recomputed from the request's own keys in the paged cache (they are written before attention runs), in
 float32, so the attention kernels stay as they are: H = -sum p log p over the positions the row attends to, which is
-within [0, log(context)]. The probe's own work (the entropy) is kept out of the layer times.
+within [0, log(context)]. The probe's own work (entropies, norms) is kept out of the times it reports and given as ``probe_ms``.
 
 Records: ``{"heads": [...], "decode_every": N, "steps": [{"kind", "position", "tokens", "batch_tokens",
-"batch_seqs", "step_ms", "layer_ms", "attn_ms", "mlp_ms", "norm", "entropy"}, ...]}`` with one list entry per layer
+"batch_seqs", "step_ms", "probe_ms", "layer_ms", "attn_ms", "mlp_ms", "norm", "entropy"}, ...]}`` with one list entry per layer
 (``entropy``: one list of per-head values per layer, in the order of ``heads``).
 """
 
@@ -82,6 +82,7 @@ class StepProbe:
         self.mlp_ms: list[float] = []
         self._t = 0.0
         self._step_start = 0.0
+        self._own = 0.0  # seconds the probe itself spent (entropy, norms), kept out of every time it reports
         self.step_ms = 0.0
 
     def _now(self) -> float:
@@ -97,7 +98,8 @@ class StepProbe:
 
     def attention_done(self, q: torch.Tensor, kv_cache: torch.Tensor, layer_idx: int) -> None:
         """After the attention block's residual add: its time, then each target's head entropies (not timed)."""
-        self.attn_ms.append((self._now() - self._t) * 1e3)
+        done = self._now()
+        self.attn_ms.append((done - self._t) * 1e3)
         k_rows = kv_cache[layer_idx, 0].reshape(-1, kv_cache.shape[-2], kv_cache.shape[-1])
         scale = 1.0 / math.sqrt(self.head_dim)
         for t in self.targets:
@@ -110,15 +112,18 @@ class StepProbe:
                 values.append(round(float(-(logp.exp() * logp).sum()), 5))
             t.entropy.append(values)
         self._t = self._now()
+        self._own += self._t - done
 
     def layer_done(self, x: torch.Tensor) -> None:
         """After the MLP's residual add: its time, then each target's hidden-state norm (mean over its rows)."""
-        self.mlp_ms.append((self._now() - self._t) * 1e3)
+        done = self._now()
+        self.mlp_ms.append((done - self._t) * 1e3)
         for t in self.targets:
             t.norm.append(round(float(x[t.row_start:t.row_end].float().norm(dim=-1).mean()), 4))
+        self._own += self._now() - done
 
     def step_done(self) -> None:
-        self.step_ms = (self._now() - self._step_start) * 1e3
+        self.step_ms = (self._now() - self._step_start - self._own) * 1e3
 
     def entries(self) -> list[tuple[str, dict[str, Any]]]:
         """(request id, step entry) for every target."""
@@ -128,6 +133,7 @@ class StepProbe:
             out.append((t.request_id, {
                 "kind": t.kind, "position": t.position, "tokens": t.row_end - t.row_start,
                 "batch_tokens": self.batch_tokens, "batch_seqs": self.batch_seqs, "step_ms": round(self.step_ms, 4),
+                "probe_ms": round(self._own * 1e3, 4),
                 "layer_ms": layer_ms, "attn_ms": [round(v, 4) for v in self.attn_ms],
                 "mlp_ms": [round(v, 4) for v in self.mlp_ms], "norm": t.norm, "entropy": t.entropy,
             }))
