@@ -10,7 +10,8 @@ of a sampled request is bounded whatever its length.
 
 Entropy is recomputed from the request's own keys in the paged cache (they are written before attention runs), in
 float32, so the attention kernels stay as they are: H = -sum p log p over the positions the row attends to, which is
-within [0, log(context)]. The probe's own work (entropies, norms) is kept out of the times it reports and given as ``probe_ms``.
+within [0, log(context)]. The probe's own work (entropies, norms) is kept out of the times it reports and given as
+``probe_ms``.
 
 Records: ``{"heads": [...], "decode_every": N, "steps": [{"kind", "position", "tokens", "batch_tokens",
 "batch_seqs", "step_ms", "probe_ms", "layer_ms", "attn_ms", "mlp_ms", "norm", "entropy"}, ...]}`` with one list entry per layer
