@@ -97,7 +97,8 @@ def main() -> None:
         base = base or tps
         rows.append({
             "sample_rate": rate, "requests": a["requests"], "sampled": a["sampled"],
-            "decode_steps": len(a["plain_steps"]) + len(a["probed_steps"]), "instrumented_steps": len(a["probed_steps"]),
+            "decode_steps": len(a["plain_steps"]) + len(a["probed_steps"]),
+            "instrumented_steps": len(a["probed_steps"]),
             "decode_tokens_per_s": round(tps, 1), "vs_off": round(tps / base, 4),
             "plain_step_ms_median": round(statistics.median(a["plain_steps"]) * 1e3, 3) if a["plain_steps"] else None,
             "instrumented_step_ms_median": round(statistics.median(a["probed_steps"]) * 1e3, 3)
@@ -114,7 +115,8 @@ def main() -> None:
         for r in rows:
             hit = 1 - (1 - r["sample_rate"]) ** args.batch
             r["modelled_cost"] = round(hit * extra / base_ms, 4)
-    print(f"{engine.model_name} ({engine.weight_format} weights, {engine.config.num_layers} layers), {threads} thread(s); "
+    print(f"{engine.model_name} ({engine.weight_format} weights, {engine.config.num_layers} layers), "
+          f"{threads} thread(s); "
           f"{args.rounds} batches of {args.batch} x {args.max_tokens} tokens per rate, interleaved")
     print(f"{'rate':>6} {'requests':>8} {'sampled':>7} {'decode steps':>12} {'instrumented':>12} {'decode tok/s':>12} "
           f"{'vs off':>7} {'plain step ms':>13} {'instr. step ms':>14} {'modelled cost':>13}")
@@ -125,8 +127,9 @@ def main() -> None:
               f"{r.get('modelled_cost', 0):>13.2%}")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
+    run_args = {k: v for k, v in vars(args).items() if k != "output"}
     out.write_text(json.dumps({"model": engine.model_name, "weight_format": engine.weight_format, "threads": threads,
-                               "args": {k: v for k, v in vars(args).items() if k != "output"}, "rows": rows}, indent=1) + "\n")
+                               "args": run_args, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ within [0, log(context)]. The probe's own work (entropies, norms) is kept out of
 ``probe_ms``.
 
 Records: ``{"heads": [...], "decode_every": N, "steps": [{"kind", "position", "tokens", "batch_tokens",
-"batch_seqs", "step_ms", "probe_ms", "layer_ms", "attn_ms", "mlp_ms", "norm", "entropy"}, ...]}`` with one list entry per layer
-(``entropy``: one list of per-head values per layer, in the order of ``heads``).
+"batch_seqs", "step_ms", "probe_ms", "layer_ms", "attn_ms", "mlp_ms", "norm", "entropy"}, ...]}`` with one
+list entry per layer (``entropy``: one list of per-head values per layer, in the order of ``heads``).
 """
 
 from __future__ import annotations
