@@ -111,6 +111,23 @@ def test_chosen_steps_entropy_bounds_and_the_step_cap(all_sampled):
     assert len(long["steps"]) == 8
 
 
+@pytest.mark.real_model
+def test_real_model_greedy_answers_unchanged_by_instrumented_steps(real_engine, tokenizer):
+    """SmolLM2's native weights: every other decode step leaves the C decode step for the probed torch path."""
+    sampler = real_engine.internals
+    batch = [tokenizer.encode_chat([{"role": "user", "content": m}])
+             for m in ("Tell me a short story about a robot.", "What is the capital of France?")]
+    expected, _ = run(real_engine, batch, greedy(24))
+    saved = sampler.sample_rate, sampler.decode_every, sampler.max_steps
+    sampler.sample_rate, sampler.decode_every, sampler.max_steps = 1.0, 2, 64
+    try:
+        got, found = run(real_engine, batch, greedy(24))
+    finally:
+        sampler.sample_rate, sampler.decode_every, sampler.max_steps = saved
+    assert got == expected
+    assert all(sum(s["kind"] == "decode" for s in rec["steps"]) == 12 for rec in found)
+
+
 def test_a_bad_sample_rate_fails_before_the_model_loads(tiny_gguf):
     with pytest.raises(ValueError, match="internals_sample_rate"):
         _make_engine(tiny_gguf, internals_sample_rate=1.5)
