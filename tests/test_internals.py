@@ -159,6 +159,21 @@ def test_record_and_server_timing_through_the_server(tmp_path, all_sampled):
         engine.shutdown()
 
 
+def test_server_timing_carries_only_a_flag_and_the_flag_reaches_the_engine():
+    from tailguard.cli import build_parser
+    from tailguard.engine_options import engine_args_from
+
+    plain, sampled = _tl(1), _tl(2, internals=_steps(2))
+    assert "internals" not in plain.server_timing() and "internals" not in plain.to_record()
+    assert sampled.server_timing().split(", ")[-1] == "internals"
+    assert sampled.to_record()["internals"] == _steps(2)
+    args = build_parser().parse_args(["serve", "--internals-sample-rate", "0.25"])
+    assert engine_args_from(args).internals_sample_rate == 0.25
+    assert engine_args_from(build_parser().parse_args(["serve"])).internals_sample_rate == 0.0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--internals-sample-rate", "1.5"])
+
+
 def _steps(n_layers: int) -> dict:
     return {"heads": [0], "decode_every": 16, "steps": [
         {"kind": "prefill", "position": 9, "tokens": 10, "batch_tokens": 10, "batch_seqs": 1, "step_ms": 5.0,
