@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Speculative decoding (n-gram prompt lookup) on the real model: decode tokens/s with and without, same run.
+"""Speculative decoding (n-gram prompt lookup, self-draft or a draft model) on the real model: decode tokens/s with and without, same run.
 
 One engine with speculation on; the "without" runs opt out per request (SamplingParams.speculative=False), so both
 share weights, KV cache and thread pool, and are interleaved (off, on, off, on, ...) so that load on the machine hits
@@ -8,6 +8,7 @@ token to the last), greedy output compared token for token. Then N concurrent st
 default batch cutoff (speculative_max_running) and with the cutoff lifted (what speculation would cost a busy batch).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/speculative.py       # writes benchmarks/results/speculative.json
+    .venv/bin/python benchmarks/speculative.py --proposer self --sweep ""   # speculative_self.json
 """
 
 from __future__ import annotations
@@ -143,11 +144,17 @@ def main() -> None:
     ap.add_argument("--stream-tokens", type=int, default=48)
     ap.add_argument("--sweep", default="2,4,8", help="stream counts run with speculation on every stream")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "speculative.json"))
+    ap.add_argument("--proposer", default="ngram",
+                    help="ngram, self (the first quarter of the layers) or draft:PATH|ALIAS (draft:smollm2 drafts for "
+                         "itself: every guess right, at a second model's cost)")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/speculative[_PROPOSER].json")
     args = ap.parse_args()
+    if args.out is None:
+        suffix = "" if args.proposer == "ngram" else "_" + args.proposer.replace("draft:", "draft_").replace("/", "_")
+        args.out = str(Path(__file__).parent / "results" / f"speculative{suffix}.json")
 
     engine = LLMEngine(EngineArgs(model="smollm2", num_threads=args.threads, kv_cache_tokens=8192,
-                                  speculative="ngram", num_speculative_tokens=args.num_speculative_tokens))
+                                  speculative=args.proposer, num_speculative_tokens=args.num_speculative_tokens))
     default_cutoff = engine.args.speculative_max_running
     # Touch every KV page once now: a run that first writes fresh pages pays page faults the other does not.
     engine.runner.kv_cache.zero_()
@@ -168,7 +175,7 @@ def main() -> None:
     formatted = [p for c in FORMATTED for p in encoded[c]]
     print(f"sweep: formatted prompts, cutoff lifted, {args.stream_tokens} tokens each:")
     sweep = [concurrent(engine, formatted, int(n), args.stream_tokens, args.reps, 1 << 30)
-             for n in args.sweep.split(",")]
+             for n in args.sweep.split(",") if n]
     engine.speculation.max_running = default_cutoff
 
     def summary(cats: tuple[str, ...]) -> dict:
@@ -182,7 +189,7 @@ def main() -> None:
                     identical=all(r["identical"] for r in rows))
 
     result = dict(
-        model="smollm2", weight_format=engine.weight_format, threads=args.threads, proposer="ngram",
+        model="smollm2", weight_format=engine.weight_format, threads=args.threads, proposer=args.proposer,
         num_speculative_tokens=args.num_speculative_tokens, default_speculative_max_running=default_cutoff,
         max_tokens=args.max_tokens, reps=args.reps, single_stream=single, concurrent=multi, sweep=sweep,
         formatted=summary(FORMATTED), free_chat=summary(("free_chat",)),

@@ -173,9 +173,25 @@ def _finite(result: list[dict]) -> bool:
     return any(math.isfinite(float(s["value"][1])) for s in result)
 
 
+def _panels_without_data(prom_url: str, queries: list[tuple[str, str]], settle_s: float = 6,
+                         timeout_s: float = 45) -> list[str]:
+    """Panels whose query returns no finite value, polled while the traffic runs until none is left or time is up."""
+    deadline = time.monotonic() + timeout_s
+    time.sleep(settle_s)  # a few scrapes with traffic in them, and a few SLO evaluations
+    while True:
+        missing = [f"{title}: {expr}" for title, expr in queries if not _finite(_query(prom_url, expand_variables(expr)))]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(1)
+
+
+needs_prometheus = pytest.mark.skipif(
+    PROMETHEUS is None and not REQUIRED,
+    reason="needs Prometheus on PATH (Debian: apt-get install prometheus; .ci/run installs it)")
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(PROMETHEUS is None and not REQUIRED,
-                    reason="needs Prometheus on PATH (Debian: apt-get install prometheus; .ci/run installs it)")
+@needs_prometheus
 def test_every_panel_returns_data_from_a_real_prometheus(tmp_path):
     assert PROMETHEUS is not None, "TAILGUARD_REQUIRE_PROMETHEUS=1 but no prometheus binary on PATH"
     dashboard = _dashboard(tmp_path)
@@ -197,16 +213,8 @@ def test_every_panel_returns_data_from_a_real_prometheus(tmp_path):
             workers = [threading.Thread(target=_traffic, args=(server.url, stop, w, counts)) for w in range(3)]
             for w in workers:
                 w.start()
-            missing: list[str] = []
-            deadline = time.monotonic() + 45
             try:
-                time.sleep(6)  # a few scrapes with traffic in them, and a few SLO evaluations
-                while True:
-                    missing = [f"{title}: {expr}" for title, expr in queries
-                               if not _finite(_query(prom_url, expand_variables(expr)))]
-                    if not missing or time.monotonic() > deadline:
-                        break
-                    time.sleep(1)
+                missing = _panels_without_data(prom_url, queries)
             finally:
                 stop.set()
                 for w in workers:
@@ -256,3 +264,59 @@ def test_bucket_matcher_reads_both_prometheus_2_and_3_spellings():
     assert re.fullmatch(regex, "2.0") and re.fullmatch(regex, "2")
     assert not re.fullmatch(regex, "20") and not re.fullmatch(regex, "2.05")
     assert le_matcher(1.2) == 'le="1.2"'
+
+
+@pytest.mark.slow
+@needs_prometheus
+def test_every_gateway_panel_returns_data_from_a_real_prometheus(tmp_path):
+    """A gateway over two fake replicas, one fast and one that stalls: lanes, tenants, streams and replicas panels
+    all get data from the traffic a gateway meets (refusals, a tenant over its rate, missed deadlines)."""
+    from tailguard.gateway.tenants import KeyFile
+    from tests.test_gateway import chat, gateway, replica
+
+    assert PROMETHEUS is not None, "TAILGUARD_REQUIRE_PROMETHEUS=1 but no prometheus binary on PATH"
+    queries = [(t, e) for t, e in panel_queries(_dashboard(tmp_path, "--gateway"))]
+    gateway_titles = {"Lanes: waiting and in use", "Lane wait P99", "Outstanding tokens per replica",
+                      "Upstream TTFT P99 per replica", "Healthy replicas",
+                      "Refused: lanes full or late, tenants over their rate"}
+    assert gateway_titles <= {t for t, _ in queries}
+    kf = KeyFile()
+    keys = {"vip": kf.add_key("acme", "vip"), "batch": kf.add_key("crawler", "batch"),
+            "std": kf.add_key("shop", "standard"), "slow": kf.add_key("slowpoke", "standard", requests_per_s=0.5)}
+    kf.save(tmp_path / "keys.yaml")
+    lanes = {"vip": {"priority": 0, "reserved": True, "sheddable": False},
+             "standard": {"priority": 1, "itl_deadline_s": 0.1, "ttft_deadline_s": 2.0},
+             "batch": {"priority": 2, "burst": False, "max_queue": 1, "max_queue_wait_s": 0.3}}
+    counts: dict[str, int] = {}
+
+    def traffic(url: str, stop: threading.Event, worker: int) -> None:
+        kinds = ["vip", "batch", "batch", "std", "slow"]
+        i = worker
+        with httpx.Client(timeout=30) as client:
+            while not stop.is_set():
+                kind = kinds[i % len(kinds)]
+                r = chat(url, keys[kind], max_tokens=6, stream=kind == "std", client=client)
+                counts[f"{kind} {r.status_code}"] = counts.get(f"{kind} {r.status_code}", 0) + 1
+                i += 1
+                stop.wait(0.02)
+
+    with replica(tmp_path, "fast", ttft=0.01, itl=0.02) as fast, replica(tmp_path, "stalls", ttft=0.01, itl=0.25) \
+            as slow, gateway(tmp_path, [fast.url, slow.url], keys_file=str(tmp_path / "keys.yaml"), lanes=lanes,
+                             capacity={"max_concurrent": 4}) as gw:
+        prom, prom_url = _start_prometheus(tmp_path, f"127.0.0.1:{gw.port}")
+        try:
+            stop = threading.Event()
+            workers = [threading.Thread(target=traffic, args=(gw.url, stop, w)) for w in range(6)]
+            for w in workers:
+                w.start()
+            try:
+                missing = _panels_without_data(prom_url, queries)
+            finally:
+                stop.set()
+                for w in workers:
+                    w.join(30)
+        finally:
+            prom.terminate()
+            prom.wait(30)
+    assert counts.get("vip 200") and counts.get("batch 429") and counts.get("slow 429"), counts
+    assert not missing, "panels without data:\n" + "\n".join(missing)

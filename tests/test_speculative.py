@@ -211,8 +211,9 @@ def test_speculative_options_and_bad_values(tiny_gguf):
         parser.parse_args(["--speculative", "medusa"])
     with pytest.raises(ValueError, match="speculative must be one of"):
         LLMEngine(EngineArgs(model=str(tiny_gguf), speculative="medusa"))
-    with pytest.raises(ValueError, match="not implemented"):
-        make_proposer("self")
+    assert make_proposer("self") is None  # model-based: the engine builds it over its own model (drafting.py)
+    assert engine_args_from(parser.parse_args(["--speculative", "draft:/models/small.gguf"])).speculative == (
+        "draft:/models/small.gguf")
     with pytest.raises(ValueError, match="at least 1"):
         LLMEngine(EngineArgs(model=str(tiny_gguf), speculative="ngram", num_speculative_tokens=0, kv_cache_tokens=256))
 

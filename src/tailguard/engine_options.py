@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from tailguard.engine.speculative import check_method
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 (the real SmolLM2-135M-Instruct), tiny, or a .gguf path")
@@ -25,8 +27,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="while a more important request (a lower priority value: the VIP lane) runs, at most this "
                         "many less important sequences take each step; the rest pause (default: no limit)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--speculative", default="off", choices=["off", "ngram"],
-                   help="speculative decoding: ngram (prompt lookup, exact for greedy) or off (default)")
+    p.add_argument("--speculative", default="off", type=_speculative_method, metavar="{off,ngram,self,draft:PATH}",
+                   help="speculative decoding (exact for greedy): ngram (prompt lookup), self (the model's first "
+                        "quarter of layers drafts), draft:PATH (a small GGUF model with the same tokenizer), or off "
+                        "(the default)")
     p.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="most tokens guessed per step and request (adaptive: fewer when a request accepts few)")
     p.add_argument("--speculative-max-running", type=int, default=2,
@@ -73,3 +77,10 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         enable_prefix_caching=ns.enable_prefix_caching,
         internals_sample_rate=ns.internals_sample_rate,
     )
+
+
+def _speculative_method(value: str) -> str:
+    try:
+        return check_method(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from tailguard.engine.blocks import BlockPool
+from tailguard.engine.drafting import make_draft_model, make_self_draft
 from tailguard.engine.internals import DEFAULT_DECODE_EVERY, DEFAULT_MAX_STEPS, InternalsSampler
 from tailguard.engine.internals import check_settings as check_internals
 from tailguard.engine.loader import load_gguf, write_tiny_gguf
@@ -53,7 +54,8 @@ class EngineArgs:
     max_prefill_chunk: int = 256
     max_background_seqs: int | None = None  # see SchedulerConfig: the pace of important streams under batch load
     num_threads: int | None = None
-    # Speculative decoding: off | ngram (prompt lookup). Up to num_speculative_tokens guesses per step and request,
+    # Speculative decoding: off | ngram (prompt lookup) | self (the target's first layers, drafting.py) | draft:PATH
+    # (a small model with the same tokenizer). Up to num_speculative_tokens guesses per step and request,
     # and none at all while more than speculative_max_running sequences run: on this CPU speculating on every stream
     # paid at 2 streams (formatted output) and cost 7-31% at 4 and 8 (benchmarks/speculative.py, docs/benchmarks.md).
     speculative: str = "off"
@@ -166,7 +168,7 @@ class LLMEngine:
         self.args = args
         proposer = make_proposer(args.speculative)  # a bad value fails before the model loads
         check_internals(args.internals_sample_rate, args.internals_decode_every, args.internals_max_steps)
-        if proposer is not None and (args.num_speculative_tokens < 1 or args.speculative_max_running < 1):
+        if args.speculative != "off" and (args.num_speculative_tokens < 1 or args.speculative_max_running < 1):
             raise ValueError("num_speculative_tokens and speculative_max_running must be at least 1")
         if args.model == "tiny":
             path = tiny_model_path(resolve_model_path("smollm2"))
@@ -210,6 +212,11 @@ class LLMEngine:
             self.pool,
         )
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.kv_dtype)
+        if args.speculative == "self":
+            proposer = make_self_draft(self.runner)
+        elif args.speculative.startswith("draft:"):
+            proposer = make_draft_model(args.speculative.removeprefix("draft:"), self.runner, self.tokenizer,
+                                        num_blocks)
         self.speculation = (SpeculationPolicy(proposer, args.num_speculative_tokens, args.speculative_max_running)
                             if proposer is not None else None)
         cfg = self.config
@@ -300,7 +307,17 @@ class LLMEngine:
     # --- the step -------------------------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         spec = self.speculation
-        draft_for = spec.draft if spec is not None and spec.batch_speculates(len(self.scheduler.running)) else None
+        draft_for = None
+        if spec is not None and spec.batch_speculates(len(self.scheduler.running)):
+            if spec.batched:
+                # A draft model guesses for the whole step at once, before scheduling; one block per running
+                # sequence stays free so that guessing never takes a block a plain decode needs.
+                drafts = spec.draft_batch(self.scheduler.running, self.scheduler.tables, len(self.scheduler.running))
+
+                def draft_for(seq: Sequence) -> list[int]:
+                    return drafts.get(seq.request_id, [])
+            else:
+                draft_for = spec.draft
         out = self.scheduler.schedule(draft_for)
         if out.is_empty:
             return []

@@ -27,11 +27,13 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
+                 kv_cache: torch.Tensor | None = None) -> None:
+        """``kv_cache``: run over an existing cache instead of allocating one (the self-draft reads the target's)."""
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size, kv_dtype)
+        self.kv_cache = kv_cache if kv_cache is not None else model.allocate_kv_cache(num_blocks, block_size, kv_dtype)
         self._generators: dict[str, torch.Generator] = {}
 
     # --- batch building -------------------------------------------------------------------------------------------
@@ -72,15 +74,8 @@ class ModelRunner:
                 prefills.append(PrefillSpan(start_tok, len(ids), gather, mask))
         decode_gather = decode_mask = lengths = None
         if decode_tables:
-            widest = max(len(t) for t in decode_tables)
-            # The native kernel reads int32 block tables and needs no mask.
-            native_decode = self.model.uses_decode_kernel and not prefills and not in_torch  # a probed step: torch
-            decode_gather = torch.tensor([t + [0] * (widest - len(t)) for t in decode_tables],
-                                         dtype=torch.int32 if native_decode else torch.long).to(dev)
-            lengths = torch.tensor(decode_lens, dtype=torch.int32)
-            if not native_decode:
-                decode_mask = (torch.arange(widest * bs).unsqueeze(0) < lengths.unsqueeze(1)).view(
-                    len(decode_lens), 1, 1, -1).to(dev)
+            decode_gather, decode_mask, lengths = self._decode_tables(
+                decode_tables, decode_lens, self.model.uses_decode_kernel and not prefills and not in_torch)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -92,6 +87,39 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, torch.tensor(logits_indices, dtype=torch.long, device=dev)
 
+    def _decode_tables(self, tables: list[list[int]], lens: list[int], native: bool):
+        """Padded block tables, the key mask (torch path only) and lengths of decode rows."""
+        widest = max(len(t) for t in tables)
+        # The native kernel reads int32 block tables and needs no mask.
+        gather = torch.tensor([t + [0] * (widest - len(t)) for t in tables],
+                              dtype=torch.int32 if native else torch.long).to(self.device)
+        lengths = torch.tensor(lens, dtype=torch.int32)
+        mask = None
+        if not native:
+            mask = (torch.arange(widest * self.block_size).unsqueeze(0) < lengths.unsqueeze(1)).view(
+                len(lens), 1, 1, -1).to(self.device)
+        return gather, mask, lengths
+
+    def decode_rows(self, token_ids: list[int], positions: list[int], tables: list[BlockTable]) -> torch.Tensor:
+        """Logits of one-token rows at the given positions, each over its own block table (blocks already held): a
+        draft model's guesses, fed one position at a time."""
+        dev = self.device
+        used = [t.blocks[: p // self.block_size + 1] for t, p in zip(tables, positions)]
+        gather, mask, lengths = self._decode_tables(used, [p + 1 for p in positions], self.model.uses_decode_kernel)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([t.slot(p) for t, p in zip(tables, positions)], dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            num_decodes=len(positions), decode_gather=gather, decode_mask=mask, prefills=[], decode_lens=lengths)
+        rows = torch.arange(len(positions), dtype=torch.long, device=dev)
+        return self.model.forward(torch.tensor(token_ids, dtype=torch.long, device=dev), meta, self.kv_cache, rows)
+
+    def chunk_logits(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable],
+                     probe: StepProbe | None = None) -> torch.Tensor:
+        """Run chunks (prefills and decodes) and return the logits of each sampling chunk's last position. ``probe``:
+        the step is instrumented (sampled internals) and runs in torch."""
+        input_ids, meta, logits_indices = self._build(chunks, tables, in_torch=probe is not None)
+        return self.model.forward(input_ids, meta, self.kv_cache, logits_indices, probe)
+
     # --- the step -------------------------------------------------------------------------------------------------
     def execute(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable],
                 stop_ids: set[int], probe: StepProbe | None = None) -> list[list[SampledToken]]:
@@ -100,8 +128,7 @@ class ModelRunner:
         step is instrumented (sampled internals) and runs in torch."""
         if not chunks:
             return []
-        input_ids, meta, logits_indices = self._build(chunks, tables, in_torch=probe is not None)
-        logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices, probe)
+        logits = self.chunk_logits(chunks, tables, probe)
         plain_rows: list[int] = []
         row = 0
         for c in chunks:

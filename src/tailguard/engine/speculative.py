@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from tailguard.engine.blocks import BlockTable
 from tailguard.engine.request import Sequence
 
-SPECULATIVE_METHODS = ("off", "ngram")
+SPECULATIVE_METHODS = ("off", "ngram", "self", "draft:PATH")
 
 
 class Proposer(Protocol):
@@ -57,14 +58,26 @@ class NgramProposer:
         return []
 
 
-def make_proposer(method: str) -> Proposer | None:
-    if method == "off":
-        return None
-    if method == "ngram":
-        return NgramProposer()
-    if method == "self" or method.startswith("draft:"):
-        raise ValueError(f"speculative method {method!r} is not implemented yet; use ngram or off")
+class BatchProposer(Protocol):
+    """A proposer that runs a model (drafting.py): guesses for all speculating sequences of a step at once, through
+    their block tables (which already hold the guessed positions)."""
+
+    def propose_batch(self, items: list[tuple[Sequence, int]], tables: dict[str, BlockTable]) -> list[list[int]]: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
+def check_method(method: str) -> str:
+    """``method`` if it names a proposer; a ValueError that lists them otherwise."""
+    if method in ("off", "ngram", "self") or (method.startswith("draft:") and len(method) > len("draft:")):
+        return method
     raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, not {method!r}")
+
+
+def make_proposer(method: str) -> Proposer | None:
+    """The model-free proposer for ``method`` (None for off and for the model-based ones, built by the engine)."""
+    check_method(method)
+    return NgramProposer() if method == "ngram" else None
 
 
 @dataclass
@@ -93,7 +106,7 @@ class SpeculationPolicy:
     MAX_COOLDOWN_STEPS = 256
     PROBE_EMA = 0.45  # EMA a request resumes with: one bad probe pauses it again
 
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_running: int) -> None:
+    def __init__(self, proposer: Proposer | BatchProposer, num_speculative_tokens: int, max_running: int) -> None:
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if max_running < 1:
@@ -116,23 +129,55 @@ class SpeculationPolicy:
         """Many streams make the step compute-bound: verifying guesses would then cost more than it saves."""
         return num_running <= self.max_running
 
-    def draft(self, seq: Sequence) -> list[int]:
-        """Guesses for a sequence about to decode one token; [] for a plain decode."""
+    @property
+    def batched(self) -> bool:
+        """The proposer runs a model over block tables: the engine drafts for the whole step before scheduling."""
+        return hasattr(self.proposer, "propose_batch")
+
+    def budget(self, seq: Sequence) -> int:
+        """How many guesses a sequence about to decode one token gets this step (0: a plain decode)."""
         sp = seq.sampling
         if not sp.speculative or len(seq.output_token_ids) < sp.min_tokens:
-            return []  # opted out, or stop tokens are still banned (a per-position rule the verifier does not apply)
+            return 0  # opted out, or stop tokens are still banned (a per-position rule the verifier does not apply)
         st = self.state(seq.request_id)
         if st.cooldown > 0:
             st.cooldown -= 1
             if st.cooldown == 0:
                 st.ema = self.PROBE_EMA
-            return []
+            return 0
         k = self.k if st.ema >= self.FULL_K_ACCEPTANCE else max(1, int(self.k * st.ema / self.FULL_K_ACCEPTANCE))
         # A verify step yields up to k + 1 tokens: never propose past max_tokens (nor, therefore, the context).
-        k = min(k, sp.max_tokens - len(seq.output_token_ids) - 1)
+        return max(0, min(k, sp.max_tokens - len(seq.output_token_ids) - 1))
+
+    def draft(self, seq: Sequence) -> list[int]:
+        """Guesses of a model-free proposer for a sequence about to decode one token; [] for a plain decode."""
+        k = self.budget(seq)
         if k <= 0:
             return []
-        return self.proposer.propose(seq.prompt_token_ids + seq.output_token_ids, k)
+        return self.proposer.propose(seq.prompt_token_ids + seq.output_token_ids, k)  # type: ignore[union-attr]
+
+    def draft_batch(self, running: list[Sequence], tables: dict[str, BlockTable], spare_blocks: int) -> dict[str, list[int]]:
+        """Guesses of a model-based proposer for every decoding sequence that speculates this step.
+
+        The guessed positions' blocks are taken now (the draft writes K/V there), but only from blocks beyond
+        ``spare_blocks``, which stay free for the step's plain decodes: guessing never preempts anybody."""
+        items: list[tuple[Sequence, int]] = []
+        for seq in running:
+            if not seq.in_decode:
+                continue
+            k = self.budget(seq)
+            if k <= 0:
+                continue
+            table = tables[seq.request_id]
+            need = table.blocks_needed(seq.num_computed_tokens + 1 + k)
+            if need and not table.pool.can_allocate(need + spare_blocks):
+                continue
+            table.ensure(seq.num_computed_tokens + 1 + k)
+            items.append((seq, k))
+        if not items:
+            return {}
+        guesses = self.proposer.propose_batch(items, tables)  # type: ignore[union-attr]
+        return {seq.request_id: g for (seq, _), g in zip(items, guesses) if g}
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
         st = self.state(request_id)
@@ -149,4 +194,6 @@ class SpeculationPolicy:
             st.pauses = 0
 
     def forget(self, request_id: str) -> SpecState | None:
+        if self.batched:
+            self.proposer.forget(request_id)  # type: ignore[union-attr]
         return self.states.pop(request_id, None)

@@ -63,6 +63,12 @@ class GatewayMetrics:
                                        registry=r)
         self._opened: dict[str, int] = {}
 
+    def attempt(self, replica: str, outcome: str, ttft: float | None) -> None:
+        """One request sent to a replica (``UpstreamBackend.on_attempt``)."""
+        self.up_requests.labels(self.model, replica, outcome).inc()
+        if ttft is not None:
+            self.up_ttft.labels(self.model, replica).observe(ttft)
+
     def sample(self, lanes: Lanes | None, pool: UpstreamPool | None) -> None:
         m = self.model
         if lanes is not None:

@@ -15,7 +15,7 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,9 @@ class UpstreamBackend:
         self.max_model_len = max_model_len
 
         self.error: BaseException | None = None  # never fatal: replicas come back
+        # Called once per attempt with (replica, outcome, seconds from sending to the first token or None): the
+        # server's gateway metrics (outcome: ok, error, refused, aborted).
+        self.on_attempt: Callable[[str, str, float | None], None] | None = None
 
     def unavailable(self) -> str | None:
         """Why ``/ready`` says no: no replica is available (the gateway itself stays live for ``/health``)."""
@@ -171,6 +174,7 @@ class UpstreamBackend:
         usage: dict | None = None
         finish: str | None = None
         ok = False
+        outcome = "aborted"  # the client went away mid-stream (the generator was closed)
         try:
             try:
                 async with session.post(r.url + path, data=json.dumps(body), headers=headers) as resp:
@@ -226,8 +230,10 @@ class UpstreamBackend:
                 num_output_tokens=int((usage or {}).get("completion_tokens") or n_out),
                 first_token=first,
             )
+            outcome = "ok"
             r.breaker.success()
         except UpstreamError as exc:
+            outcome = "error" if exc.status >= 500 else "refused"
             if exc.status >= 500:
                 r.errors += 1
                 r.last_error = exc.message
@@ -240,6 +246,8 @@ class UpstreamBackend:
             r.breaker.trial = False  # a trial the client abandoned decides nothing
             r.in_flight -= 1
             r.outstanding_tokens -= max(0, est_tokens - n_out)
+            if self.on_attempt is not None:
+                self.on_attempt(r.name, outcome, None if first is None else first - sent)
 
 
 def _upstream_request_id(mode: str, request_id: str) -> str | None:

@@ -89,7 +89,9 @@ class ResourceSampler:
     def window_stats(self) -> dict[str, Any]:
         """Mean and peak over the window (what a request's resource snapshot and /metrics carry)."""
         now = time.perf_counter()
-        xs = [s for s in self.samples if s.t >= now - self.window]
+        # tuple() copies in one C call, so the sampler thread cannot append mid-copy (iterating the deque itself
+        # raised "deque mutated during iteration" under load)
+        xs = [s for s in tuple(self.samples) if s.t >= now - self.window]
         if not xs:
             return {}
         out: dict[str, Any] = {

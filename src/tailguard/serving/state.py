@@ -73,6 +73,8 @@ class ServerState:
             self.lanes = Lanes(self.config.lane_configs(), cap.max_concurrent or backend_capacity(engine), cap)
             if self.metrics is not None:
                 self.gateway_metrics = GatewayMetrics(self.metrics.registry, self.metrics.model)
+                if hasattr(engine, "on_attempt"):  # over upstream replicas: count each attempt per replica
+                    engine.on_attempt = self.gateway_metrics.attempt
         if self.metrics is not None and self.machine is None:
             self.machine = ResourceSampler(self.metrics.registry, self.metrics.model)
             self.machine.start()

@@ -38,6 +38,8 @@ def add_slo_parser(subparsers: Any) -> argparse.ArgumentParser:
     gf.add_argument("--file", help="a YAML file of custom profiles")
     gf.add_argument("--output", "-o", default="-", help="dashboard JSON file (default: stdout)")
     gf.add_argument("--title", default="tailguard", help="dashboard title")
+    gf.add_argument("--gateway", action="store_true",
+                    help="a gateway over upstream replicas: add the lanes, tenants, streams and replicas panels")
     gf.add_argument("--uid", default="tailguard", help="dashboard uid (Grafana's stable id, for links and updates)")
 
     rp = sub.add_parser("report", help="weekly P99/P95 trend and SLO attainment from the request store")
@@ -158,10 +160,10 @@ def _cmd_rules(args: argparse.Namespace) -> int:
 
 
 def _cmd_grafana(args: argparse.Namespace) -> int:
-    from tailguard.slo.grafana import build_dashboard
+    from tailguard.slo.grafana import available_metrics, build_dashboard
 
-    dashboard, notes = build_dashboard(_profiles(args.profiles or ["baseline"], args.file), title=args.title,
-                                       uid=args.uid)
+    dashboard, notes = build_dashboard(_profiles(args.profiles or ["baseline"], args.file),
+                                       available_metrics(gateway=args.gateway), title=args.title, uid=args.uid)
     text = json.dumps(dashboard, indent=2) + "\n"
     if args.output == "-":
         sys.stdout.write(text)

@@ -55,8 +55,9 @@ class MetricInfo:
         return {"counter": f"{self.name}_total", "histogram": f"{self.name}_bucket"}.get(self.type, self.name)
 
 
-def available_metrics() -> dict[str, MetricInfo]:
-    """Every metric family a tailguard server exports, read from fresh instances of its registries."""
+def available_metrics(gateway: bool = False) -> dict[str, MetricInfo]:
+    """Every metric family a tailguard server exports, read from fresh instances of its registries; ``gateway``: a
+    server over upstream replicas (``--upstream``), which also exports lanes, tenants, streams and replicas."""
     from prometheus_client import CollectorRegistry
 
     from tailguard.observe.metrics import ServerMetrics
@@ -65,8 +66,14 @@ def available_metrics() -> dict[str, MetricInfo]:
     server = ServerMetrics("model")
     slo_registry = CollectorRegistry(auto_describe=True)
     SLOMetrics(slo_registry)
+    registries = [server.registry, slo_registry]
+    if gateway:
+        from tailguard.gateway.metrics import GatewayMetrics
+
+        registries.append(CollectorRegistry(auto_describe=True))
+        GatewayMetrics(registries[-1], "model")
     out: dict[str, MetricInfo] = {}
-    for registry in (server.registry, slo_registry):
+    for registry in registries:
         # Names and types are public (collect() yields every family, sampled or not); label names are kept on the
         # collectors only, which the registry lists privately: without that list, panels of discovered metrics
         # are not split by label.
@@ -74,6 +81,8 @@ def available_metrics() -> dict[str, MetricInfo]:
         labels = {fam.name: tuple(getattr(c, "_labelnames", ())) for c in (collectors or ()) for fam in c.describe()}
         for fam in registry.collect():
             out[fam.name] = MetricInfo(fam.name, fam.type, labels.get(fam.name, ()))
+    if gateway:  # the replicas speculate, if anyone does: a gateway's own engine counters stay at zero
+        out = {n: m for n, m in out.items() if "spec_decode" not in n}
     return out
 
 
@@ -283,6 +292,56 @@ class _Builder:
             options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
                      "colorMode": "background", "graphMode": "none", "textMode": "value_and_name"}))
 
+    def gateway(self) -> None:
+        """Lanes, tenants, streams and upstream replicas: only on a dashboard for a gateway (``--gateway``)."""
+        if "tailguard_lane_in_use_sequences" not in self.metrics:
+            return
+        self.layout.row("Gateway: lanes, tenants and streams")
+        self.add(["tailguard_lane_waiting_requests", "tailguard_lane_in_use_sequences"], _panel(
+            "Lanes: waiting and in use", [
+                (f"sum by (lane) (tailguard_lane_waiting_requests{{{MODEL}}})", "{{lane}} waiting"),
+                (f"sum by (lane) (tailguard_lane_in_use_sequences{{{MODEL}}})", "{{lane}} in use")], "short",
+            "Requests waiting for their lane to admit them, and admitted sequences in flight, per lane."))
+        self.add(["tailguard_lane_wait_seconds"], _panel("Lane wait P99", [
+            (f"histogram_quantile(0.99, sum by (le, lane) (rate(tailguard_lane_wait_seconds_bucket{{{MODEL}}}[{RATE}])))",
+             "{{lane}}")], "s", "Time from arrival to admission by the lane (part of the queue stage)."))
+        self.add(["tailguard_lane_capacity_sequences"], _panel("Capacity split", [
+            (f"max by (part) (tailguard_lane_capacity_sequences{{{MODEL}}})", "{{part}}")], "short",
+            "Sequences the replicas take in all, and the reserved (VIP), burst and general shares."))
+        self.add(["tailguard_lane_refused_requests", "tailguard_tenant_rate_limited_requests"], _panel(
+            "Refused: lanes full or late, tenants over their rate", [
+                (f"sum by (lane) (rate(tailguard_lane_refused_requests_total{{{MODEL}}}[{RATE}]))", "lane {{lane}}"),
+                (f"sum by (tenant) (rate(tailguard_tenant_rate_limited_requests_total{{{MODEL}}}[{RATE}]))",
+                 "tenant {{tenant}}")], "reqps", "429s from the lanes (queue full, deadline) and the rate limits.",
+            no_value="0"))
+        self.add(["tailguard_stream_stall_misses", "tailguard_stream_degraded_requests"], _panel(
+            "Streams: missed deadlines and degraded answers", [
+                (f"sum by (kind) (rate(tailguard_stream_stall_misses_total{{{MODEL}}}[{RATE}]))", "missed {{kind}}"),
+                (f"sum by (lane) (rate(tailguard_stream_degraded_requests_total{{{MODEL}}}[{RATE}]))",
+                 "degraded {{lane}}")], "reqps",
+            "TTFT and inter-token deadlines missed, and streams switched to the degraded answer after repeated misses.",
+            no_value="0"))
+        self.layout.row("Gateway: upstream replicas")
+        self.add(["tailguard_upstream_outstanding_tokens"], _panel("Outstanding tokens per replica", [
+            (f"sum by (replica) (tailguard_upstream_outstanding_tokens{{{MODEL}}})", "{{replica}}")], "short",
+            "Prompt and output tokens in flight at each replica: the load the router balances."))
+        self.add(["tailguard_upstream_requests_in_flight", "tailguard_upstream_queue_requests"], _panel(
+            "In flight and queued per replica", [
+                (f"sum by (replica) (tailguard_upstream_requests_in_flight{{{MODEL}}})", "{{replica}} in flight"),
+                (f"sum by (replica) (tailguard_upstream_queue_requests{{{MODEL}}})", "{{replica}} own queue")],
+            "short", "The replica's own waiting queue comes from its /metrics (vLLM, SGLang, tailguard)."))
+        self.add(["tailguard_upstream_time_to_first_token_seconds"], _panel("Upstream TTFT P99 per replica", [
+            ("histogram_quantile(0.99, sum by (le, replica) "
+             f"(rate(tailguard_upstream_time_to_first_token_seconds_bucket{{{MODEL}}}[{RATE}])))", "{{replica}}")],
+            "s", "From sending to a replica to its first token: the replica's share of TTFT."))
+        self.add(["tailguard_upstream_requests"], _panel("Upstream requests by outcome", [
+            (f"sum by (replica, outcome) (rate(tailguard_upstream_requests_total{{{MODEL}}}[{RATE}]))",
+             "{{replica}} {{outcome}}")], "reqps"))
+        self.add(["tailguard_upstream_healthy"], _panel("Healthy replicas", [
+            (f"sum(tailguard_upstream_healthy{{{MODEL}}})", "healthy"),
+            (f"count(tailguard_upstream_healthy{{{MODEL}}})", "known")], "short",
+            "Replicas that pass their health check with a closed breaker, of those the gateway knows."))
+
     def burn(self) -> None:
         rules, _notes = slo_rules_from(self.profiles)
         if not rules:
@@ -341,6 +400,7 @@ def build_dashboard(profiles: Sequence[SLOProfile], metrics: dict[str, MetricInf
     b.traffic()
     b.queue()
     b.slo()
+    b.gateway()
     b.burn()
     b.discovered()
     templating = {"list": [

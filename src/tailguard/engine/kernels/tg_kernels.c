@@ -842,7 +842,7 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
     if (hd > 512 || H / G > MAX_GROUP || H % G) return -1;
     for (int d = 0; d < D; d++) {
         if (positions[d] < 0 || positions[d] >= m->max_pos || ctx_lens[d] != positions[d] + 1) return -2;
-        if (tokens[d] < 0 || tokens[d] >= m->vocab) return -3;
+        if (tokens[d] < 0 || tokens[d] >= m->embed.N) return -3;
     }
     float *x = (float *)malloc(sizeof(float) * (size_t)D * Hd);
     float *h = (float *)malloc(sizeof(float) * (size_t)D * Hd);
