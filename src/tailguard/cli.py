@@ -216,6 +216,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
                     "--speculative": "speculative", "--num-speculative-tokens": "num_speculative_tokens",
                     "--speculative-max-running": "speculative_max_running",
                     "--attention-slice-tokens": "attention_slice_tokens",
+                    "--internals-sample-rate": "internals_sample_rate",
                     "--threads": "num_threads"}
     engine = {field: getattr(args, "threads" if field == "num_threads" else field)
               for flag, field in engine_flags.items() if given(flag)}

@@ -43,6 +43,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-slice-tokens", type=int, default=1024,
                    help="long contexts: attention runs over slices of this many keys merged by log-sum-exp, so memory "
                         "per step stays bounded (0: one slice; default 1024, measured fastest at 8K here)")
+    p.add_argument("--internals-sample-rate", type=_share, default=0.0,
+                   help="share of requests (0-1) whose prefill and every 16th decode step run instrumented: per-layer "
+                        "times, hidden-state norms and attention entropy kept with the record (default 0: off)")
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, not {text}")
+    return value
 
 
 def engine_args_from(ns: argparse.Namespace) -> Any:
@@ -66,6 +79,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         speculative_max_running=ns.speculative_max_running,
         enable_prefix_caching=ns.enable_prefix_caching,
         attention_slice_tokens=ns.attention_slice_tokens,
+        internals_sample_rate=ns.internals_sample_rate,
     )
 
 

@@ -21,6 +21,8 @@ import torch
 
 from tailguard.engine.blocks import BlockPool
 from tailguard.engine.drafting import make_draft_model, make_self_draft
+from tailguard.engine.internals import DEFAULT_DECODE_EVERY, DEFAULT_MAX_STEPS, InternalsSampler
+from tailguard.engine.internals import check_settings as check_internals
 from tailguard.engine.loader import load_gguf, write_tiny_gguf
 from tailguard.engine.memory import format_bytes, parse_budget
 from tailguard.engine.model import DEFAULT_ATTENTION_SLICE_TOKENS, LlamaModel
@@ -66,6 +68,13 @@ class EngineArgs:
     # context's step holds one slice of float K/V and scores, not the whole context's (torch paths; the C decode step
     # always streams 256-key slices). 0: one slice whatever the length. Default: benchmarks/long_context.py.
     attention_slice_tokens: int = DEFAULT_ATTENTION_SLICE_TOKENS
+    # Sampled internals (T2, engine/internals.py): this share of requests gets per-layer timings and activation
+    # statistics for its prefill and every internals_decode_every-th decode step (at most internals_max_steps steps),
+    # kept with its record. 0 = off, and then nothing of it runs.
+    internals_sample_rate: float = 0.0
+    internals_decode_every: int = DEFAULT_DECODE_EVERY
+    internals_max_steps: int = DEFAULT_MAX_STEPS
+    internals_seed: int | None = None  # fixes which requests are sampled (tests, benchmarks)
 
 
 @dataclass
@@ -91,6 +100,7 @@ class TokenEvent:
     num_spec_proposed: int = 0  # speculative guesses verified for this request
     num_spec_accepted: int = 0  # of which the target accepted (its output is the same either way)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed) at first admission
+    internals: dict | None = None  # sampled internals (T2): per-layer step timings and statistics; None if unsampled
 
 
 @dataclass
@@ -161,6 +171,7 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         self.args = args
         proposer = make_proposer(args.speculative)  # a bad value fails before the model loads
+        check_internals(args.internals_sample_rate, args.internals_decode_every, args.internals_max_steps)
         if args.speculative != "off" and (args.num_speculative_tokens < 1 or args.speculative_max_running < 1):
             raise ValueError("num_speculative_tokens and speculative_max_running must be at least 1")
         if args.attention_slice_tokens < 0:
@@ -215,6 +226,10 @@ class LLMEngine:
                                         num_blocks)
         self.speculation = (SpeculationPolicy(proposer, args.num_speculative_tokens, args.speculative_max_running)
                             if proposer is not None else None)
+        cfg = self.config
+        self.internals = InternalsSampler(args.internals_sample_rate, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                          self.device, args.internals_decode_every, args.internals_max_steps,
+                                          seed=args.internals_seed)
         logger.info("%s", self.describe())
         self.stop_ids = set(self.tokenizer.stop_token_ids)
         self._tracked: dict[str, _Tracked] = {}
@@ -262,6 +277,7 @@ class LLMEngine:
         )
         self.scheduler.add(seq)
         self._tracked[request_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer))
+        self.internals.admit(request_id)
         return request_id
 
     def abort(self, request_id: str) -> TokenEvent | None:
@@ -312,7 +328,12 @@ class LLMEngine:
         out = self.scheduler.schedule(draft_for)
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out.chunks, self.scheduler.tables, self.stop_ids)
+        probe = self.internals.plan(out.chunks, self.scheduler.tables)  # None unless a sampled request's step
+        if probe is None:  # the common case, called as before sampled internals existed (test doubles replace it)
+            sampled = self.runner.execute(out.chunks, self.scheduler.tables, self.stop_ids)
+        else:
+            sampled = self.runner.execute(out.chunks, self.scheduler.tables, self.stop_ids, probe)
+        self.internals.collect(probe)
         now = time.perf_counter()
         self.scheduler.advance(out)
         self.steps += 1
@@ -393,6 +414,7 @@ class LLMEngine:
             num_spec_proposed=spec_state.proposed if spec_state else 0,
             num_spec_accepted=spec_state.accepted if spec_state else 0,
             num_cached_tokens=seq.num_cached_tokens,
+            internals=self.internals.finish(seq.request_id),
         )
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None) -> list[list[int]]:

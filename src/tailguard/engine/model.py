@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import mmap
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ import torch.nn.functional as F
 from tailguard.engine import kernels
 from tailguard.engine.kernels import PackedMatrix
 from tailguard.engine.loader import ModelWeights
+
+if TYPE_CHECKING:
+    from tailguard.engine.internals import StepProbe
 
 # native: the GGUF's own blocks (Q4_1/Q8_0 for SmolLM2) multiplied with float32 activations by tailguard's kernels;
 # the same numbers as float32 (whose weights are those blocks dequantized) at a sixth of the bytes. CPU only.
@@ -269,13 +273,16 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor, logits_indices: torch.Tensor
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor, logits_indices: torch.Tensor,
+        probe: StepProbe | None = None,
     ) -> torch.Tensor:
+        """Logits at ``logits_indices``. ``probe`` (sampled internals, engine/internals.py) times each layer and reads
+        its activations; a probed step runs in torch even where the one-call C decode step would take it."""
         cfg = self.config
         n_tok = input_ids.shape[0]
         d = meta.num_decodes
         native = self.weight_format == "native"
-        if self.uses_decode_kernel and d == n_tok and logits_indices.shape[0] == d:
+        if probe is None and self.uses_decode_kernel and d == n_tok and logits_indices.shape[0] == d:
             # A decode-only step (most steps): one C call. Steps with prefill chunks stay in torch as a whole: a
             # token's numbers then depend only on how its own prompt was chunked, not on who else shares the step.
             return self._native_decode(input_ids, meta, kv_cache)
@@ -283,8 +290,12 @@ class LlamaModel:
         q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim
         cos = self.cos[meta.positions].unsqueeze(1)
         sin = self.sin[meta.positions].unsqueeze(1)
+        if probe is not None:
+            probe.step_begin()
         x = kernels.embed(input_ids, self.embed) if native else self.embed[input_ids]
         for layer_idx, (attn_norm, qkv_proj, o_proj, ffn_norm, gate_up_proj, down_proj) in enumerate(self.layers):
+            if probe is not None:
+                probe.layer_begin()
             h = F.rms_norm(x, (cfg.hidden_size,), attn_norm, cfg.rms_eps)
             qkv = qkv_proj(h)
             # Q and K heads rotated together: one RoPE for both.
@@ -323,11 +334,18 @@ class LlamaModel:
                     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, enable_gqa=True)
                 attn[span.token_start : span.token_end] = op.squeeze(0).transpose(0, 1)
             x = x + o_proj(attn.reshape(n_tok, q_dim))
+            if probe is not None:
+                probe.attention_done(q, kv_cache, layer_idx)
             h = F.rms_norm(x, (cfg.hidden_size,), ffn_norm, cfg.rms_eps)
             gate, up = gate_up_proj(h).chunk(2, dim=-1)
             x = x + down_proj(F.silu(gate) * up)
+            if probe is not None:
+                probe.layer_done(x)
         x = F.rms_norm(x[logits_indices], (cfg.hidden_size,), self.norm, cfg.rms_eps)
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if probe is not None:
+            probe.step_done()
+        return logits
 
 
 def slice_blocks(slice_tokens: int, block_size: int) -> int:

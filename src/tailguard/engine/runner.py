@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tailguard.engine.blocks import BlockTable
+from tailguard.engine.internals import StepProbe
 from tailguard.engine.model import AttentionMetadata, LlamaModel, PrefillSpan
 from tailguard.engine.request import SamplingParams, Sequence
 from tailguard.engine.scheduler import ScheduledChunk
@@ -36,7 +37,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     # --- batch building -------------------------------------------------------------------------------------------
-    def _build(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable]):
+    def _build(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable], in_torch: bool = False):
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -73,8 +74,8 @@ class ModelRunner:
                 prefills.append(PrefillSpan(start_tok, len(ids), gather, mask))
         decode_gather = decode_mask = lengths = None
         if decode_tables:
-            decode_gather, decode_mask, lengths = self._decode_tables(decode_tables, decode_lens,
-                                                                      self.model.uses_decode_kernel and not prefills)
+            decode_gather, decode_mask, lengths = self._decode_tables(
+                decode_tables, decode_lens, self.model.uses_decode_kernel and not prefills and not in_torch)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -112,19 +113,22 @@ class ModelRunner:
         rows = torch.arange(len(positions), dtype=torch.long, device=dev)
         return self.model.forward(torch.tensor(token_ids, dtype=torch.long, device=dev), meta, self.kv_cache, rows)
 
-    def chunk_logits(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable]) -> torch.Tensor:
-        """Run chunks (prefills and decodes) and return the logits of each sampling chunk's last position."""
-        input_ids, meta, logits_indices = self._build(chunks, tables)
-        return self.model.forward(input_ids, meta, self.kv_cache, logits_indices)
+    def chunk_logits(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable],
+                     probe: StepProbe | None = None) -> torch.Tensor:
+        """Run chunks (prefills and decodes) and return the logits of each sampling chunk's last position. ``probe``:
+        the step is instrumented (sampled internals) and runs in torch."""
+        input_ids, meta, logits_indices = self._build(chunks, tables, in_torch=probe is not None)
+        return self.model.forward(input_ids, meta, self.kv_cache, logits_indices, probe)
 
     # --- the step -------------------------------------------------------------------------------------------------
     def execute(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable],
-                stop_ids: set[int]) -> list[list[SampledToken]]:
+                stop_ids: set[int], probe: StepProbe | None = None) -> list[list[SampledToken]]:
         """Run one step; returns each chunk's new tokens: none for a prefill chunk that does not reach the end of its
-        prompt, one for a decode or a last prefill chunk, one to K+1 for a chunk verifying K guesses."""
+        prompt, one for a decode or a last prefill chunk, one to K+1 for a chunk verifying K guesses. ``probe``: the
+        step is instrumented (sampled internals) and runs in torch."""
         if not chunks:
             return []
-        logits = self.chunk_logits(chunks, tables)
+        logits = self.chunk_logits(chunks, tables, probe)
         plain_rows: list[int] = []
         row = 0
         for c in chunks:

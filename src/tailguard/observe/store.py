@@ -44,7 +44,8 @@ log = logging.getLogger("tailguard.store")
 
 # 2: lane/client/region/degraded/slo_action columns and the slo_alerts table.
 # 3: user pseudonymized (HMAC), prompt_token_sha256 -> prompt_token_hmac (salted), logprobs never beside redactions.
-SCHEMA_VERSION = 3
+# 4: requests.internals (sampled per-layer internals, T2); queue_samples.cpu and .rss (the machine's window).
+SCHEMA_VERSION = 4
 DEFAULT_RETENTION_DAYS = 15.0
 DEFAULT_MAX_BACKLOG = 100_000
 DEFAULT_MAX_BACKLOG_BYTES = 256 * 1024 * 1024
@@ -90,7 +91,8 @@ CREATE TABLE IF NOT EXISTS requests (
     client TEXT,
     region TEXT,
     degraded INTEGER NOT NULL DEFAULT 0, -- 1: answered by the SLO monitor's degradation (template or truncated)
-    slo_action TEXT                     -- JSON: what the SLO monitor did to the request (shed, degrade), else NULL
+    slo_action TEXT,                    -- JSON: what the SLO monitor did to the request (shed, degrade), else NULL
+    internals TEXT                      -- JSON: sampled per-layer timings and activation statistics (T2), else NULL
 );
 CREATE INDEX IF NOT EXISTS idx_requests_request_id ON requests(request_id);
 CREATE INDEX IF NOT EXISTS idx_requests_received_at ON requests(received_at);
@@ -100,7 +102,9 @@ CREATE TABLE IF NOT EXISTS queue_samples (
     waiting INTEGER NOT NULL,
     server_queue INTEGER NOT NULL,
     kv_blocks_used INTEGER NOT NULL,
-    kv_blocks_total INTEGER NOT NULL
+    kv_blocks_total INTEGER NOT NULL,
+    cpu REAL,                           -- server process CPU cores busy, mean over the sampler's window (schema 4+)
+    rss REAL                            -- server process resident bytes, peak over the window (schema 4+)
 );
 CREATE INDEX IF NOT EXISTS idx_queue_samples_t ON queue_samples(t);
 CREATE TABLE IF NOT EXISTS slo_alerts (
@@ -128,8 +132,9 @@ _COLUMNS = (
     "request_id", "received_at", "endpoint", "model", "user", "business_type", "stream", "status", "outcome",
     "finish_reason", "error", "prompt_tokens", "output_tokens", "e2e", "ttft", "tpot", "tokenize", "queue", "prefill",
     "decode", "stream_time", "record", "prompt_text", "output_text", "prompt_token_ids", "prompt_token_hmac",
-    "logprobs", "lane", "client", "region", "degraded", "slo_action",
+    "logprobs", "lane", "client", "region", "degraded", "slo_action", "internals",
 )
+SAMPLE_COLUMNS = ("t", "running", "waiting", "server_queue", "kv_blocks_used", "kv_blocks_total", "cpu", "rss")
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
 
@@ -266,6 +271,8 @@ def _backlog_cost(kind: str, item: Any) -> int:
         cost += 40 * len(tl.prompt_token_ids)
     if tl.logprobs:
         cost += 400 * len(tl.logprobs)
+    if tl.internals:
+        cost += 1024 * len(tl.internals.get("steps", ()))
     return cost
 
 
@@ -412,12 +419,15 @@ class RequestStore:
             log.error("request store: %s not written: %s (%d dropped so far; backlog %d records, ~%d MiB)", what,
                       reason, self.dropped, self._pending, self._pending_bytes >> 20)
 
-    def put_sample(self, t: float, running: int, waiting: int, server_queue: int, kv_used: int, kv_total: int) -> bool:
+    def put_sample(self, t: float, running: int, waiting: int, server_queue: int, kv_used: int, kv_total: int,
+                   cpu: float | None = None, rss: float | None = None) -> bool:
+        """One queue sample; ``cpu`` (cores, window mean) and ``rss`` (bytes, window peak) when the machine sampler
+        runs."""
         with self._lock:
             if self._closed or self._pending >= self._max_backlog:
                 self.dropped_samples += 1
                 return False
-            self._q.put(("sample", (t, running, waiting, server_queue, kv_used, kv_total), 0))
+            self._q.put(("sample", (t, running, waiting, server_queue, kv_used, kv_total, cpu, rss), 0))
         return True
 
     @property
@@ -551,6 +561,7 @@ class RequestStore:
                 body[extra] = rec[extra]
         body["sampling"] = self._sampling(rec["sampling"])
         action = json.dumps(tl.slo_action, separators=(",", ":")) if tl.slo_action else None
+        internals = json.dumps(tl.internals, separators=(",", ":")) if tl.internals is not None else None
         return tuple(self._clean(v) for v in (
             rec["request_id"], rec["received_at"], rec["endpoint"], rec["model"], self.pseudonym(rec["user"]),
             rec["business_type"], int(rec["stream"]), rec["status"], rec["outcome"] or "unknown",
@@ -558,7 +569,7 @@ class RequestStore:
             rec["tpot"], s["tokenize"], s["queue"], s["prefill"], s["decode"], s["stream"],
             json.dumps(body, ensure_ascii=False, separators=(",", ":")),
             prompt_text, output_text, token_ids, token_mac, logprobs, rec["lane"], rec["client"], rec["region"],
-            int(rec["degraded"]), action,
+            int(rec["degraded"]), action, internals,
         ))
 
     def _alert_row(self, r: dict[str, Any]) -> tuple:
@@ -709,6 +720,9 @@ def row_to_record(row: Any) -> dict[str, Any]:
         "speculation": body.get("speculation"),
         "cached_prompt_tokens": body.get("cached_prompt_tokens", 0),
     }
+    internals = row["internals"]
+    if internals:
+        rec["internals"] = json.loads(internals)
     if "prompt_redacted" in body:
         rec["prompt_redacted"] = body["prompt_redacted"]
     if any(row[k] is not None for k in ("prompt_text", "output_text", "prompt_token_ids", "logprobs")):

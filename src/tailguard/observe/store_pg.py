@@ -3,7 +3,8 @@
 The schema is SQLite's with PostgreSQL's types (REAL -> DOUBLE PRECISION, AUTOINCREMENT -> an identity column,
 ``user`` quoted: it is a reserved word here), versioned in the ``tailguard_meta`` table (a newer version is refused, a
 table called ``requests`` that tailguard did not create is refused), created under an advisory lock so that gateways
-starting together do not race. PostgreSQL support starts at schema 3, so there is no older layout to migrate yet.
+starting together do not race. PostgreSQL support starts at schema 3; ``_MIGRATIONS`` takes a database written by an
+older tailguard up one version at a time, in the schema lock's transaction.
 
 The writer thread is the shared one (:class:`tailguard.observe.store.RequestStore`); what differs is what happens when
 the database goes away. SQLite failing means a bad row; PostgreSQL failing usually means a restart, a failover or a
@@ -43,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - the server extra installs it
 from tailguard.observe.store import (
     _ALERT_COLUMNS,
     _COLUMNS,
+    SAMPLE_COLUMNS,
     SCHEMA_VERSION,
     SECRET_ENV,
     RequestStore,
@@ -52,7 +54,8 @@ from tailguard.observe.store import (
 )
 
 _META = "CREATE TABLE IF NOT EXISTS tailguard_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)"
-# Column comments: see _SCHEMA in store.py; the same columns, in the same order, plus write_key.
+# Column comments: see _SCHEMA in store.py; the same columns, plus write_key; the columns schema 4 added come after
+# it, where its migration puts them in a database of schema 3.
 _PG_SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -88,7 +91,8 @@ CREATE TABLE IF NOT EXISTS requests (
     region TEXT,
     degraded INTEGER NOT NULL DEFAULT 0,
     slo_action TEXT,
-    write_key UUID NOT NULL UNIQUE
+    write_key UUID NOT NULL UNIQUE,
+    internals TEXT
 );
 CREATE INDEX IF NOT EXISTS idx_requests_request_id ON requests(request_id);
 CREATE INDEX IF NOT EXISTS idx_requests_received_at ON requests(received_at);
@@ -98,7 +102,9 @@ CREATE TABLE IF NOT EXISTS queue_samples (
     waiting INTEGER NOT NULL,
     server_queue INTEGER NOT NULL,
     kv_blocks_used INTEGER NOT NULL,
-    kv_blocks_total INTEGER NOT NULL
+    kv_blocks_total INTEGER NOT NULL,
+    cpu DOUBLE PRECISION,
+    rss DOUBLE PRECISION
 );
 CREATE INDEX IF NOT EXISTS idx_queue_samples_t ON queue_samples(t);
 CREATE TABLE IF NOT EXISTS slo_alerts (
@@ -120,8 +126,15 @@ CREATE TABLE IF NOT EXISTS slo_alerts (
 );
 CREATE INDEX IF NOT EXISTS idx_slo_alerts_at ON slo_alerts(at);
 """
-# Schema N -> N+1 for databases written by an older tailguard (none yet: PostgreSQL support starts at schema 3).
-_MIGRATIONS: dict[int, str] = {}
+# Schema N -> N+1 for databases written by an older tailguard (PostgreSQL support starts at schema 3). Columns are
+# added at the end (after write_key): inserts name their columns, so the order does not matter.
+_MIGRATIONS: dict[int, str] = {
+    3: """
+ALTER TABLE requests ADD COLUMN IF NOT EXISTS internals TEXT;
+ALTER TABLE queue_samples ADD COLUMN IF NOT EXISTS cpu DOUBLE PRECISION;
+ALTER TABLE queue_samples ADD COLUMN IF NOT EXISTS rss DOUBLE PRECISION;
+""",
+}
 
 
 def _quote(col: str) -> str:
@@ -139,7 +152,8 @@ _INSERT = _insert("requests", _COLUMNS)
 # are new). Any attempt after a failure uses the INSERT, in case the failed one did commit.
 _COPY = f"COPY requests ({', '.join([*map(_quote, _COLUMNS), 'write_key'])}) FROM STDIN"
 _INSERT_ALERT = _insert("slo_alerts", _ALERT_COLUMNS)
-_INSERT_SAMPLE = "INSERT INTO queue_samples VALUES (%s, %s, %s, %s, %s, %s)"
+_INSERT_SAMPLE = (f"INSERT INTO queue_samples ({', '.join(SAMPLE_COLUMNS)}) "
+                  f"VALUES ({', '.join(['%s'] * len(SAMPLE_COLUMNS))})")
 
 # Advisory lock ids: creating the schema (every gateway at start) and the retention sweep (one gateway at a time).
 _LOCK_SCHEMA = 0x7467_0001

@@ -19,6 +19,7 @@ from tailguard.observe.store import (
     _ALERT_COLUMNS,
     _COLUMNS,
     _SCHEMA,
+    SAMPLE_COLUMNS,
     SCHEMA_VERSION,
     RequestStore,
     SchemaError,
@@ -30,6 +31,7 @@ from tailguard.observe.store import (
 log = logging.getLogger("tailguard.store")
 
 _INSERT = f"INSERT INTO requests ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
+_INSERT_SAMPLE = f"INSERT INTO queue_samples ({', '.join(SAMPLE_COLUMNS)}) VALUES ({', '.join('?' * len(SAMPLE_COLUMNS))})"
 _INSERT_ALERT = f"INSERT INTO slo_alerts ({', '.join(_ALERT_COLUMNS)}) VALUES ({', '.join('?' * len(_ALERT_COLUMNS))})"
 
 # Columns added after schema version 1, for files written by an older tailguard.
@@ -37,6 +39,9 @@ _ADDED_COLUMNS = (
     ("lane", "TEXT"), ("client", "TEXT"), ("region", "TEXT"), ("degraded", "INTEGER NOT NULL DEFAULT 0"),
     ("slo_action", "TEXT"),
 )
+# Schema 3 -> 4: sampled internals on requests, the machine's window on queue samples (all nullable: old rows have
+# none).
+_ADDED_IN_4 = (("requests", "internals", "TEXT"), ("queue_samples", "cpu", "REAL"), ("queue_samples", "rss", "REAL"))
 
 
 # --- schema ---------------------------------------------------------------------------------------------------------
@@ -91,6 +96,10 @@ def open_schema(path: str, key: bytes | None = None) -> int:
                     conn.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
             if version < 3:
                 _migrate_to_3(conn, key if key is not None else load_secret(path))
+            for table, name, decl in _ADDED_IN_4:  # version 3 -> 4
+                if name not in {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}:
+                    conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
+            if version < SCHEMA_VERSION:
                 log.info("request store %s migrated from schema %d to %d", path, version, SCHEMA_VERSION)
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             conn.execute("COMMIT")
@@ -158,7 +167,7 @@ class SQLiteStore(RequestStore):
             conn.execute("BEGIN")
             conn.executemany(_INSERT, rows)
             if samples:
-                conn.executemany("INSERT INTO queue_samples VALUES (?, ?, ?, ?, ?, ?)", samples)
+                conn.executemany(_INSERT_SAMPLE, samples)
             if alert_rows:
                 conn.executemany(_INSERT_ALERT, alert_rows)
             conn.execute("COMMIT")

@@ -82,6 +82,8 @@ class Timeline:
     spec_proposed: int = 0
     spec_accepted: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served (not computed again)
+    # Sampled internals (T2): per-layer step timings and activation statistics, for a sampled share of requests.
+    internals: dict[str, Any] | None = None
     # Text audit (T1/T3); filled only when text storage is on, redacted by the store before it is written.
     prompt_text: str | None = None
     output_text: str | None = None
@@ -156,6 +158,8 @@ class Timeline:
         parts.append(f"total;dur={s.e2e * 1e3:.3f}")
         if self.spec_proposed:
             parts.append(f'spec;desc="proposed={self.spec_proposed} accepted={self.spec_accepted}"')
+        if self.internals is not None:  # only the flag: the figures are in the record (GET /v1/requests/{id})
+            parts.append("internals")
         return ", ".join(parts)
 
     def stage_object(self) -> dict[str, Any]:
@@ -227,4 +231,5 @@ class Timeline:
             **({"gateway": self.gateway} if self.gateway else {}),
             **({"speculation": {"proposed": self.spec_proposed, "accepted": self.spec_accepted}}
                if self.spec_proposed else {}),
+            **({"internals": self.internals} if self.internals is not None else {}),
         }

@@ -613,6 +613,7 @@ class CompletionEndpoint:
         tl.cached_prompt_tokens = getattr(ev, "num_cached_tokens", 0)
         tl.spec_proposed = getattr(ev, "num_spec_proposed", 0)
         tl.spec_accepted = getattr(ev, "num_spec_accepted", 0)
+        tl.internals = getattr(ev, "internals", None)
         reason = ev.finish_reason.value if hasattr(ev.finish_reason, "value") else str(ev.finish_reason)
         replica = getattr(ev, "replica", None)
         if replica is not None:  # an upstream's answer: which replica, after how many tries

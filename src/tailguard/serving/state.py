@@ -136,8 +136,10 @@ class ServerState:
     def store_sample(self) -> None:
         snap = self.snapshot
         if self.store is not None and snap:
+            machine = snap.get("machine") or {}  # the machine sampler's window (O2), when it runs
             self.store.put_sample(snap["sampled_at"], snap["running"], snap["waiting"], snap["server_queue"],
-                                  snap["kv_blocks_used"], snap["kv_blocks_total"])
+                                  snap["kv_blocks_used"], snap["kv_blocks_total"], machine.get("cpu_cores_mean"),
+                                  machine.get("rss_bytes_max"))
 
     def resources(self) -> dict[str, Any]:
         """The resource snapshot a request carries: the latest sample plus exact server counters now."""

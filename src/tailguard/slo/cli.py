@@ -1,4 +1,4 @@
-"""``tailguard slo ...``: profiles, Prometheus rules, the Grafana dashboard and the weekly report.
+"""``tailguard slo ...``: profiles, Prometheus rules, the Grafana dashboard, the weekly report and hotspots.
 
 Wired into the main CLI with ``add_slo_parser(sub)`` and ``run_slo(args)``.
 """
@@ -49,6 +49,15 @@ def add_slo_parser(subparsers: Any) -> argparse.ArgumentParser:
     rp.add_argument("--file", help="a YAML file of custom profiles")
     rp.add_argument("--min-samples", type=int, default=20, help="fewest requests for an hour or week to be judged")
     rp.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    hs = sub.add_parser("hotspots", help="layers (sampled internals) and stages slower than mean + 2 sigma, from the "
+                                         "request store")
+    hs.add_argument("--store", required=True, help="the request store: a SQLite file or a postgresql:// URL")
+    hs.add_argument("--hours", type=float, default=None, help="only records of the last HOURS hours (default: all)")
+    hs.add_argument("--limit", type=int, default=10_000, help="most recent records read (default 10000)")
+    hs.add_argument("--sigma", type=float, default=2.0, help="how many standard deviations above the mean is hot")
+    hs.add_argument("--top", type=int, default=20, help="slow stages listed (default 20)")
+    hs.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return slo
 
 
@@ -73,6 +82,8 @@ def run_slo(args: argparse.Namespace) -> int:
             return _cmd_report(args)
         if args.slo_command == "grafana":
             return _cmd_grafana(args)
+        if args.slo_command == "hotspots":
+            return _cmd_hotspots(args)
     except ProfileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -179,4 +190,22 @@ def _cmd_report(args: argparse.Namespace) -> int:
         print(json.dumps(rep, indent=2, default=str))
     else:
         render_report(rep)
+    return 0
+
+
+def _cmd_hotspots(args: argparse.Namespace) -> int:
+    import time
+
+    from tailguard.slo.hotspots import HotspotError, find_hotspots, load_records, render_hotspots
+
+    since = time.time() - args.hours * 3600.0 if args.hours is not None else None
+    try:
+        rep = find_hotspots(load_records(args.store, since, args.limit), sigma=args.sigma)
+    except HotspotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        render_hotspots(rep, args.top)
     return 0
