@@ -188,3 +188,49 @@ def test_batch_cap_config_rejects_bad_bounds():
         BatchCapConfig(mode="forecast", min_seqs=8, max_seqs=4)
     with pytest.raises(ValueError):
         ServerConfig(batch_cap={"mode": "sometimes"}, admin_key=ADMIN_KEY)
+
+
+class _CapsRecorder:
+    """An engine double: records the caps it is given and reports the backlog the test sets."""
+
+    def __init__(self) -> None:
+        self.caps: list[tuple[int, int | None]] = []
+        self.running = self.waiting = 0
+
+    def set_caps(self, max_num_seqs: int, max_num_batched_tokens: int | None = None) -> None:
+        self.caps.append((max_num_seqs, max_num_batched_tokens))
+
+    def stats(self):
+        from tailguard.engine.engine import EngineStats
+
+        return EngineStats(self.running, self.waiting, 100, 0, 0, 0)
+
+
+@pytest.mark.parametrize("token_budget", ["planned", "engine"])
+def test_backlog_keeps_the_cap_from_falling_under_load(token_budget):
+    from tailguard.serving.batch_cap import BatchCapDriver
+
+    eng = _CapsRecorder()
+    cfg = BatchCapConfig(mode="forecast", forecaster="last-value", period_s=1.0, horizon=1, min_history=2,
+                         token_budget=token_budget, mean_input_tokens=100, mean_output_tokens=30)
+    clock = [0.0]
+    driver = BatchCapDriver(cfg, eng, None, "m", clock=lambda: clock[0])
+    assert eng.caps[-1][0] == 16  # before any forecast: the widest cap
+    driver.record_arrival(0.0)
+    for t in (1.0, 2.0, 3.0):  # one quiet arrival, then nothing: the forecast plans the smallest cap
+        clock[0] = t
+        driver.advance()
+    assert eng.caps[-1][0] == 2
+    eng.running, eng.waiting = 3, 6  # a backlog the arrivals forecast does not see
+    clock[0] = 3.25
+    driver.advance()
+    assert eng.caps[-1][0] == 9
+    eng.running, eng.waiting = 1, 0
+    clock[0] = 3.5
+    driver.advance()
+    assert eng.caps[-1][0] == 2
+    budgets = {b for _, b in eng.caps}
+    if token_budget == "engine":
+        assert budgets == {512}  # the engine's own budget, whatever the cap
+    else:
+        assert all(b is not None and b >= c for c, b in eng.caps) and len(budgets) > 1

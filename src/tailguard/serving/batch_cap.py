@@ -7,11 +7,16 @@ this one engine; the replica estimate the scale-out hook receives is the fleet t
 
 The service profile starts from the configured throughput and token means; the means then follow the requests served
 (prompt and output tokens of each completed request), so the plan tracks the traffic it actually sees.
+
+A forecast of arrivals does not see a backlog: after a burst, a quiet period would plan a small cap while requests
+still wait. So the cap set is never below the requests the engine holds (running and waiting, up to ``max_seqs``),
+checked four times a period: the forecast sets the cap ahead of load, the backlog keeps it from falling under load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -54,13 +59,15 @@ class BatchCapDriver:
             "prefill_chunk": getattr(args, "max_prefill_chunk", 256),
             "kv_cache_tokens": getattr(inner, "kv_capacity_tokens", None),
         }
+        self._engine_budget = int(getattr(args, "max_num_batched_tokens", 512))
         self._tokens_in = self._tokens_out = 0.0
         self._served = 0
         self.controller = ForecastCapController(
             self.profile(), period_s=cfg.period_s, horizon=cfg.horizon, forecaster=make_forecaster(cfg),
-            refit_every=cfg.refit_every, min_history=cfg.min_history, apply=self._apply,
+            refit_every=cfg.refit_every, min_history=cfg.min_history, apply=self._on_plan,
             replicas=1, **self._plan_kw)  # the cap is this engine's: planned for one replica
-        self.current: CapacityPlan | None = None
+        self.current: CapacityPlan | None = None  # what the engine was told last
+        self.forecast_plan: CapacityPlan | None = None  # the forecast's plan, before the backlog floor
         self.changes = 0
         m = ["model"]
         self._model = model
@@ -73,7 +80,8 @@ class BatchCapDriver:
         self.g_replicas = Gauge("tailguard_batch_cap_replicas_estimate", "Replicas the forecast load needs (the "
                                 "scale-out hook's capacity estimate).", m, registry=registry)
         # Until the first period closes: the widest cap of the range, so that an early burst is not held back.
-        self._apply(plan_capacity(0.0, self.profile(), replicas=1, **{**self._plan_kw, "min_seqs": cfg.max_seqs}))
+        self._apply(self._budgeted(plan_capacity(0.0, self.profile(), replicas=1,
+                                                 **{**self._plan_kw, "min_seqs": cfg.max_seqs})))
 
     # --- inputs ---------------------------------------------------------------------------------------------------
     def record_arrival(self, at: float) -> None:
@@ -94,13 +102,40 @@ class BatchCapDriver:
 
     # --- the period -----------------------------------------------------------------------------------------------
     def advance(self, now: float | None = None) -> CapacityPlan | None:
+        """Close the periods that ended (a new forecast plan), then hold the cap at least at the backlog."""
         self.controller.profile = self.profile()
-        changed = self.controller.advance(self.clock() if now is None else now)
+        self.controller.advance(self.clock() if now is None else now)
         plan = self.controller.plan
         if plan is not None:
             self.g_rate.labels(self._model).set(plan.arrivals_per_s)
             self.g_replicas.labels(self._model).set(self.capacity_estimate()["replicas"])
-        return changed
+        if self.forecast_plan is None:
+            return None
+        target = self._budgeted(self._with_backlog(self.forecast_plan))
+        cur = self.current
+        if cur is None or (target.max_num_seqs, target.max_num_batched_tokens) != (
+                cur.max_num_seqs, cur.max_num_batched_tokens):
+            self._apply(target)
+            return target
+        return None
+
+    def backlog(self) -> int:
+        s = self.engine.stats()
+        return int(s.running + s.waiting)
+
+    def _with_backlog(self, plan: CapacityPlan) -> CapacityPlan:
+        floor = min(self.cfg.max_seqs, self.backlog())
+        if floor <= plan.max_num_seqs:
+            return plan
+        return plan_capacity(plan.arrivals_per_s, self.profile(), replicas=1, **{**self._plan_kw, "min_seqs": floor})
+
+    def _on_plan(self, plan: CapacityPlan) -> None:
+        self.forecast_plan = plan  # applied (with the backlog floor) by advance
+
+    def _budgeted(self, plan: CapacityPlan) -> CapacityPlan:
+        if self.cfg.token_budget == "engine":  # only the cap moves; the budget stays the engine's own
+            return dataclasses.replace(plan, max_num_batched_tokens=max(self._engine_budget, plan.max_num_seqs))
+        return plan
 
     def _apply(self, plan: CapacityPlan) -> None:
         self.engine.set_caps(int(plan.max_num_seqs), int(plan.max_num_batched_tokens))
@@ -115,7 +150,7 @@ class BatchCapDriver:
     async def run(self) -> None:
         """Close each period as it ends (the forecaster's fit runs off the event loop)."""
         while True:
-            await asyncio.sleep(max(0.05, self.cfg.period_s / 4))
+            await asyncio.sleep(min(0.25, max(0.05, self.cfg.period_s / 4)))  # the backlog floor reacts fast
             try:
                 await asyncio.to_thread(self.advance)
             except Exception:  # noqa: BLE001 - a failed plan keeps the last caps; it must not stop planning

@@ -98,6 +98,9 @@ class BatchCapConfig(BaseModel):
     refit_every: int = Field(36, ge=1, description="periods between refits of the forecaster")
     min_seqs: int = Field(2, ge=1, description="the cap's lower bound (the seed's 2)")
     max_seqs: int = Field(16, ge=1, description="the cap's upper bound (the seed's 16)")
+    token_budget: Literal["planned", "engine"] = Field(
+        "planned", description="planned: the per-step token budget follows the plan; engine: only the cap changes "
+                               "and the budget stays the engine's --max-num-batched-tokens")
     headroom: float = Field(1.25, ge=1)
     target_utilization: float = Field(0.8, gt=0, le=1)
     # The engine's measured throughput (benchmarks/results/engine_throughput.json, SmolLM2 native weights on this
