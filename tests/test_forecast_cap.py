@@ -168,6 +168,8 @@ def test_server_forecast_cap_end_to_end(tmp_path, cap_engine):
                 assert "tailguard_batch_cap_replicas_estimate" in metrics
             est = driver.capacity_estimate()
             assert est["replicas"] >= 1 and est["max_num_seqs"] == driver.current.max_num_seqs
+            # the scale-out hook's payload carries the same estimate
+            assert server.state.slo.actions.context()["capacity"].keys() == est.keys()
             assert driver._served == 4  # completed requests feed the profile's token means
     finally:
         eng.shutdown()
