@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     kadd.add_argument("--tokens-per-s", type=float, default=None)
     klist = keys_sub.add_parser("list", help="tenants, lanes, limits and how many keys each has")
     klist.add_argument("--file", required=True)
+    serve.add_argument("--batch-cap", choices=("static", "forecast"), default=None,
+                       help="static: the engine's caps as set (default); forecast: running-sequence cap and token "
+                            "budget set each period ahead of load from a forecast of arrivals (batch_cap: in --config)")
     serve.add_argument("--otlp-endpoint", default=None,
                        help="send OpenTelemetry traces over OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318 "
                             "(or OTEL_EXPORTER_OTLP_ENDPOINT; unset: no traces)")
@@ -229,6 +232,8 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         slo["enabled"] = False
     if slo:
         overrides["slo"] = slo  # merged into the config file's ``slo:`` section
+    if args.batch_cap is not None:
+        overrides["batch_cap"] = {"mode": args.batch_cap}  # merged into the file's ``batch_cap:``
     if args.otlp_endpoint is not None:
         overrides["tracing"] = {"otlp_endpoint": args.otlp_endpoint}  # merged into the file's ``tracing:``
     try:

@@ -291,6 +291,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def set_caps(self, max_num_seqs: int, max_num_batched_tokens: int | None = None) -> None:
+        """Running-sequence cap and per-step token budget, from any thread; applied at the next step (scheduler)."""
+        self.scheduler.set_caps(max_num_seqs, max_num_batched_tokens)
+
     def request_ids(self) -> list[str]:
         """The requests the engine still holds (waiting or running)."""
         return list(self._tracked)
@@ -509,6 +513,9 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def set_caps(self, max_num_seqs: int, max_num_batched_tokens: int | None = None) -> None:
+        self.engine.set_caps(max_num_seqs, max_num_batched_tokens)  # thread-safe: applied at a step boundary
 
     def stats(self) -> EngineStats:
         return self._last_stats

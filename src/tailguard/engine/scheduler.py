@@ -16,8 +16,10 @@ never written again.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,6 +103,28 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admissions
         self.prefix_cache_hits = 0  # of which found there (not computed again)
+        # Caps asked for at run time (a planner's thread): applied at the next step's start, never within a step.
+        self._caps_lock = threading.Lock()
+        self._pending_caps: tuple[int, int] | None = None
+
+    # --- run-time caps --------------------------------------------------------------------------------------------
+    def set_caps(self, max_num_seqs: int, max_num_batched_tokens: int | None = None) -> None:
+        """Change the running-sequence cap (and the per-step token budget) from any thread; the next step applies
+        it. A lower cap admits nobody until the running sequences drain below it: none is preempted for it."""
+        budget = self.config.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+        if not isinstance(max_num_seqs, int) or not isinstance(budget, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, not {max_num_seqs!r}")
+        if budget < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs}) so every "
+                             "decode fits in a step")
+        with self._caps_lock:
+            self._pending_caps = (max_num_seqs, budget)
+
+    def _apply_pending_caps(self) -> None:
+        with self._caps_lock:
+            caps, self._pending_caps = self._pending_caps, None
+        if caps is not None:
+            self.config = dataclasses.replace(self.config, max_num_seqs=caps[0], max_num_batched_tokens=caps[1])
 
     # --- admission ------------------------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -149,6 +173,7 @@ class Scheduler:
     def schedule(self, draft_for: Callable[[Sequence], list[int]] | None = None) -> SchedulerOutput:
         """Plan one step. ``draft_for`` (speculative decoding) gives guesses for a sequence about to decode; they are
         verified in its chunk when budget and KV blocks allow, never at the cost of another sequence's decode."""
+        self._apply_pending_caps()  # the step boundary: caps change between steps only
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunk_of: dict[str, ScheduledChunk] = {}
@@ -220,6 +245,8 @@ class Scheduler:
             seq = self._waiting[0][3]
             if any(seq is p for p in out.preempted):
                 break  # just pushed out to make room; it does not come straight back
+            if len(self.running) > self.config.max_num_seqs:
+                break  # the cap was lowered under running sequences: they finish, nobody is preempted for it
             if len(self.running) >= self.config.max_num_seqs:
                 # Every sequence slot is taken: a strictly more important request takes the slot of the least
                 # important, latest running one (otherwise a VIP waits behind batch work for a whole generation).

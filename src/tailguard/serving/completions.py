@@ -326,6 +326,8 @@ class CompletionEndpoint:
         if ex.lane is not None:
             await self._admit(ex)
         ex.enqueue()
+        if st.batch_cap is not None:  # the forecast counts the load the engine is offered, when it arrived
+            st.batch_cap.record_arrival(tl.received)
         tl.resources = st.resources()
         p, ids = prep.parsed, prep.ids
         if st.config.store_text:

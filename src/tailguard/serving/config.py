@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -85,6 +85,41 @@ class TracingConfig(BaseModel):
         return self.otlp_endpoint is not None
 
 
+class BatchCapConfig(BaseModel):
+    """The engine's running-sequence cap and token budget: fixed (``static``, the engine settings) or set each period
+    ahead of load from a forecast of arrivals (``forecast``, docs/techniques.md#load-forecast-driven-batching)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["static", "forecast"] = "static"
+    forecaster: Literal["last-value", "moving-mean", "holt-winters", "lstm"] = "holt-winters"
+    period_s: float = Field(10.0, gt=0, description="arrivals are counted, and the cap re-planned, per period")
+    horizon: int = Field(6, ge=1, le=6, description="periods forecast ahead; the cap holds their peak")
+    min_history: int = Field(24, ge=1, description="periods seen before the forecaster replaces last value")
+    refit_every: int = Field(36, ge=1, description="periods between refits of the forecaster")
+    min_seqs: int = Field(2, ge=1, description="the cap's lower bound (the seed's 2)")
+    max_seqs: int = Field(16, ge=1, description="the cap's upper bound (the seed's 16)")
+    token_budget: Literal["planned", "engine"] = Field(
+        "planned", description="planned: the per-step token budget follows the plan; engine: only the cap changes "
+                               "and the budget stays the engine's --max-num-batched-tokens")
+    headroom: float = Field(1.25, ge=1)
+    target_utilization: float = Field(0.8, gt=0, le=1)
+    # The engine's measured throughput (benchmarks/results/engine_throughput.json, SmolLM2 native weights on this
+    # CPU); another model or machine should give its own.
+    prefill_tokens_per_s: float = Field(821.0, gt=0)
+    decode_tokens_per_s: dict[int, float] = Field(default_factory=lambda: {1: 88.9, 16: 362.3, 64: 468.5})
+    # Mean tokens per request before any request has finished; then the running means of the requests served.
+    mean_input_tokens: float = Field(256.0, ge=0)
+    mean_output_tokens: float = Field(64.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> BatchCapConfig:
+        if self.min_seqs > self.max_seqs:
+            raise ValueError(f"batch_cap: min_seqs ({self.min_seqs}) must be <= max_seqs ({self.max_seqs})")
+        if not self.decode_tokens_per_s or any(b < 1 or t <= 0 for b, t in self.decode_tokens_per_s.items()):
+            raise ValueError("batch_cap.decode_tokens_per_s: batch sizes >= 1 mapped to tokens/s > 0")
+        return self
+
+
 class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str = "smollm2"
@@ -111,6 +146,8 @@ class ServerConfig(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineArgs overrides (kv_cache_tokens, ...)")
     fake: FakeEngineConfig = Field(default_factory=FakeEngineConfig)
     slo: MonitorConfig = Field(default_factory=MonitorConfig, description="the SLO monitor (docs/slo.md)")
+    batch_cap: BatchCapConfig = Field(default_factory=BatchCapConfig,
+                                      description="static engine caps, or caps set ahead of load by a forecast")
     speculative_audit: float = Field(0.01, ge=0, le=1, description="share of speculative requests rerun without "
                                                                     "speculation to check the output (L4)")
     # --- the gateway (docs/gateway.md) ---
@@ -162,7 +199,7 @@ class ServerConfig(BaseModel):
                 raise ValueError(f"{path}: the config file must be a mapping of settings")
             data.update(loaded)
         for key, value in overrides.items():
-            if key in ("engine", "slo", "tracing") and isinstance(value, dict):
+            if key in ("engine", "slo", "tracing", "batch_cap") and isinstance(value, dict):
                 data[key] = _deep_merge(data.get(key) or {}, value)
             else:
                 data[key] = value
@@ -181,6 +218,13 @@ class ServerConfig(BaseModel):
                              "records)")
         if self.admin_key is not None and not self.admin_key.get_secret_value().strip():
             raise ValueError("admin_key must not be empty")
+        return self
+
+    @model_validator(mode="after")
+    def _batch_cap_backend(self) -> ServerConfig:
+        if self.batch_cap.mode == "forecast" and (self.model == "fake" or self.upstreams):
+            raise ValueError("batch_cap mode 'forecast' sets the embedded engine's caps: it needs a model, not "
+                             "--model fake or upstreams")
         return self
 
     @property

@@ -30,11 +30,14 @@ class Lifespan:
         self.engine_factory = engine_factory
         self.redactor = redactor
         self.own_engine = own_engine
+        self.planning: asyncio.Task | None = None  # the forecast-driven batch cap's period timer
 
     def attach(self, eng: Backend) -> None:
         if self.state.metrics is not None:
             self.state.metrics.model = eng.model_name  # first: the gateway's and the audit's metrics take it too
         self.state.attach(eng)
+        if self.state.batch_cap is not None and self.planning is None:
+            self.planning = asyncio.create_task(self.state.batch_cap.run())
 
     async def load(self) -> None:
         assert self.engine_factory is not None
@@ -47,7 +50,12 @@ class Lifespan:
         start = getattr(eng, "start", None)
         if start is not None:  # an upstream pool: its sessions and health checks live on this event loop
             await start()
-        self.attach(eng)
+        try:
+            self.attach(eng)
+        except ValueError as exc:  # a setting this backend cannot honour: reported by /ready and every request
+            log.error("%s", exc)
+            self.state.load_error = str(exc)
+            return
         self.state.ready = self.state.store is not None
 
     async def sampler(self) -> None:
@@ -120,6 +128,8 @@ class Lifespan:
             yield
         finally:
             sampling.cancel()
+            if self.planning is not None:
+                self.planning.cancel()
             if evaluating is not None:
                 evaluating.cancel()
             if loader is not None:

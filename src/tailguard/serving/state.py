@@ -28,6 +28,7 @@ from tailguard.slo.actions import SLORecord
 
 if TYPE_CHECKING:
     from tailguard.observe.tracing import RequestTracer
+    from tailguard.serving.batch_cap import BatchCapDriver
     from tailguard.slo.monitor import SLOMonitor
 
 log = logging.getLogger("tailguard.server")
@@ -57,6 +58,7 @@ class ServerState:
     machine: ResourceSampler | None = None  # CPU and memory (and the accelerator's) every 100 ms (O2)
     tracer: RequestTracer | None = None  # when tracing is configured (started and stopped by the lifespan)
     shared: SharedState = field(default_factory=LocalState)  # rate limits and lane budgets: in-process or Redis
+    batch_cap: BatchCapDriver | None = None  # batch_cap mode 'forecast': sets the engine's caps ahead of load
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config.max_queue)
@@ -88,6 +90,13 @@ class ServerState:
         if pool is not None and self.slo is not None:
             # The scale-out hook is told the replica set it would grow (or shrink).
             self.slo.actions.context = lambda: {"replicas": pool.describe()}
+        if self.config.batch_cap.mode == "forecast" and self.batch_cap is None:
+            from tailguard.serving.batch_cap import BatchCapDriver
+
+            registry = self.metrics.registry if self.metrics is not None else None
+            self.batch_cap = driver = BatchCapDriver(self.config.batch_cap, engine, registry, self.model_label)
+            if self.slo is not None:  # the scale-out hook learns the fleet the forecast load needs
+                self.slo.actions.context = lambda: {"capacity": driver.capacity_estimate()}
 
     def _emit_audit(self, rec: SLORecord) -> None:
         if self.slo is not None:
@@ -159,6 +168,8 @@ class ServerState:
             log.exception("metrics: could not observe request %s", tl.request_id)
         if self.slo is not None:
             self.slo.record(tl)  # never raises
+        if self.batch_cap is not None and tl.status == 200:
+            self.batch_cap.observe(tl.num_prompt_tokens, tl.num_output_tokens)
         if self.tracer is not None:
             try:
                 self.tracer.finish(tl)  # queues the spans; the exporter's thread sends them
