@@ -38,7 +38,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gateway_overhead import cpu_seconds, free_port  # noqa: E402
+from gateway_overhead import cpu_seconds, free_port, wait_ready  # noqa: E402
 
 CAP_GAUGE = "tailguard_batch_cap_max_num_seqs{"
 BUDGET_GAUGE = "tailguard_batch_cap_max_num_batched_tokens{"
@@ -129,20 +129,7 @@ def run_one(name: str, a: argparse.Namespace, tmp: Path, batch_cap: dict) -> dic
     srv = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     poller = None
     try:
-        import httpx
-
-        deadline = time.monotonic() + 180
-        while True:
-            if srv.poll() is not None:
-                raise RuntimeError(f"{name}: the server exited: {srv.stderr.read()[-1500:]}")
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: the server did not get ready")
-            time.sleep(0.5)
+        wait_ready(srv, url, name)
         if name.startswith("forecast"):
             poller = CapPoller(url)
             poller.start()

@@ -37,6 +37,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc: subprocess.Popen, url: str, name: str = "server", timeout: float = 180) -> None:
+    """Block until a ``tailguard serve`` process answers ``/ready``; raise with its stderr if it exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name}: the server exited: {proc.stderr.read()[-1500:] if proc.stderr else ''}")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name}: the server did not get ready")
+        time.sleep(0.5)
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))] if xs else float("nan")

@@ -4,7 +4,8 @@
 Comparing two server runs one after the other measures the machine as much as the technique here (other jobs on the
 2 vCPUs moved the same configuration's P99 by 5x between runs). So one ``tailguard serve --speculative ngram``
 serves the whole replay, and each request is assigned at random (seeded, 50/50) to speculate or to opt out
-(``"speculative": false``): both arms share the same moments, load and noise. Arrival times and lengths come from
+(``"speculative": false``): both arms share the same moments, load and noise (formatted prompts alternate between
+the arms prompt by prompt, so both get the same mix of tasks). Arrival times and lengths come from
 the trace (time-scaled, lengths scaled); the prompts are either the trace's synthetic text (``--prompts trace``,
 free chat: n-gram lookup finds little) or formatted tasks ("repeat and fix", JSON extraction, code edits: the
 seed's customer-service case) drawn at random (``--prompts formatted``). Client-side TTFT and E2E per request;
@@ -34,7 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gateway_overhead import free_port  # noqa: E402
+from gateway_overhead import free_port, wait_ready  # noqa: E402
 from speculative import FORMATTED, PROMPTS  # noqa: E402
 
 from tailguard.bench.workloads import TraceWorkload  # noqa: E402
@@ -82,13 +83,18 @@ async def replay(url: str, a: argparse.Namespace) -> list[dict]:
                        max_input_tokens=a.max_input, max_output_tokens=a.max_output, seed=a.seed)
     rng = random.Random(a.seed)
     formatted = [t for c in FORMATTED for t in PROMPTS[c]]
+    seen: dict[str, int] = {}
     bodies = []
     for i, offset in enumerate(wl.offsets()):
         spec = wl.spec(i)
         text = rng.choice(formatted) if a.prompts == "formatted" else spec.text()
+        # Formatted prompts alternate between the arms, so both get the same mix of tasks (answers of 20 to 96
+        # tokens: a random split of a few dozen requests would compare task mixes, not speculation).
+        n = seen[text] = seen.get(text, rng.randrange(2)) + 1
+        speculative = n % 2 == 0 if a.prompts == "formatted" else rng.random() < 0.5
         bodies.append((offset, {"model": "smollm2", "messages": [{"role": "user", "content": text}],
                                 "max_tokens": spec.max_tokens if a.prompts == "trace" else a.formatted_tokens,
-                                "temperature": 0, "stream": True, "speculative": rng.random() < 0.5}))
+                                "temperature": 0, "stream": True, "speculative": speculative}))
     print(f"{len(bodies)} requests over {wl.offsets()[-1]:.0f} s", flush=True)
     async with httpx.AsyncClient(timeout=600) as client:
         t0 = time.perf_counter()
@@ -118,18 +124,7 @@ def main() -> int:
                             "ngram", "--threads", str(a.threads)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            text=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if srv.poll() is not None:
-                raise RuntimeError(f"the server exited: {srv.stderr.read()[-1500:]}")
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not get ready")
-            time.sleep(0.5)
+        wait_ready(srv, url)
         load0 = os.getloadavg()[0]
         results = asyncio.run(replay(url, a))
         load1 = os.getloadavg()[0]

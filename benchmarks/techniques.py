@@ -27,11 +27,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gateway_overhead import cpu_seconds, free_port  # noqa: E402  (the server process's utime + stime)
+from gateway_overhead import cpu_seconds, free_port, wait_ready  # noqa: E402  (the server process's utime + stime)
 
 # One technique at a time against a baseline with every optional technique off (prefix caching is on by default in
 # the server, so the baseline turns it off), then all of them together.
@@ -73,20 +72,7 @@ def run_one(name: str, flags: list[str], a: argparse.Namespace, tmp: Path) -> di
            "warning", "--no-slo", "--store", str(tmp / f"{name}-{port}.sqlite3"), *flags]
     srv = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        import httpx
-
-        deadline = time.monotonic() + 180
-        while True:
-            if srv.poll() is not None:
-                raise RuntimeError(f"{name}: the server exited: {srv.stderr.read()[-1500:]}")
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: the server did not get ready")
-            time.sleep(0.5)
+        wait_ready(srv, url, name)
         cpu0 = cpu_seconds(srv.pid)
         out_dir = tmp / f"bench-{name}-{port}"
         bench = [sys.executable, "-m", "tailguard.cli", "bench", "--url", url, "--workload", "trace", "--trace",
