@@ -7,7 +7,13 @@ import pytest
 
 from tailguard.bench.workloads import BUILTIN_TRACES
 from tailguard.plan.backtest import rolling_origin, score, versus_last_value
-from tailguard.plan.capacity import ServiceProfile, plan_ahead, plan_capacity, widest_useful_cap
+from tailguard.plan.capacity import (
+    ServiceProfile,
+    plan_ahead,
+    plan_capacity,
+    throughput_cap,
+    widest_useful_cap,
+)
 from tailguard.plan.forecast import (
     HoltWinters,
     LastValue,
@@ -170,7 +176,15 @@ def test_planner_keeps_utilization_and_sequences_in_bounds():
     assert p.max_num_seqs >= 1.25 * 1.5 * PROFILE.latency_s(p.max_num_seqs)
     assert p.max_num_batched_tokens >= p.max_num_seqs
     over = plan_capacity(50, PROFILE, replicas=1)
-    assert over.saturated and over.max_num_seqs == 16 and over.notes
+    assert over.saturated and over.notes
+    # Overloaded: not the widest cap, but the smallest within 5% of the best request throughput in the range.
+    cost = {b: PROFILE.engine_seconds_per_request(b) for b in range(2, 17)}
+    assert cost[over.max_num_seqs] <= 1.05 * min(cost.values()) < cost[over.max_num_seqs - 1]
+    assert over.max_num_seqs == throughput_cap(PROFILE) < 16
+    # A prompt-heavy profile (prefill dominates the engine time) stops far below the bound.
+    prompt_heavy = ServiceProfile(mean_input_tokens=1200, mean_output_tokens=30, prefill_tokens_per_s=400.0,
+                                  decode_tokens_per_s={1: 90.0, 16: 360.0})
+    assert plan_capacity(50, prompt_heavy, replicas=1).max_num_seqs <= 6
 
 
 def test_burst_allowance_widens_the_cap_most_where_few_sequences_are_in_service():

@@ -154,10 +154,12 @@ def plan_capacity(arrivals_per_s: float, profile: ServiceProfile, *, min_seqs: i
         raise ValueError("replicas must be >= 1")
     per_replica = lam / replicas
     found = smallest_cap(per_replica)
-    cap = found if found is not None else max_seqs
+    cap = found if found is not None else throughput_cap(profile, min_seqs, max_seqs)
     if found is None:
         notes.append(f"{per_replica:.3g} req/s per replica needs more than {max_seqs} running sequences or more "
-                     f"than {target_utilization:.0%} of the engine: the cap is the bound and requests queue")
+                     f"than {target_utilization:.0%} of the engine: requests queue whatever the cap, which is set "
+                     f"where the engine's request throughput is within {OVERLOAD_THROUGHPUT_SLACK:.0%} of its best "
+                     f"({cap}): a wider batch would slow every running request for little more throughput")
     utilization = per_replica * profile.engine_seconds_per_request(cap)
     saturated = utilization >= 1.0
     if saturated:
@@ -180,6 +182,21 @@ def plan_ahead(forecast_counts: Sequence[float], period_s: float, profile: Servi
     if counts.size == 0:
         raise ValueError("empty forecast")
     return plan_capacity(float(counts.max()) / period_s, profile, **kw)
+
+
+# Overloaded (no cap keeps up): the cap is the smallest whose request throughput is within this share of the best.
+OVERLOAD_THROUGHPUT_SLACK = 0.05
+
+
+def throughput_cap(profile: ServiceProfile, min_seqs: int = SEED_MIN_SEQS, max_seqs: int = SEED_MAX_SEQS,
+                   slack: float = OVERLOAD_THROUGHPUT_SLACK) -> int:
+    """The smallest cap in ``[min_seqs, max_seqs]`` whose engine time per request is within ``slack`` of the best
+    in the range. Under overload the queue grows whatever the cap; beyond this cap a wider batch buys little more
+    throughput (prompt-heavy requests are mostly prefill, which batching does not share) and slows every running
+    request, so the tail grows (benchmarks/forecast_cap.py: the widest cap lost to static 4-8 on the conv replay)."""
+    costs = {b: profile.engine_seconds_per_request(b) for b in range(min_seqs, max_seqs + 1)}
+    best = min(costs.values())
+    return min(b for b, c in costs.items() if c <= (1 + slack) * best)
 
 
 def widest_useful_cap(profile: ServiceProfile, min_gain: float = 0.05, limit: int = 256) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from tailguard.plan.capacity import CapacityPlan, ServiceProfile, plan_ahead, plan_capacity
+from tailguard.plan.capacity import CapacityPlan, ServiceProfile, plan_ahead, plan_capacity, throughput_cap
 from tailguard.plan.controller import ForecastCapController
 from tailguard.plan.forecast import Forecaster, HoltWinters, LastValue, LSTMForecaster, MovingMean
 from tailguard.serving.config import BatchCapConfig
@@ -124,7 +124,10 @@ class BatchCapDriver:
         return int(s.running + s.waiting)
 
     def _with_backlog(self, plan: CapacityPlan) -> CapacityPlan:
-        floor = min(self.cfg.max_seqs, self.backlog())
+        # Hold what the engine holds, but not beyond the throughput cap: a backlog above it means overload, where
+        # admitting everyone only slows everyone (plan/capacity.py, throughput_cap).
+        floor = min(self.cfg.max_seqs, self.backlog(),
+                    throughput_cap(self.profile(), self.cfg.min_seqs, self.cfg.max_seqs))
         if floor <= plan.max_num_seqs:
             return plan
         return plan_capacity(plan.arrivals_per_s, self.profile(), replicas=1, **{**self._plan_kw, "min_seqs": floor})
