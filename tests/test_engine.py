@@ -498,7 +498,7 @@ def test_fake_engine_stop_strings_match_the_real_engine(tiny_engine, monkeypatch
     script = itertools.cycle(tiny_engine.tokenizer.encode(text))  # the fake repeats its text too
     # The real engine's model replaced by a script that produces ``text`` token by token (BPE tokens, where the fake
     # produces bytes): what is compared is the engine's own stop-string and detokenization logic.
-    monkeypatch.setattr(tiny_engine.runner, "execute", lambda chunks, tables, stop_ids: [
+    monkeypatch.setattr(tiny_engine.runner, "execute", lambda chunks, tables, stop_ids, probe=None: [
         [SampledToken(next(script))] if c.samples else [] for c in chunks])
     sp = SamplingParams(max_tokens=40, stop=stop)
     tiny_engine.add_request([3, 4, 5], sp, request_id="real-stop")

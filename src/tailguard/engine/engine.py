@@ -333,10 +333,7 @@ class LLMEngine:
         if out.is_empty:
             return []
         probe = self.internals.plan(out.chunks, self.scheduler.tables)  # None unless a sampled request's step
-        if probe is None:  # the common case, called as before sampled internals existed (test doubles replace it)
-            sampled = self.runner.execute(out.chunks, self.scheduler.tables, self.stop_ids)
-        else:
-            sampled = self.runner.execute(out.chunks, self.scheduler.tables, self.stop_ids, probe)
+        sampled = self.runner.execute(out.chunks, self.scheduler.tables, self.stop_ids, probe)
         self.internals.collect(probe)
         now = time.perf_counter()
         self.scheduler.advance(out)
