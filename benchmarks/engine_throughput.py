@@ -170,6 +170,9 @@ class TailguardSystem:
                 max_num_batched_tokens=max(args.max_num_batched_tokens, max_seqs),
                 max_prefill_chunk=args.max_prefill_chunk,
                 num_threads=args.threads,
+                # Every repeat sends the same prompts: with the prefix cache on, the prefill run would measure a cache
+                # hit (5,450 tokens/s in one run), not the prompt computation llama.cpp is compared against.
+                enable_prefix_caching=False,
             )
         )
         self.timings = Timings()
