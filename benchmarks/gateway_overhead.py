@@ -60,13 +60,17 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-def start(args: list[str], tmp: Path, cfg: dict) -> tuple[subprocess.Popen, str]:
+def start(args: list[str], tmp: Path, cfg: dict, src: str | None = None) -> tuple[subprocess.Popen, str]:
+    """A ``tailguard serve`` process; ``src``: run it from another source tree (a ``src`` folder) instead."""
     port = free_port()
     path = tmp / f"cfg{port}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "tailguard.cli", "serve", "--port", str(port), "--config", str(path),
            "--store", str(tmp / f"r{port}.sqlite3"), "--no-access-log", "--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = str(Path(src).resolve())
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -125,29 +129,33 @@ async def main(a: argparse.Namespace) -> dict:
     up, up_url = start(["--model", "fake", "--max-queue", "4096"], tmp, {"fake": fake, "slo": {"enabled": False}})
     async with aiohttp.ClientSession() as session:
         await ready(session, up_url)
-    gw, gw_url = start(["--upstream", up_url, "--max-queue", "4096"], tmp,
-                       {"slo": {"enabled": False}, "capacity": {"max_concurrent": 4096},
-                        "lanes": {"standard": {"max_queue": 4096}}})
-    out: dict = {"config": vars(a), "direct": [], "gateway": []}
+    gw_cfg = {"slo": {"enabled": False}, "capacity": {"max_concurrent": 4096}, "lanes": {"standard": {"max_queue": 4096}}}
+    gateways = {"gateway": start(["--upstream", up_url, "--max-queue", "4096"], tmp, gw_cfg)}
+    if a.compare_src:  # the same gateway from another source tree, in the same run (before/after a change)
+        gateways["gateway_compare"] = start(["--upstream", up_url, "--max-queue", "4096"], tmp, gw_cfg,
+                                            a.compare_src)
+    out: dict = {"config": vars(a), "direct": [], **{name: [] for name in gateways}}
+    paths = [("direct", up_url, None)] + [(name, url, proc) for name, (proc, url) in gateways.items()]
     try:
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=300)) as session:
-            await ready(session, up_url)
-            await ready(session, gw_url)
-            await round_(session, gw_url, 16, 4)  # warm connections and code paths
-            await round_(session, up_url, 16, 4)
+            for _, url, _ in paths:
+                await ready(session, url)
+                await round_(session, url, 16, 4)  # warm connections and code paths
             for rep in range(a.repeats):
-                for name, url in (("direct", up_url), ("gateway", gw_url)):
-                    cpu0 = cpu_seconds(gw.pid)
+                # Rotated: each path goes first once in a while (the shared machine's load drifts).
+                order = paths[rep % len(paths):] + paths[:rep % len(paths)]
+                for name, url, proc in order:
+                    cpu0 = cpu_seconds(proc.pid) if proc is not None else 0.0
                     r = await round_(session, url, a.streams, a.tokens, a.seconds)
-                    if name == "gateway":
-                        r["gateway_cpu_us_per_token"] = (cpu_seconds(gw.pid) - cpu0) / r["tokens"] * 1e6
+                    if proc is not None:
+                        r["gateway_cpu_us_per_token"] = (cpu_seconds(proc.pid) - cpu0) / r["tokens"] * 1e6
                     out[name].append(r)
                     print(f"repeat {rep + 1} {name}: " + ", ".join(
                         f"{k}={v * 1e3:.2f} ms" if k.startswith(("ttft", "itl")) else f"{k}={v:.0f}"
                         for k, v in r.items()), flush=True)
     finally:
-        for p in (gw, up):
+        for p in [proc for proc, _ in gateways.values()] + [up]:
             p.terminate()
             p.wait(20)
     return out
@@ -157,17 +165,19 @@ def report(res: dict) -> None:
     def med(path: str, k: str) -> float:
         return statistics.median(r[k] for r in res[path])
 
+    gateways = [k for k in ("gateway", "gateway_compare") if res.get(k)]
     print("\n| path | TTFT P50 | TTFT P99 | ITL P50 | ITL P99 |\n|---|---|---|---|---|")
-    for path in ("direct", "gateway"):
+    for path in ("direct", *gateways):
         print(f"| {path} | {med(path, 'ttft_p50') * 1e3:.1f} ms | {med(path, 'ttft_p99') * 1e3:.1f} ms | "
               f"{med(path, 'itl_p50') * 1e3:.2f} ms | {med(path, 'itl_p99') * 1e3:.2f} ms |")
-    added = {k: med("gateway", k) - med("direct", k) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99",
-                                                                "itl_mean")}
-    res["added"] = added
-    print("\nadded by the gateway: " + ", ".join(f"{k} {v * 1e3:+.2f} ms" for k, v in added.items()))
-    cpu = statistics.median(r["gateway_cpu_us_per_token"] for r in res["gateway"])
-    res["gateway_cpu_us_per_token"] = cpu
-    print(f"gateway CPU per token relayed (request handling included): {cpu:.0f} us")
+    for gw in gateways:
+        added = {k: med(gw, k) - med("direct", k) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_mean")}
+        cpu = statistics.median(r["gateway_cpu_us_per_token"] for r in res[gw])
+        suffix = "" if gw == "gateway" else "_compare"
+        res["added" + suffix] = added
+        res["gateway_cpu_us_per_token" + suffix] = cpu
+        print(f"\nadded by {gw}: " + ", ".join(f"{k} {v * 1e3:+.2f} ms" for k, v in added.items()))
+        print(f"{gw} CPU per token relayed (request handling included): {cpu:.0f} us")
 
 
 if __name__ == "__main__":
@@ -178,6 +188,9 @@ if __name__ == "__main__":
     p.add_argument("--itl", type=float, default=0.05)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seconds", type=float, default=20.0, help="closed-loop time per round")
+    p.add_argument("--compare-src", default=None, metavar="DIR",
+                   help="also run a gateway from this source tree (e.g. `git archive BASE src | tar -x -C DIR` then "
+                        "DIR/src), interleaved with the others: before and after a change in one run")
     p.add_argument("--out", default="benchmarks/results/gateway_overhead.json")
     args = p.parse_args()
     result = asyncio.run(main(args))

@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tailguard.engine.engine import EngineStats, TokenEvent
+from tailguard.engine.events import EngineStats, TokenEvent
+from tailguard.gateway.sse import DONE, SSELines, read_chunk, token_text
 from tailguard.gateway.upstream import NoReplica, Replica, UpstreamPool
 
 log = logging.getLogger("tailguard.gateway")
@@ -186,37 +187,37 @@ class UpstreamBackend:
                                             f"upstream {r.name} answered {resp.status}: {_error_message(raw)}",
                                             code="upstream_error" if resp.status >= 500 else None,
                                             retry_after=_retry_after(resp.headers.get("Retry-After")))
-                    async for line in resp.content:
-                        if not line.startswith(b"data:"):
-                            continue
-                        payload = line[5:].strip()
-                        if payload == b"[DONE]":
-                            ok = True
-                            break
+                    lines = SSELines()
+                    # Whatever arrived since the last read, at once: one wake-up for the tokens it holds.
+                    async for data in resp.content.iter_any():
                         now = perf_counter()
-                        try:
-                            obj = json.loads(payload)
-                        except ValueError:
-                            raise UpstreamError(502, f"upstream {r.name} sent unparsable SSE data") from None
-                        if obj.get("error") and not obj.get("choices"):
-                            err = obj["error"]
-                            msg = err.get("message", err) if isinstance(err, dict) else err
-                            raise UpstreamError(502, f"upstream {r.name} failed mid-stream: {msg}",
-                                                code="upstream_error", before_first_token=first is None)
-                        if obj.get("usage"):
-                            usage = obj["usage"]
-                        for ch in obj.get("choices") or ():
-                            text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
-                            if ch.get("finish_reason"):
-                                finish = ch["finish_reason"]
-                            if text:
-                                if first is None:
-                                    first = now
-                                    r.ttft_ewma = (now - sent) if r.ttft_ewma is None else \
-                                        0.8 * r.ttft_ewma + 0.2 * (now - sent)
-                                n_out += 1
-                                r.outstanding_tokens -= 1
-                                yield UpstreamEvent(request_id, UNKNOWN_TOKEN, text, now)
+                        for payload in lines.feed(data):
+                            text = token_text(payload, chat)
+                            if text is None:
+                                if payload == DONE:
+                                    ok = True
+                                    break
+                                try:
+                                    chunk = read_chunk(payload, chat)
+                                except ValueError:
+                                    raise UpstreamError(502, f"upstream {r.name} sent unparsable SSE data") from None
+                                if chunk.error is not None:
+                                    raise UpstreamError(502, f"upstream {r.name} failed mid-stream: {chunk.error}",
+                                                        code="upstream_error", before_first_token=first is None)
+                                usage = chunk.usage or usage
+                                finish = chunk.finish_reason or finish
+                                text = chunk.text
+                                if not text:
+                                    continue
+                            if first is None:
+                                first = now
+                                r.ttft_ewma = (now - sent) if r.ttft_ewma is None else \
+                                    0.8 * r.ttft_ewma + 0.2 * (now - sent)
+                            n_out += 1
+                            r.outstanding_tokens -= 1
+                            yield UpstreamEvent(request_id, UNKNOWN_TOKEN, text, now)
+                        if ok:
+                            break
             except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
                 raise UpstreamError(502, f"upstream {r.name} connection failed: {type(exc).__name__}: {exc}"[:400],
                                     code="upstream_unreachable", before_first_token=first is None) from None
