@@ -70,7 +70,7 @@ def start(args: list[str], tmp: Path, cfg: dict, src: str | None = None) -> tupl
     env = dict(os.environ)
     if src is not None:
         env["PYTHONPATH"] = str(Path(src).resolve())
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=(tmp / f"serve{port}.log").open("wb"), env=env)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -137,23 +137,29 @@ async def main(a: argparse.Namespace) -> dict:
     out: dict = {"config": vars(a), "direct": [], **{name: [] for name in gateways}}
     paths = [("direct", up_url, None)] + [(name, url, proc) for name, (proc, url) in gateways.items()]
     try:
-        conn = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=300)) as session:
+        def client() -> aiohttp.ClientSession:
+            # A session per round: a pooled connection left idle while the other paths ran may have been closed by
+            # the server's keep-alive timeout.
+            return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=300))
+
+        async with client() as session:
             for _, url, _ in paths:
                 await ready(session, url)
-                await round_(session, url, 16, 4)  # warm connections and code paths
-            for rep in range(a.repeats):
-                # Rotated: each path goes first once in a while (the shared machine's load drifts).
-                order = paths[rep % len(paths):] + paths[:rep % len(paths)]
-                for name, url, proc in order:
+                await round_(session, url, 16, 4)  # warm code paths
+        for rep in range(a.repeats):
+            # Rotated: each path goes first once in a while (the shared machine's load drifts).
+            order = paths[rep % len(paths):] + paths[:rep % len(paths)]
+            for name, url, proc in order:
+                async with client() as session:
                     cpu0 = cpu_seconds(proc.pid) if proc is not None else 0.0
                     r = await round_(session, url, a.streams, a.tokens, a.seconds)
                     if proc is not None:
                         r["gateway_cpu_us_per_token"] = (cpu_seconds(proc.pid) - cpu0) / r["tokens"] * 1e6
-                    out[name].append(r)
-                    print(f"repeat {rep + 1} {name}: " + ", ".join(
-                        f"{k}={v * 1e3:.2f} ms" if k.startswith(("ttft", "itl")) else f"{k}={v:.0f}"
-                        for k, v in r.items()), flush=True)
+                out[name].append(r)
+                print(f"repeat {rep + 1} {name}: " + ", ".join(
+                    f"{k}={v * 1e3:.2f} ms" if k.startswith(("ttft", "itl")) else f"{k}={v:.0f}"
+                    for k, v in r.items()), flush=True)
     finally:
         for p in [proc for proc, _ in gateways.values()] + [up]:
             p.terminate()

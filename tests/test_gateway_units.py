@@ -4,11 +4,13 @@ stall watch. Deterministic: no servers, injected clocks where time matters."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
 
 from tailguard.gateway.lanes import CapacityConfig, LaneConfig, Lanes, Overloaded, default_lanes
+from tailguard.gateway.sse import SSELines, read_chunk, token_text
 from tailguard.gateway.streams import KEEPALIVE, Stalled, watch
 from tailguard.gateway.tenants import (
     KeyFile,
@@ -281,3 +283,89 @@ def test_watch_late_tokens_keep_the_streak_and_keepalives_come_before_the_first_
         assert out[0] is KEEPALIVE and out[1] is KEEPALIVE and out[2] is not KEEPALIVE
         assert sum(e is KEEPALIVE for e in out) == 2
     run(main())
+
+
+def test_watch_closed_while_waiting_for_the_first_token_closes_the_backend_stream_at_once():
+    async def main():
+        closed: list[bool] = []
+        agen = watch(_scripted([30.0], closed), ttft_deadline=None, itl_deadline=None, keepalive=0.01)
+        assert await agen.__anext__() is KEEPALIVE  # the read for the first token is still running
+        t0 = asyncio.get_running_loop().time()
+        await agen.aclose()
+        assert closed == [True] and asyncio.get_running_loop().time() - t0 < 1.0
+    run(main())
+
+
+def test_watch_without_an_inter_token_deadline_passes_late_tokens_after_the_first():
+    async def main():
+        closed: list[bool] = []
+        misses: list[str] = []
+        got = [e async for e in watch(_scripted([0.0, 0.08, 0.08], closed), ttft_deadline=0.02, itl_deadline=None,
+                                      on_miss=misses.append)]
+        assert len(got) == 4 and misses == [] and closed == [True]
+    run(main())
+
+
+# --- the upstream's SSE bytes ---------------------------------------------------------------------------------------
+def _chat_chunk(delta: dict, finish: str | None = None, **extra) -> dict:
+    return {"id": "chatcmpl-up", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+
+
+_PAYLOADS = [  # (payload, chat); compact and spaced JSON, escapes, non-ASCII, the chunks around the tokens
+    (json.dumps(_chat_chunk({"role": "assistant", "content": ""})), True),
+    (json.dumps(_chat_chunk({"content": "plain"}), separators=(",", ":")), True),
+    (json.dumps(_chat_chunk({"content": "spaced"})), True),
+    (json.dumps(_chat_chunk({"content": 'say "hi"\n\tback\\slash'})), True),
+    (json.dumps(_chat_chunk({"content": "h\u00e9llo \U0001f600"}), ensure_ascii=False), True),
+    (json.dumps(_chat_chunk({"content": "h\u00e9llo \U0001f600"})), True),
+    (json.dumps(_chat_chunk({"reasoning_content": "thinking"})), True),
+    (json.dumps(_chat_chunk({"content": "last"}, "length")), True),
+    (json.dumps(_chat_chunk({"content": None}, "stop")), True),
+    (json.dumps(_chat_chunk({"content": "tok"}, usage=None)), True),
+    (json.dumps({**_chat_chunk({"content": "u"}), "usage": {"prompt_tokens": 3, "completion_tokens": 2}}), True),
+    (json.dumps({"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}), True),
+    (json.dumps({"id": "x", "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None},
+                                        {"index": 1, "delta": {"content": "b"}, "finish_reason": None}]}), True),
+    (json.dumps({"error": {"message": "out of memory", "code": 500}}), True),
+    (json.dumps({"id": "c", "object": "text_completion", "choices": [
+        {"index": 0, "text": "once", "logprobs": None, "finish_reason": None}]}), False),
+    (json.dumps({"id": "c", "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}), False),
+]
+
+
+def test_token_text_fast_path_agrees_with_the_full_parse():
+    fast_taken = 0
+    for payload, chat in _PAYLOADS:
+        raw = payload.encode()
+        full = read_chunk(raw, chat)
+        fast = token_text(raw, chat)
+        if fast is not None:
+            fast_taken += 1
+            assert fast == full.text and full.finish_reason is None and full.usage is None, payload
+    # The plain token chunks (both JSON spacings, escapes, raw and escaped non-ASCII, "usage": null, a completion)
+    # are the ones that skip the parse.
+    assert fast_taken == 7
+    assert read_chunk(_PAYLOADS[7][0].encode(), True).finish_reason == "length"
+    assert read_chunk(_PAYLOADS[11][0].encode(), True).usage == {"prompt_tokens": 3, "completion_tokens": 2}
+    assert read_chunk(_PAYLOADS[12][0].encode(), True).text == "ab"
+    assert read_chunk(_PAYLOADS[13][0].encode(), True).error == "out of memory"
+    with pytest.raises(ValueError):
+        read_chunk(b"{not json", True)
+
+
+def test_sse_lines_give_the_same_payloads_however_the_reads_cut_the_stream():
+    events = [p for p, chat in _PAYLOADS if chat] + ["[DONE]"]
+    stream = "".join(f"data: {p}\n\n" for p in events[:5]) + ": a comment\n\nevent: x\r\n" + "".join(
+        f"data:{p}\r\n\r\n" for p in events[5:])
+    data = stream.encode()
+    whole = SSELines().feed(data)
+    assert [p.decode() for p in whole] == events
+    for size in (1, 2, 3, 7, 64):
+        lines = SSELines()
+        got = [p for i in range(0, len(data), size) for p in lines.feed(data[i:i + size])]
+        assert got == whole, size
+        assert lines.pending == b""
+    lines = SSELines()
+    assert lines.feed(b'data: {"a"') == [] and lines.pending == b'data: {"a"'
+    assert lines.feed(b": 1}\n") == [b'{"a": 1}']
