@@ -280,8 +280,10 @@ def test_watch_late_tokens_keep_the_streak_and_keepalives_come_before_the_first_
                 pass
         out = [e async for e in watch(_scripted([0.12, 0.0], []), ttft_deadline=None, itl_deadline=None,
                                       keepalive=0.05)]
-        assert out[0] is KEEPALIVE and out[1] is KEEPALIVE and out[2] is not KEEPALIVE
-        assert sum(e is KEEPALIVE for e in out) == 2
+        # Every keep-alive comes before the first token: two at most in 0.12 s (one when a loaded machine's loop
+        # lags, the second ping is re-armed from when the first was actually sent).
+        pings = sum(e is KEEPALIVE for e in out)
+        assert 1 <= pings <= 2 and all(e is KEEPALIVE for e in out[:pings]) and len(out) == pings + 3
     run(main())
 
 

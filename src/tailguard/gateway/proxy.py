@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ UNKNOWN_TOKEN = -1  # an upstream chunk's token id is not known to the gateway
 
 @dataclass
 class UpstreamEvent(TokenEvent):
-    replica: str | None = None
+    replica: str | None = None  # on the final event: the replica that answered, after how many attempts
     attempts: int = 1
 
 
@@ -139,11 +140,12 @@ class UpstreamBackend:
                 hdrs["X-Request-ID"] = upstream_id
             produced = False
             try:
-                async for ev in self._attempt(r, path, out, hdrs, request_id, est_tokens, chat):
-                    produced = produced or ev.token_id is not None
-                    ev.replica = r.name
-                    ev.attempts = attempt
-                    yield ev
+                # Closed at once when the caller leaves: that closes the upstream connection (the abort there).
+                async with aclosing(self._attempt(r, path, out, hdrs, request_id, est_tokens, chat, attempt)) as reads:
+                    async for events in reads:
+                        produced = produced or events[0].token_id is not None
+                        for ev in events:
+                            yield ev
                 return
             except UpstreamError as exc:
                 if produced or not exc.before_first_token or exc.status < 500 and exc.status != 429:
@@ -156,7 +158,9 @@ class UpstreamBackend:
         raise last
 
     async def _attempt(self, r: Replica, path: str, body: dict[str, Any], headers: dict[str, str],
-                       request_id: str, est_tokens: int, chat: bool) -> AsyncIterator[UpstreamEvent]:
+                       request_id: str, est_tokens: int, chat: bool, attempt: int) -> AsyncIterator[list[UpstreamEvent]]:
+        """One try at one replica: the token events of each read together (one resumption per read, not per token),
+        then the final event alone."""
         import aiohttp
 
         session = self.pool.session
@@ -191,6 +195,8 @@ class UpstreamBackend:
                     # Whatever arrived since the last read, at once: one wake-up for the tokens it holds.
                     async for data in resp.content.iter_any():
                         now = perf_counter()
+                        tokens: list[UpstreamEvent] = []
+                        failed: UpstreamError | None = None  # raised after the tokens read before it are passed on
                         for payload in lines.feed(data):
                             text = token_text(payload, chat)
                             if text is None:
@@ -200,10 +206,12 @@ class UpstreamBackend:
                                 try:
                                     chunk = read_chunk(payload, chat)
                                 except ValueError:
-                                    raise UpstreamError(502, f"upstream {r.name} sent unparsable SSE data") from None
+                                    failed = UpstreamError(502, f"upstream {r.name} sent unparsable SSE data")
+                                    break
                                 if chunk.error is not None:
-                                    raise UpstreamError(502, f"upstream {r.name} failed mid-stream: {chunk.error}",
-                                                        code="upstream_error", before_first_token=first is None)
+                                    failed = UpstreamError(502, f"upstream {r.name} failed mid-stream: {chunk.error}",
+                                                           code="upstream_error", before_first_token=first is None)
+                                    break
                                 usage = chunk.usage or usage
                                 finish = chunk.finish_reason or finish
                                 text = chunk.text
@@ -213,9 +221,13 @@ class UpstreamBackend:
                                 first = now
                                 r.ttft_ewma = (now - sent) if r.ttft_ewma is None else \
                                     0.8 * r.ttft_ewma + 0.2 * (now - sent)
-                            n_out += 1
-                            r.outstanding_tokens -= 1
-                            yield UpstreamEvent(request_id, UNKNOWN_TOKEN, text, now)
+                            tokens.append(UpstreamEvent(request_id, UNKNOWN_TOKEN, text, now))
+                        if tokens:
+                            n_out += len(tokens)
+                            r.outstanding_tokens -= len(tokens)
+                            yield tokens
+                        if failed is not None:
+                            raise failed
                         if ok:
                             break
             except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
@@ -225,12 +237,12 @@ class UpstreamBackend:
                 raise UpstreamError(502, f"upstream {r.name} ended the stream without [DONE]",
                                     code="upstream_error", before_first_token=first is None)
             now = perf_counter()
-            yield UpstreamEvent(
+            yield [UpstreamEvent(
                 request_id, None, "", now, finished=True, finish_reason=finish or "stop",  # type: ignore[arg-type]
                 num_prompt_tokens=int((usage or {}).get("prompt_tokens") or 0),
                 num_output_tokens=int((usage or {}).get("completion_tokens") or n_out),
-                first_token=first,
-            )
+                first_token=first, replica=r.name, attempts=attempt,
+            )]
             outcome = "ok"
             r.breaker.success()
         except UpstreamError as exc:

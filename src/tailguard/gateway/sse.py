@@ -18,8 +18,9 @@ from typing import Any
 
 DONE = b"[DONE]"
 # The token's text: a chat chunk's ``delta.content`` or a completion chunk's ``text``, a JSON string with its escapes.
-_CHAT_TEXT = re.compile(rb'"content"\s*:\s*"((?:[^"\\]|\\.)*)"', re.S)
-_COMPLETION_TEXT = re.compile(rb'"text"\s*:\s*"((?:[^"\\]|\\.)*)"', re.S)
+# (The string's pattern is unrolled, runs of plain characters then one escape, which a regex engine scans fast.)
+_CHAT_TEXT = re.compile(rb'"content"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.S)
+_COMPLETION_TEXT = re.compile(rb'"text"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.S)
 _FINISH_NULL = re.compile(rb'"finish_reason"\s*:\s*null')
 _USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')
 
