@@ -131,9 +131,8 @@ async def main(a: argparse.Namespace) -> dict:
         await ready(session, up_url)
     gw_cfg = {"slo": {"enabled": False}, "capacity": {"max_concurrent": 4096}, "lanes": {"standard": {"max_queue": 4096}}}
     gateways = {"gateway": start(["--upstream", up_url, "--max-queue", "4096"], tmp, gw_cfg)}
-    if a.compare_src:  # the same gateway from another source tree, in the same run (before/after a change)
-        gateways["gateway_compare"] = start(["--upstream", up_url, "--max-queue", "4096"], tmp, gw_cfg,
-                                            a.compare_src)
+    for i, src in enumerate(a.compare_src or []):  # the gateway from other source trees, in the same run
+        gateways[f"gateway_compare{i + 1}"] = start(["--upstream", up_url, "--max-queue", "4096"], tmp, gw_cfg, src)
     out: dict = {"config": vars(a), "direct": [], **{name: [] for name in gateways}}
     paths = [("direct", up_url, None)] + [(name, url, proc) for name, (proc, url) in gateways.items()]
     try:
@@ -171,7 +170,7 @@ def report(res: dict) -> None:
     def med(path: str, k: str) -> float:
         return statistics.median(r[k] for r in res[path])
 
-    gateways = [k for k in ("gateway", "gateway_compare") if res.get(k)]
+    gateways = [k for k in res if k.startswith("gateway") and isinstance(res[k], list)]
     print("\n| path | TTFT P50 | TTFT P99 | ITL P50 | ITL P99 |\n|---|---|---|---|---|")
     for path in ("direct", *gateways):
         print(f"| {path} | {med(path, 'ttft_p50') * 1e3:.1f} ms | {med(path, 'ttft_p99') * 1e3:.1f} ms | "
@@ -179,7 +178,7 @@ def report(res: dict) -> None:
     for gw in gateways:
         added = {k: med(gw, k) - med("direct", k) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_mean")}
         cpu = statistics.median(r["gateway_cpu_us_per_token"] for r in res[gw])
-        suffix = "" if gw == "gateway" else "_compare"
+        suffix = gw.removeprefix("gateway")
         res["added" + suffix] = added
         res["gateway_cpu_us_per_token" + suffix] = cpu
         print(f"\nadded by {gw}: " + ", ".join(f"{k} {v * 1e3:+.2f} ms" for k, v in added.items()))
@@ -194,9 +193,10 @@ if __name__ == "__main__":
     p.add_argument("--itl", type=float, default=0.05)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seconds", type=float, default=20.0, help="closed-loop time per round")
-    p.add_argument("--compare-src", default=None, metavar="DIR",
-                   help="also run a gateway from this source tree (e.g. `git archive BASE src | tar -x -C DIR` then "
-                        "DIR/src), interleaved with the others: before and after a change in one run")
+    p.add_argument("--compare-src", action="append", metavar="SRC",
+                   help="also run a gateway from this source folder (e.g. `git archive BASE src | tar -x -C DIR`, "
+                        "then DIR/src), interleaved with the others: before and after a change in one run "
+                        "(repeatable)")
     p.add_argument("--out", default="benchmarks/results/gateway_overhead.json")
     args = p.parse_args()
     result = asyncio.run(main(args))

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from tailguard.gateway.lanes import CapacityConfig, LaneConfig, Lanes, Overloaded, default_lanes
-from tailguard.gateway.sse import SSELines, read_chunk, token_text
+from tailguard.gateway.sse import SSELines, TokenTexts, read_chunk, token_text
 from tailguard.gateway.streams import KEEPALIVE, Stalled, watch
 from tailguard.gateway.tenants import (
     KeyFile,
@@ -371,3 +371,26 @@ def test_sse_lines_give_the_same_payloads_however_the_reads_cut_the_stream():
     lines = SSELines()
     assert lines.feed(b'data: {"a"') == [] and lines.pending == b'data: {"a"'
     assert lines.feed(b": 1}\n") == [b'{"a": 1}']
+
+
+def test_token_texts_learn_the_streams_plain_shape_and_still_agree_with_the_parse():
+    texts = TokenTexts(chat=True)
+    plain = [json.dumps(_chat_chunk({"content": t})).encode() for t in ("one", "two", 'a "q"', "caf\u00e9\\", "x")]
+    tricky = [  # the same bytes around, yet not a plain chunk: quotes in between mean other fields
+        json.dumps(_chat_chunk({"content": "y", "role": "z"})).encode(),
+        json.dumps(_chat_chunk({"content": ""})).encode(),
+        json.dumps(_chat_chunk({"content": "end"}, "stop")).encode(),
+    ]
+    for payload in plain + tricky + plain:
+        got = texts(payload)
+        full = read_chunk(payload, True)
+        if got is not None:
+            assert got == full.text and full.finish_reason is None, payload
+        else:
+            assert payload in tricky, payload
+    assert [texts(p) for p in plain] == ["one", "two", 'a "q"', "caf\u00e9\\", "x"]
+    # Built by hand: head and tail as learned, and a middle that ends the string early.
+    head, tail = b'{"id": "chatcmpl-up", "object": "chat.completion.chunk", "created": 1, "model": "m", ' \
+        b'"choices": [{"index": 0, "delta": {"content": "', b'"}, "logprobs": null, "finish_reason": null}]}'
+    forged = head + b'a", "role": "b' + tail
+    assert texts(forged) == read_chunk(forged, True).text == "a"  # not the bytes between head and tail

@@ -5,6 +5,12 @@ The client's JSON body is forwarded as it came (the gateway does not tokenize: t
 ``stream`` forced on so that every token's arrival is timed, ``stream_options.include_usage`` so that the token
 counts are the upstream's own, and the model name, ``max_tokens`` and (where the replica accepts it) ``priority`` set
 by the gateway. Each content chunk is one event; the final event carries the usage the upstream reported.
+
+The stream is read as bytes, whatever has arrived at each read (``gateway/sse.py`` splits it into events and takes a
+plain token chunk's text without a JSON parse); the tokens of one read go up together, stamped with the read's time.
+The server re-encodes each token under the gateway's own id and the model name the client asked for (the upstream's
+chunks carry its own), and writes the role chunk and the last chunks (usage, the ``tailguard`` object, a degraded
+answer's marks) itself, so the upstream's bytes are never forwarded as they are: their parse is what was cut.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tailguard.engine.events import EngineStats, TokenEvent
-from tailguard.gateway.sse import DONE, SSELines, read_chunk, token_text
+from tailguard.gateway.sse import DONE, SSELines, TokenTexts, read_chunk
 from tailguard.gateway.upstream import NoReplica, Replica, UpstreamPool
 
 log = logging.getLogger("tailguard.gateway")
@@ -192,13 +198,14 @@ class UpstreamBackend:
                                             code="upstream_error" if resp.status >= 500 else None,
                                             retry_after=_retry_after(resp.headers.get("Retry-After")))
                     lines = SSELines()
+                    token_text = TokenTexts(chat)
                     # Whatever arrived since the last read, at once: one wake-up for the tokens it holds.
                     async for data in resp.content.iter_any():
                         now = perf_counter()
                         tokens: list[UpstreamEvent] = []
                         failed: UpstreamError | None = None  # raised after the tokens read before it are passed on
                         for payload in lines.feed(data):
-                            text = token_text(payload, chat)
+                            text = token_text(payload)
                             if text is None:
                                 if payload == DONE:
                                     ok = True

@@ -67,23 +67,58 @@ class Chunk:
     error: str | None = None
 
 
-def token_text(payload: bytes, chat: bool) -> str | None:
-    """The token text of a plain token chunk, or None when the chunk needs the full parse (not that it has no
-    token: ``read_chunk`` decides that)."""
+def _plain_text(payload: bytes, chat: bool) -> re.Match[bytes] | None:
+    """The match of a plain token chunk's text string, or None when the chunk needs the full parse."""
     m = (_CHAT_TEXT if chat else _COMPLETION_TEXT).search(payload)
-    if m is None or not _FINISH_NULL.search(payload) or payload.count(b'"index"') > 1:
-        return None  # not a plain chunk of one choice
+    if m is None or not m.group(1) or not _FINISH_NULL.search(payload) or payload.count(b'"index"') > 1:
+        return None  # not a plain chunk of one choice (an empty text is the role chunk's: no token)
     if b'"usage"' in payload and not _USAGE_NULL.search(payload):
         return None
-    raw = m.group(1)
-    if not raw:
-        return None  # an empty delta (the role chunk): no token, and the parse says so
+    return m
+
+
+def _decode(raw: bytes) -> str | None:
+    """A JSON string's body as text (None: not valid UTF-8, for the parse to report)."""
     if b"\\" in raw:
         return json.loads(b'"' + raw + b'"')
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
-        return None  # let the parse report it
+        return None
+
+
+def token_text(payload: bytes, chat: bool) -> str | None:
+    """The token text of a plain token chunk, or None when the chunk needs the full parse (not that it has no
+    token: ``read_chunk`` decides that)."""
+    m = _plain_text(payload, chat)
+    return None if m is None else _decode(m.group(1))
+
+
+class TokenTexts:
+    """``token_text`` for one stream, faster once it has seen a plain chunk: an upstream's token chunks are the same
+    bytes around the text (its id, creation time and model, then ``finish_reason: null``), so a payload that starts
+    and ends as the last plain one did, with no quote in between, is a plain chunk whose text is what lies between.
+    Anything else goes through ``token_text`` (and a new plain shape is learned from it)."""
+
+    __slots__ = ("chat", "_head", "_tail")
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self._head: bytes | None = None
+        self._tail = b""
+
+    def __call__(self, payload: bytes) -> str | None:
+        head, tail = self._head, self._tail
+        if head is not None and payload.startswith(head) and payload.endswith(tail) \
+                and len(payload) > len(head) + len(tail):
+            raw = payload[len(head):len(payload) - len(tail)]
+            if b'"' not in raw:  # else the text may end early and other fields follow: let the pattern decide
+                return _decode(raw)
+        m = _plain_text(payload, self.chat)
+        if m is None:
+            return None
+        self._head, self._tail = payload[:m.start(1)], payload[m.end(1):]
+        return _decode(m.group(1))
 
 
 def read_chunk(payload: bytes, chat: bool) -> Chunk:
