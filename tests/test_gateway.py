@@ -392,9 +392,10 @@ def test_upstream_tokens_relayed_exactly_whatever_the_reads_cut(tmp_path):
     # Spaced and compact JSON, raw and escaped non-ASCII: upstreams differ.
     lines = [json.dumps(e, ensure_ascii=i % 2 == 0, separators=(",", ":") if i % 3 else None)
              for i, e in enumerate(events)]
-    stream = "".join(f"data: {x}\n\n" for x in lines).encode() + b"data: [DONE]\n\n"
-    for cut in (5, 4096):
-        with scripted_upstream(stream, cut) as up, gateway(tmp_path, [up]) as gw:
+    stream = "".join(f"data: {x}\n\n" for x in lines).encode() + b"data: [DONE]"
+    # Cut every 5 bytes, all in one write, and a stream whose last line has no line end.
+    for cut, end in ((5, b"\n\n"), (len(stream) + 2, b"\n\n"), (7, b"")):
+        with scripted_upstream(stream + end, cut) as up, gateway(tmp_path, [up]) as gw:
             r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
                 "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True,
                 "stream_options": {"include_usage": True}})

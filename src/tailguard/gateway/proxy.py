@@ -199,8 +199,14 @@ class UpstreamBackend:
                                             retry_after=_retry_after(resp.headers.get("Retry-After")))
                     lines = SSELines()
                     token_text = TokenTexts(chat)
-                    # Whatever arrived since the last read, at once: one wake-up for the tokens it holds.
-                    async for data in resp.content.iter_any():
+                    content = resp.content
+                    while True:
+                        # Whatever arrived since the last read, at once: one wake-up for the tokens it holds.
+                        data = await content.readany()
+                        if not data:  # the end; a last line without its line end still counts
+                            if not lines.pending:
+                                break
+                            data = b"\n"
                         now = perf_counter()
                         tokens: list[UpstreamEvent] = []
                         failed: UpstreamError | None = None  # raised after the tokens read before it are passed on
