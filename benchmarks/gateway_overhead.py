@@ -2,12 +2,16 @@
 
     .venv/bin/python benchmarks/gateway_overhead.py            # ~2 min; benchmarks/results/gateway_overhead.json
     .venv/bin/python benchmarks/gateway_overhead.py --streams 256 --tokens 40 --repeats 3
+    # before/after a change, in one run: the gateway of another commit beside this one
+    git archive BASE src | tar -x -C /tmp/base && .venv/bin/python benchmarks/gateway_overhead.py \
+        --compare-src /tmp/base/src --repeats 5 --seconds 15
 
 The upstream is a ``tailguard serve --model fake`` process (scripted TTFT and inter-token gap, so the upstream's own
 time is the same in both paths); the gateway is a second process in front of it. ``--streams`` closed-loop clients
 (each sends its next streaming chat request when the last one ends, so the streams stay concurrent in steady state
 and arrivals spread out), each request making ``--tokens`` tokens, run for ``--seconds`` and are read by an aiohttp
-client in this process; repeats alternate between direct and through the gateway. The gateway's CPU time per token
+client in this process, with a fresh connection pool per round; repeats rotate over direct, through the gateway and
+through each ``--compare-src`` gateway (the same upstream behind each). The gateway's CPU time per token
 relayed is read from /proc. Reported per path: client-side TTFT P50/P99 and the gaps between tokens
 P50/P99; the difference is the gateway's cost (issue 9's target: +1 ms P99 TTFT and +50 us per token at 256 streams).
 All three processes share this machine's cores, so the figure includes the gateway's CPU taking time from the others.
@@ -60,13 +64,17 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-def start(args: list[str], tmp: Path, cfg: dict) -> tuple[subprocess.Popen, str]:
+def start(args: list[str], tmp: Path, cfg: dict, src: str | None = None) -> tuple[subprocess.Popen, str]:
+    """A ``tailguard serve`` process; ``src``: run it from another source tree (a ``src`` folder) instead."""
     port = free_port()
     path = tmp / f"cfg{port}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "tailguard.cli", "serve", "--port", str(port), "--config", str(path),
            "--store", str(tmp / f"r{port}.sqlite3"), "--no-access-log", "--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = str(Path(src).resolve())
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=(tmp / f"serve{port}.log").open("wb"), env=env)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -82,15 +90,19 @@ async def ready(session: aiohttp.ClientSession, url: str) -> None:
     raise RuntimeError(f"{url} did not get ready")
 
 
-async def one(session: aiohttp.ClientSession, url: str, tokens: int) -> tuple[float, list[float]]:
+async def one(session: aiohttp.ClientSession, url: str, tokens: int) -> tuple[float, list[float]] | str:
+    """TTFT and the gaps of one streamed request, or what went wrong (counted as an error, not timed)."""
     body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": True}
     t0 = time.perf_counter()
     times: list[float] = []
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
+        if resp.status != 200:
+            return f"{resp.status}: {(await resp.text())[:300]}"
         async for line in resp.content:
             if line.startswith(b"data: {") and b'"content"' in line:
                 times.append(time.perf_counter())
+    if not times:
+        return "no token"
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     return times[0] - t0, gaps
 
@@ -98,20 +110,24 @@ async def one(session: aiohttp.ClientSession, url: str, tokens: int) -> tuple[fl
 async def round_(session, url: str, streams: int, tokens: int, seconds: float = 0.0) -> dict:
     """``streams`` closed-loop clients for ``seconds`` (0: one request each)."""
     res: list[tuple[float, list[float]]] = []
+    errors: list[str] = []
     stop = time.perf_counter() + seconds
 
     async def client() -> None:
         while True:
-            res.append(await one(session, url, tokens))
+            out = await one(session, url, tokens)
+            (errors if isinstance(out, str) else res).append(out)  # type: ignore[arg-type]
             if time.perf_counter() >= stop:
                 return
 
     await asyncio.gather(*(client() for _ in range(streams)))
+    if errors:
+        print(f"  {url}: {len(errors)} requests failed, e.g. {errors[0]}", flush=True)
     ttft = [r[0] for r in res]
     gaps = [g for r in res for g in r[1]]
     return {"ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(gaps, 50),
             "itl_p99": pct(gaps, 99), "itl_mean": statistics.fmean(gaps), "requests": len(res),
-            "tokens": len(gaps) + len(res)}
+            "tokens": len(gaps) + len(res), "errors": len(errors)}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -125,29 +141,38 @@ async def main(a: argparse.Namespace) -> dict:
     up, up_url = start(["--model", "fake", "--max-queue", "4096"], tmp, {"fake": fake, "slo": {"enabled": False}})
     async with aiohttp.ClientSession() as session:
         await ready(session, up_url)
-    gw, gw_url = start(["--upstream", up_url, "--max-queue", "4096"], tmp,
-                       {"slo": {"enabled": False}, "capacity": {"max_concurrent": 4096},
-                        "lanes": {"standard": {"max_queue": 4096}}})
-    out: dict = {"config": vars(a), "direct": [], "gateway": []}
+    gw_cfg = {"slo": {"enabled": False}, "capacity": {"max_concurrent": 4096}, "lanes": {"standard": {"max_queue": 4096}}}
+    gateways = {"gateway": start(["--upstream", up_url, "--max-queue", "4096"], tmp, gw_cfg)}
+    for i, src in enumerate(a.compare_src or []):  # the gateway from other source trees, in the same run
+        gateways[f"gateway_compare{i + 1}"] = start(["--upstream", up_url, "--max-queue", "4096"], tmp, gw_cfg, src)
+    out: dict = {"config": vars(a), "direct": [], **{name: [] for name in gateways}}
+    paths = [("direct", up_url, None)] + [(name, url, proc) for name, (proc, url) in gateways.items()]
     try:
-        conn = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=300)) as session:
-            await ready(session, up_url)
-            await ready(session, gw_url)
-            await round_(session, gw_url, 16, 4)  # warm connections and code paths
-            await round_(session, up_url, 16, 4)
-            for rep in range(a.repeats):
-                for name, url in (("direct", up_url), ("gateway", gw_url)):
-                    cpu0 = cpu_seconds(gw.pid)
+        def client() -> aiohttp.ClientSession:
+            # A session per round: a pooled connection left idle while the other paths ran may have been closed by
+            # the server's keep-alive timeout.
+            return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=300))
+
+        async with client() as session:
+            for _, url, _ in paths:
+                await ready(session, url)
+                await round_(session, url, 16, 4)  # warm code paths
+        for rep in range(a.repeats):
+            # Rotated: each path goes first once in a while (the shared machine's load drifts).
+            order = paths[rep % len(paths):] + paths[:rep % len(paths)]
+            for name, url, proc in order:
+                async with client() as session:
+                    cpu0 = cpu_seconds(proc.pid) if proc is not None else 0.0
                     r = await round_(session, url, a.streams, a.tokens, a.seconds)
-                    if name == "gateway":
-                        r["gateway_cpu_us_per_token"] = (cpu_seconds(gw.pid) - cpu0) / r["tokens"] * 1e6
-                    out[name].append(r)
-                    print(f"repeat {rep + 1} {name}: " + ", ".join(
-                        f"{k}={v * 1e3:.2f} ms" if k.startswith(("ttft", "itl")) else f"{k}={v:.0f}"
-                        for k, v in r.items()), flush=True)
+                    if proc is not None:
+                        r["gateway_cpu_us_per_token"] = (cpu_seconds(proc.pid) - cpu0) / r["tokens"] * 1e6
+                out[name].append(r)
+                print(f"repeat {rep + 1} {name}: " + ", ".join(
+                    f"{k}={v * 1e3:.2f} ms" if k.startswith(("ttft", "itl")) else f"{k}={v:.0f}"
+                    for k, v in r.items()), flush=True)
     finally:
-        for p in (gw, up):
+        for p in [proc for proc, _ in gateways.values()] + [up]:
             p.terminate()
             p.wait(20)
     return out
@@ -157,17 +182,19 @@ def report(res: dict) -> None:
     def med(path: str, k: str) -> float:
         return statistics.median(r[k] for r in res[path])
 
+    gateways = [k for k in res if k.startswith("gateway") and isinstance(res[k], list)]
     print("\n| path | TTFT P50 | TTFT P99 | ITL P50 | ITL P99 |\n|---|---|---|---|---|")
-    for path in ("direct", "gateway"):
+    for path in ("direct", *gateways):
         print(f"| {path} | {med(path, 'ttft_p50') * 1e3:.1f} ms | {med(path, 'ttft_p99') * 1e3:.1f} ms | "
               f"{med(path, 'itl_p50') * 1e3:.2f} ms | {med(path, 'itl_p99') * 1e3:.2f} ms |")
-    added = {k: med("gateway", k) - med("direct", k) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99",
-                                                                "itl_mean")}
-    res["added"] = added
-    print("\nadded by the gateway: " + ", ".join(f"{k} {v * 1e3:+.2f} ms" for k, v in added.items()))
-    cpu = statistics.median(r["gateway_cpu_us_per_token"] for r in res["gateway"])
-    res["gateway_cpu_us_per_token"] = cpu
-    print(f"gateway CPU per token relayed (request handling included): {cpu:.0f} us")
+    for gw in gateways:
+        added = {k: med(gw, k) - med("direct", k) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_mean")}
+        cpu = statistics.median(r["gateway_cpu_us_per_token"] for r in res[gw])
+        suffix = gw.removeprefix("gateway")
+        res["added" + suffix] = added
+        res["gateway_cpu_us_per_token" + suffix] = cpu
+        print(f"\nadded by {gw}: " + ", ".join(f"{k} {v * 1e3:+.2f} ms" for k, v in added.items()))
+        print(f"{gw} CPU per token relayed (request handling included): {cpu:.0f} us")
 
 
 if __name__ == "__main__":
@@ -178,6 +205,10 @@ if __name__ == "__main__":
     p.add_argument("--itl", type=float, default=0.05)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seconds", type=float, default=20.0, help="closed-loop time per round")
+    p.add_argument("--compare-src", action="append", metavar="SRC",
+                   help="also run a gateway from this source folder (e.g. `git archive BASE src | tar -x -C DIR`, "
+                        "then DIR/src), interleaved with the others: before and after a change in one run "
+                        "(repeatable)")
     p.add_argument("--out", default="benchmarks/results/gateway_overhead.json")
     args = p.parse_args()
     result = asyncio.run(main(args))

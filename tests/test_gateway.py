@@ -320,3 +320,98 @@ def test_tenant_rate_limits_on_the_embedded_engine(tmp_path):
         assert chat(server.url, fast).status_code == 200  # one tenant's limit is not another's
         rec = record(server, r)
         assert rec["status"] == 429 and rec["gateway"]["tenant"] == "slowpoke"
+
+
+@contextlib.contextmanager
+def scripted_upstream(stream: bytes, cut: int, pause_s: float = 0.003) -> Iterator[str]:
+    """An OpenAI-compatible upstream that answers every completion with ``stream``, written ``cut`` bytes at a time
+    with a pause in between (so that the gateway's reads see events cut anywhere, and several in one read)."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionError):  # the gateway may hang up once it has read [DONE]
+            for i in range(0, len(stream), cut):
+                await resp.write(stream[i:i + cut])
+                await asyncio.sleep(pause_s)
+            await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", completions)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    port = _free_port()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: _answers(url), timeout=10, interval=0.05)
+        yield url
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url + "/v1/models", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _upstream_chunk(delta: dict, finish: str | None = None, **extra: Any) -> dict:
+    return {"id": "chatcmpl-upstream-7", "object": "chat.completion.chunk", "created": 1, "model": "fake",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+
+
+def test_upstream_tokens_relayed_exactly_whatever_the_reads_cut(tmp_path):
+    texts = ["Hel", "lo, ", 'a "quoted"\nline', " caf\u00e9 \U0001f600", " back\\slash", "."]
+    events = [_upstream_chunk({"role": "assistant", "content": ""})]
+    events += [_upstream_chunk({"content": t}) for t in texts[:-1]]
+    events += [_upstream_chunk({"content": texts[-1]}, "length"),
+               {**_upstream_chunk({}), "choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 6,
+                                                               "total_tokens": 17}}]
+    # Spaced and compact JSON, raw and escaped non-ASCII: upstreams differ.
+    lines = [json.dumps(e, ensure_ascii=i % 2 == 0, separators=(",", ":") if i % 3 else None)
+             for i, e in enumerate(events)]
+    stream = "".join(f"data: {x}\n\n" for x in lines).encode() + b"data: [DONE]"
+    # Cut every 5 bytes, all in one write, and a stream whose last line has no line end.
+    for cut, end in ((5, b"\n\n"), (len(stream) + 2, b"\n\n"), (7, b"")):
+        with scripted_upstream(stream + end, cut) as up, gateway(tmp_path, [up]) as gw:
+            r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+                "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True,
+                "stream_options": {"include_usage": True}})
+            assert r.status_code == 200, r.text
+            data = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")]
+            assert data[-1] == "[DONE]"
+            chunks = [json.loads(x) for x in data[:-1]]
+            content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            assert content == "".join(texts)  # every token's text, byte for byte
+            # The answer is the gateway's: its request id and the model name the client asked for.
+            assert {c["id"] for c in chunks} == {"chatcmpl-" + r.headers["x-request-id"]}
+            assert chunks[-1]["usage"] == {"prompt_tokens": 11, "completion_tokens": 6, "total_tokens": 17}
+            assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+            rec = record(gw, r)
+            assert rec["output_tokens"] == 6 and rec["prompt_tokens"] == 11
+            assert len(rec["token_times"]) == 6 and rec["ttft"] is not None and rec["ttft"] > 0
+            full = chat(gw.url, max_tokens=6).json()
+            assert full["choices"][0]["message"]["content"] == "".join(texts)
+            assert full["usage"]["completion_tokens"] == 6

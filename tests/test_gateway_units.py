@@ -4,11 +4,13 @@ stall watch. Deterministic: no servers, injected clocks where time matters."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
 
 from tailguard.gateway.lanes import CapacityConfig, LaneConfig, Lanes, Overloaded, default_lanes
+from tailguard.gateway.sse import SSELines, TokenTexts, read_chunk, token_text
 from tailguard.gateway.streams import KEEPALIVE, Stalled, watch
 from tailguard.gateway.tenants import (
     KeyFile,
@@ -278,6 +280,117 @@ def test_watch_late_tokens_keep_the_streak_and_keepalives_come_before_the_first_
                 pass
         out = [e async for e in watch(_scripted([0.12, 0.0], []), ttft_deadline=None, itl_deadline=None,
                                       keepalive=0.05)]
-        assert out[0] is KEEPALIVE and out[1] is KEEPALIVE and out[2] is not KEEPALIVE
-        assert sum(e is KEEPALIVE for e in out) == 2
+        # Every keep-alive comes before the first token: two at most in 0.12 s (one when a loaded machine's loop
+        # lags, the second ping is re-armed from when the first was actually sent).
+        pings = sum(e is KEEPALIVE for e in out)
+        assert 1 <= pings <= 2 and all(e is KEEPALIVE for e in out[:pings]) and len(out) == pings + 3
     run(main())
+
+
+def test_watch_closed_while_waiting_for_the_first_token_closes_the_backend_stream_at_once():
+    async def main():
+        closed: list[bool] = []
+        agen = watch(_scripted([30.0], closed), ttft_deadline=None, itl_deadline=None, keepalive=0.01)
+        assert await agen.__anext__() is KEEPALIVE  # the read for the first token is still running
+        t0 = asyncio.get_running_loop().time()
+        await agen.aclose()
+        assert closed == [True] and asyncio.get_running_loop().time() - t0 < 1.0
+    run(main())
+
+
+def test_watch_without_an_inter_token_deadline_passes_late_tokens_after_the_first():
+    async def main():
+        closed: list[bool] = []
+        misses: list[str] = []
+        got = [e async for e in watch(_scripted([0.0, 0.08, 0.08], closed), ttft_deadline=0.02, itl_deadline=None,
+                                      on_miss=misses.append)]
+        assert len(got) == 4 and misses == [] and closed == [True]
+    run(main())
+
+
+# --- the upstream's SSE bytes ---------------------------------------------------------------------------------------
+def _chat_chunk(delta: dict, finish: str | None = None, **extra) -> dict:
+    return {"id": "chatcmpl-up", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+
+
+_PAYLOADS = [  # (payload, chat); compact and spaced JSON, escapes, non-ASCII, the chunks around the tokens
+    (json.dumps(_chat_chunk({"role": "assistant", "content": ""})), True),
+    (json.dumps(_chat_chunk({"content": "plain"}), separators=(",", ":")), True),
+    (json.dumps(_chat_chunk({"content": "spaced"})), True),
+    (json.dumps(_chat_chunk({"content": 'say "hi"\n\tback\\slash'})), True),
+    (json.dumps(_chat_chunk({"content": "h\u00e9llo \U0001f600"}), ensure_ascii=False), True),
+    (json.dumps(_chat_chunk({"content": "h\u00e9llo \U0001f600"})), True),
+    (json.dumps(_chat_chunk({"reasoning_content": "thinking"})), True),
+    (json.dumps(_chat_chunk({"content": "last"}, "length")), True),
+    (json.dumps(_chat_chunk({"content": None}, "stop")), True),
+    (json.dumps(_chat_chunk({"content": "tok"}, usage=None)), True),
+    (json.dumps({**_chat_chunk({"content": "u"}), "usage": {"prompt_tokens": 3, "completion_tokens": 2}}), True),
+    (json.dumps({"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}), True),
+    (json.dumps({"id": "x", "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None},
+                                        {"index": 1, "delta": {"content": "b"}, "finish_reason": None}]}), True),
+    (json.dumps({"error": {"message": "out of memory", "code": 500}}), True),
+    (json.dumps({"id": "c", "object": "text_completion", "choices": [
+        {"index": 0, "text": "once", "logprobs": None, "finish_reason": None}]}), False),
+    (json.dumps({"id": "c", "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}), False),
+]
+
+
+def test_token_text_fast_path_agrees_with_the_full_parse():
+    fast_taken = 0
+    for payload, chat in _PAYLOADS:
+        raw = payload.encode()
+        full = read_chunk(raw, chat)
+        fast = token_text(raw, chat)
+        if fast is not None:
+            fast_taken += 1
+            assert fast == full.text and full.finish_reason is None and full.usage is None, payload
+    # The plain token chunks (both JSON spacings, escapes, raw and escaped non-ASCII, "usage": null, a completion)
+    # are the ones that skip the parse.
+    assert fast_taken == 7
+    assert read_chunk(_PAYLOADS[7][0].encode(), True).finish_reason == "length"
+    assert read_chunk(_PAYLOADS[11][0].encode(), True).usage == {"prompt_tokens": 3, "completion_tokens": 2}
+    assert read_chunk(_PAYLOADS[12][0].encode(), True).text == "ab"
+    assert read_chunk(_PAYLOADS[13][0].encode(), True).error == "out of memory"
+    with pytest.raises(ValueError):
+        read_chunk(b"{not json", True)
+
+
+def test_sse_lines_give_the_same_payloads_however_the_reads_cut_the_stream():
+    events = [p for p, chat in _PAYLOADS if chat] + ["[DONE]"]
+    stream = "".join(f"data: {p}\n\n" for p in events[:5]) + ": a comment\n\nevent: x\r\n" + "".join(
+        f"data:{p}\r\n\r\n" for p in events[5:])
+    data = stream.encode()
+    whole = SSELines().feed(data)
+    assert [p.decode() for p in whole] == events
+    for size in (1, 2, 3, 7, 64):
+        lines = SSELines()
+        got = [p for i in range(0, len(data), size) for p in lines.feed(data[i:i + size])]
+        assert got == whole, size
+        assert lines.pending == b""
+    lines = SSELines()
+    assert lines.feed(b'data: {"a"') == [] and lines.pending == b'data: {"a"'
+    assert lines.feed(b": 1}\n") == [b'{"a": 1}']
+
+
+def test_token_texts_learn_the_streams_plain_shape_and_still_agree_with_the_parse():
+    texts = TokenTexts(chat=True)
+    plain = [json.dumps(_chat_chunk({"content": t})).encode() for t in ("one", "two", 'a "q"', "caf\u00e9\\", "x")]
+    tricky = [  # the same bytes around, yet not a plain chunk: quotes in between mean other fields
+        json.dumps(_chat_chunk({"content": "y", "role": "z"})).encode(),
+        json.dumps(_chat_chunk({"content": ""})).encode(),
+        json.dumps(_chat_chunk({"content": "end"}, "stop")).encode(),
+    ]
+    for payload in plain + tricky + plain:
+        got = texts(payload)
+        full = read_chunk(payload, True)
+        if got is not None:
+            assert got == full.text and full.finish_reason is None, payload
+        else:
+            assert payload in tricky, payload
+    assert [texts(p) for p in plain] == ["one", "two", 'a "q"', "caf\u00e9\\", "x"]
+    # Built by hand: head and tail as learned, and a middle that ends the string early.
+    head, tail = b'{"id": "chatcmpl-up", "object": "chat.completion.chunk", "created": 1, "model": "m", ' \
+        b'"choices": [{"index": 0, "delta": {"content": "', b'"}, "logprobs": null, "finish_reason": null}]}'
+    forged = head + b'a", "role": "b' + tail
+    assert texts(forged) == read_chunk(forged, True).text == "a"  # not the bytes between head and tail

@@ -21,6 +21,7 @@ import torch
 
 from tailguard.engine.blocks import BlockPool
 from tailguard.engine.drafting import make_draft_model, make_self_draft
+from tailguard.engine.events import EngineStats, TokenEvent
 from tailguard.engine.internals import DEFAULT_DECODE_EVERY, DEFAULT_MAX_STEPS, InternalsSampler
 from tailguard.engine.internals import check_settings as check_internals
 from tailguard.engine.loader import load_gguf, write_tiny_gguf
@@ -75,48 +76,6 @@ class EngineArgs:
     internals_decode_every: int = DEFAULT_DECODE_EVERY
     internals_max_steps: int = DEFAULT_MAX_STEPS
     internals_seed: int | None = None  # fixes which requests are sampled (tests, benchmarks)
-
-
-@dataclass
-class TokenEvent:
-    """One step's output for one request: zero or one new token and the text it completes."""
-
-    request_id: str
-    token_id: int | None
-    text: str
-    time: float
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    # Filled on the final event.
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    arrival: float | None = None
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    num_preemptions: int = 0
-    num_spec_proposed: int = 0  # speculative guesses verified for this request
-    num_spec_accepted: int = 0  # of which the target accepted (its output is the same either way)
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed) at first admission
-    internals: dict | None = None  # sampled internals (T2): per-layer step timings and statistics; None if unsampled
-
-
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    num_preemptions: int
-    steps: int
-    num_spec_proposed: int = 0
-    num_spec_accepted: int = 0
-    num_spec_steps: int = 0  # verifications (one per speculating sequence and step)
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (at every admission, re-admissions too)
-    prefix_cache_hits: int = 0  # of which found cached: hit rate = hits / queries
-    kv_blocks_cached: int = 0  # blocks holding reusable cached content (referenced or not)
 
 
 @dataclass

@@ -5,6 +5,12 @@ The client's JSON body is forwarded as it came (the gateway does not tokenize: t
 ``stream`` forced on so that every token's arrival is timed, ``stream_options.include_usage`` so that the token
 counts are the upstream's own, and the model name, ``max_tokens`` and (where the replica accepts it) ``priority`` set
 by the gateway. Each content chunk is one event; the final event carries the usage the upstream reported.
+
+The stream is read as bytes, whatever has arrived at each read (``gateway/sse.py`` splits it into events and takes a
+plain token chunk's text without a JSON parse); the tokens of one read go up together, stamped with the read's time.
+The server re-encodes each token under the gateway's own id and the model name the client asked for (the upstream's
+chunks carry its own), and writes the role chunk and the last chunks (usage, the ``tailguard`` object, a degraded
+answer's marks) itself, so the upstream's bytes are never forwarded as they are: their parse is what was cut.
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from tailguard.engine.engine import EngineStats, TokenEvent
+from tailguard.engine.events import EngineStats, TokenEvent
+from tailguard.gateway.sse import DONE, SSELines, TokenTexts, read_chunk
 from tailguard.gateway.upstream import NoReplica, Replica, UpstreamPool
 
 log = logging.getLogger("tailguard.gateway")
@@ -29,7 +37,7 @@ UNKNOWN_TOKEN = -1  # an upstream chunk's token id is not known to the gateway
 
 @dataclass
 class UpstreamEvent(TokenEvent):
-    replica: str | None = None
+    replica: str | None = None  # on the final event: the replica that answered, after how many attempts
     attempts: int = 1
 
 
@@ -138,11 +146,12 @@ class UpstreamBackend:
                 hdrs["X-Request-ID"] = upstream_id
             produced = False
             try:
-                async for ev in self._attempt(r, path, out, hdrs, request_id, est_tokens, chat):
-                    produced = produced or ev.token_id is not None
-                    ev.replica = r.name
-                    ev.attempts = attempt
-                    yield ev
+                # Closed at once when the caller leaves: that closes the upstream connection (the abort there).
+                async with aclosing(self._attempt(r, path, out, hdrs, request_id, est_tokens, chat, attempt)) as reads:
+                    async for events in reads:
+                        produced = produced or events[0].token_id is not None
+                        for ev in events:
+                            yield ev
                 return
             except UpstreamError as exc:
                 if produced or not exc.before_first_token or exc.status < 500 and exc.status != 429:
@@ -155,7 +164,9 @@ class UpstreamBackend:
         raise last
 
     async def _attempt(self, r: Replica, path: str, body: dict[str, Any], headers: dict[str, str],
-                       request_id: str, est_tokens: int, chat: bool) -> AsyncIterator[UpstreamEvent]:
+                       request_id: str, est_tokens: int, chat: bool, attempt: int) -> AsyncIterator[list[UpstreamEvent]]:
+        """One try at one replica: the token events of each read together (one resumption per read, not per token),
+        then the final event alone."""
         import aiohttp
 
         session = self.pool.session
@@ -186,37 +197,52 @@ class UpstreamBackend:
                                             f"upstream {r.name} answered {resp.status}: {_error_message(raw)}",
                                             code="upstream_error" if resp.status >= 500 else None,
                                             retry_after=_retry_after(resp.headers.get("Retry-After")))
-                    async for line in resp.content:
-                        if not line.startswith(b"data:"):
-                            continue
-                        payload = line[5:].strip()
-                        if payload == b"[DONE]":
-                            ok = True
-                            break
+                    lines = SSELines()
+                    token_text = TokenTexts(chat)
+                    content = resp.content
+                    while True:
+                        # Whatever arrived since the last read, at once: one wake-up for the tokens it holds.
+                        data = await content.readany()
+                        if not data:  # the end; a last line without its line end still counts
+                            if not lines.pending:
+                                break
+                            data = b"\n"
                         now = perf_counter()
-                        try:
-                            obj = json.loads(payload)
-                        except ValueError:
-                            raise UpstreamError(502, f"upstream {r.name} sent unparsable SSE data") from None
-                        if obj.get("error") and not obj.get("choices"):
-                            err = obj["error"]
-                            msg = err.get("message", err) if isinstance(err, dict) else err
-                            raise UpstreamError(502, f"upstream {r.name} failed mid-stream: {msg}",
-                                                code="upstream_error", before_first_token=first is None)
-                        if obj.get("usage"):
-                            usage = obj["usage"]
-                        for ch in obj.get("choices") or ():
-                            text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
-                            if ch.get("finish_reason"):
-                                finish = ch["finish_reason"]
-                            if text:
-                                if first is None:
-                                    first = now
-                                    r.ttft_ewma = (now - sent) if r.ttft_ewma is None else \
-                                        0.8 * r.ttft_ewma + 0.2 * (now - sent)
-                                n_out += 1
-                                r.outstanding_tokens -= 1
-                                yield UpstreamEvent(request_id, UNKNOWN_TOKEN, text, now)
+                        tokens: list[UpstreamEvent] = []
+                        failed: UpstreamError | None = None  # raised after the tokens read before it are passed on
+                        for payload in lines.feed(data):
+                            text = token_text(payload)
+                            if text is None:
+                                if payload == DONE:
+                                    ok = True
+                                    break
+                                try:
+                                    chunk = read_chunk(payload, chat)
+                                except ValueError:
+                                    failed = UpstreamError(502, f"upstream {r.name} sent unparsable SSE data")
+                                    break
+                                if chunk.error is not None:
+                                    failed = UpstreamError(502, f"upstream {r.name} failed mid-stream: {chunk.error}",
+                                                           code="upstream_error", before_first_token=first is None)
+                                    break
+                                usage = chunk.usage or usage
+                                finish = chunk.finish_reason or finish
+                                text = chunk.text
+                                if not text:
+                                    continue
+                            if first is None:
+                                first = now
+                                r.ttft_ewma = (now - sent) if r.ttft_ewma is None else \
+                                    0.8 * r.ttft_ewma + 0.2 * (now - sent)
+                            tokens.append(UpstreamEvent(request_id, UNKNOWN_TOKEN, text, now))
+                        if tokens:
+                            n_out += len(tokens)
+                            r.outstanding_tokens -= len(tokens)
+                            yield tokens
+                        if failed is not None:
+                            raise failed
+                        if ok:
+                            break
             except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
                 raise UpstreamError(502, f"upstream {r.name} connection failed: {type(exc).__name__}: {exc}"[:400],
                                     code="upstream_unreachable", before_first_token=first is None) from None
@@ -224,12 +250,12 @@ class UpstreamBackend:
                 raise UpstreamError(502, f"upstream {r.name} ended the stream without [DONE]",
                                     code="upstream_error", before_first_token=first is None)
             now = perf_counter()
-            yield UpstreamEvent(
+            yield [UpstreamEvent(
                 request_id, None, "", now, finished=True, finish_reason=finish or "stop",  # type: ignore[arg-type]
                 num_prompt_tokens=int((usage or {}).get("prompt_tokens") or 0),
                 num_output_tokens=int((usage or {}).get("completion_tokens") or n_out),
-                first_token=first,
-            )
+                first_token=first, replica=r.name, attempts=attempt,
+            )]
             outcome = "ok"
             r.breaker.success()
         except UpstreamError as exc:

@@ -192,7 +192,10 @@ class UpstreamPool:
     async def start(self) -> None:
         import aiohttp  # only a gateway needs it: a server of its own engine does not import it
 
-        conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        # No connection cap (the lanes bound the streams); idle connections are dropped after 4 s, before uvicorn's
+        # 5 s keep-alive (vLLM's, tailguard's) closes them under a request that reuses one (a 502 before the first
+        # token). aiohttp's default keeps them 15 s.
+        conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True, keepalive_timeout=4.0)
         self.session = aiohttp.ClientSession(connector=conn, trust_env=False, auto_decompress=False,
                                              timeout=aiohttp.ClientTimeout(total=None,
                                                                            sock_connect=self.routing.connect_timeout_s))

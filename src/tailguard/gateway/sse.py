@@ -1,0 +1,145 @@
+"""An upstream's SSE stream read as bytes: events split across or packed into TCP reads, and the few facts the gateway
+needs from each ``data:`` payload, taken without a JSON parse for the common chunk.
+
+Per chunk the gateway needs to know only whether it carries a token and that token's text (the server re-encodes it
+under the gateway's own id and model name), plus, a few times per request, the finish reason, the usage and a
+mid-stream error. A plain token chunk (one text field that is a string, ``finish_reason`` null, no usage) is matched
+by byte patterns and its text taken from the string as it stands (decoded by ``json`` only when it holds escapes);
+any other chunk (the role chunk, the last ones, an error, a shape not recognised) is parsed in full. The cheap
+check falls back to the parse whenever it is not sure, so the answer is the parse's either way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+DONE = b"[DONE]"
+# The token's text: a chat chunk's ``delta.content`` or a completion chunk's ``text``, a JSON string with its escapes.
+# (The string's pattern is unrolled, runs of plain characters then one escape, which a regex engine scans fast.)
+_CHAT_TEXT = re.compile(rb'"content"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.S)
+_COMPLETION_TEXT = re.compile(rb'"text"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.S)
+_FINISH_NULL = re.compile(rb'"finish_reason"\s*:\s*null')
+_USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')
+
+
+class SSELines:
+    """Splits the bytes of an event stream into ``data:`` payloads, whatever the TCP reads cut.
+
+    ``feed`` takes the bytes of one read and returns the payloads of the lines it completed; a line cut by the read
+    waits for the next one. Comments, ``event:``/``id:`` fields and blank lines are dropped (the gateway needs only
+    the data)."""
+
+    __slots__ = ("_rest",)
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        if self._rest:
+            data = self._rest + data
+        end = data.rfind(b"\n")
+        if end < 0:
+            self._rest = data
+            return []
+        self._rest = data[end + 1:]
+        out = []
+        for line in data[:end].split(b"\n"):
+            if line.startswith(b"data:"):
+                out.append(line[5:].strip())  # also drops the \r of CRLF line ends
+        return out
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes of an unfinished line (the stream should end on a line end)."""
+        return self._rest
+
+
+@dataclass(slots=True)
+class Chunk:
+    """What one ``data:`` payload says: ``text`` (None: no token), ``finish_reason``, ``usage`` and ``error``."""
+
+    text: str | None = None
+    finish_reason: str | None = None
+    usage: dict | None = None
+    error: str | None = None
+
+
+def _plain_text(payload: bytes, chat: bool) -> re.Match[bytes] | None:
+    """The match of a plain token chunk's text string, or None when the chunk needs the full parse."""
+    m = (_CHAT_TEXT if chat else _COMPLETION_TEXT).search(payload)
+    if m is None or not m.group(1) or not _FINISH_NULL.search(payload) or payload.count(b'"index"') > 1:
+        return None  # not a plain chunk of one choice (an empty text is the role chunk's: no token)
+    if b'"usage"' in payload and not _USAGE_NULL.search(payload):
+        return None
+    return m
+
+
+def _decode(raw: bytes) -> str | None:
+    """A JSON string's body as text (None: not valid UTF-8, for the parse to report)."""
+    if b"\\" in raw:
+        return json.loads(b'"' + raw + b'"')
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def token_text(payload: bytes, chat: bool) -> str | None:
+    """The token text of a plain token chunk, or None when the chunk needs the full parse (not that it has no
+    token: ``read_chunk`` decides that)."""
+    m = _plain_text(payload, chat)
+    return None if m is None else _decode(m.group(1))
+
+
+class TokenTexts:
+    """``token_text`` for one stream, faster once it has seen a plain chunk: an upstream's token chunks are the same
+    bytes around the text (its id, creation time and model, then ``finish_reason: null``), so a payload that starts
+    and ends as the last plain one did, with no quote in between, is a plain chunk whose text is what lies between.
+    Anything else goes through ``token_text`` (and a new plain shape is learned from it)."""
+
+    __slots__ = ("chat", "_head", "_tail")
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self._head: bytes | None = None
+        self._tail = b""
+
+    def __call__(self, payload: bytes) -> str | None:
+        head, tail = self._head, self._tail
+        if head is not None and payload.startswith(head) and payload.endswith(tail) \
+                and len(payload) > len(head) + len(tail):
+            raw = payload[len(head):len(payload) - len(tail)]
+            if b'"' not in raw:  # else the text may end early and other fields follow: let the pattern decide
+                return _decode(raw)
+        m = _plain_text(payload, self.chat)
+        if m is None:
+            return None
+        self._head, self._tail = payload[:m.start(1)], payload[m.end(1):]
+        return _decode(m.group(1))
+
+
+def read_chunk(payload: bytes, chat: bool) -> Chunk:
+    """Parse one payload in full (raises ``ValueError`` for data that is not JSON)."""
+    obj: Any = json.loads(payload)
+    if not isinstance(obj, dict):
+        raise ValueError("an SSE data payload that is not a JSON object")
+    out = Chunk()
+    err = obj.get("error")
+    if err and not obj.get("choices"):
+        out.error = str(err.get("message", err) if isinstance(err, dict) else err)
+        return out
+    if obj.get("usage"):
+        out.usage = obj["usage"]
+    texts = []
+    for ch in obj.get("choices") or ():
+        text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+        if ch.get("finish_reason"):
+            out.finish_reason = ch["finish_reason"]
+        if text:
+            texts.append(text)
+    if texts:
+        out.text = "".join(texts)
+    return out
