@@ -8,6 +8,7 @@ step's tokens to per-request asyncio queues. Every timestamp is ``time.perf_coun
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import queue
@@ -453,7 +454,7 @@ class AsyncLLMEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, _EventStream]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed: str | None = None  # why no new request is taken; set under _lock
@@ -481,18 +482,21 @@ class AsyncLLMEngine:
         """Stream a request's tokens. Leaving the iterator early (client gone, cancel) aborts the request."""
         self.check_request(len(prompt_token_ids), sampling)
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        stream = _EventStream(loop)
         with self._lock:
             if self._closed is not None:
                 raise EngineClosed(self._closed)
             if request_id in self._queues:
                 raise RequestError(f"duplicate request id {request_id!r}")
-            self._queues[request_id] = (loop, q)
+            self._queues[request_id] = (loop, stream)
         self._commands.put(("add", (prompt_token_ids, sampling, request_id, priority, arrival_time)))
         finished = False
+        pending = stream.pending
         try:
             while True:
-                event: TokenEvent = await q.get()
+                if not pending:
+                    await stream.wait()
+                event: TokenEvent = pending.popleft()
                 if event.error is not None:
                     finished = True
                     if event.finish_reason is None:
@@ -543,7 +547,7 @@ class AsyncLLMEngine:
                        for r in pending])
 
     def _deliver(self, events: list[TokenEvent]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenEvent]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_EventStream, TokenEvent]]] = {}
         with self._lock:
             for ev in events:
                 target = self._queues.get(ev.request_id)
@@ -610,6 +614,33 @@ class AsyncLLMEngine:
         self._close_all("engine shut down")
 
 
-def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
-    for q, ev in items:
-        q.put_nowait(ev)
+class _EventStream:
+    """One request's events on its event loop: a deque and at most one waiter, lighter than an ``asyncio.Queue`` on
+    the per-token path (no getter bookkeeping, no ``task_done`` counting). Touched only on the consumer's loop."""
+
+    __slots__ = ("loop", "pending", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pending: collections.deque[TokenEvent] = collections.deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, event: TokenEvent) -> None:
+        self.pending.append(event)
+        w = self.waiter
+        if w is not None:
+            self.waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    async def wait(self) -> None:
+        w = self.waiter = self.loop.create_future()
+        try:
+            await w
+        finally:
+            self.waiter = None
+
+
+def _put_all(items: list[tuple[_EventStream, TokenEvent]]) -> None:
+    for stream, ev in items:
+        stream.put(ev)
