@@ -448,24 +448,55 @@ class AsyncLLMEngine:
     (ctypes), so the event loop keeps serving while a step computes.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.model_name = engine.model_name
-        self.max_model_len = engine.max_model_len
+    def __init__(self, engine: LLMEngine | None = None, *, args: EngineArgs | None = None) -> None:
+        """Front an engine built elsewhere (``engine``), or build one from ``args`` on the engine thread itself
+        (``from_args``: see there why)."""
+        if (engine is None) == (args is None):
+            raise ValueError("AsyncLLMEngine needs an engine or the EngineArgs to build one, not both")
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, _EventStream]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed: str | None = None  # why no new request is taken; set under _lock
-        self._thread = threading.Thread(target=self._loop, name="tailguard-engine", daemon=True)
-        self._last_stats = engine.stats()
         self.error: BaseException | None = None
+        built = threading.Event()
+        build_error: list[BaseException] = []
+
+        def run() -> None:
+            if args is not None:
+                try:
+                    self._attach(LLMEngine(args))
+                except BaseException as exc:  # noqa: BLE001 - re-raised by the constructor, on the caller's thread
+                    build_error.append(exc)
+                    return
+                finally:
+                    built.set()
+            self._loop()
+
+        if engine is not None:
+            self._attach(engine)
+        self._thread = threading.Thread(target=run, name="tailguard-engine", daemon=True)
         self._thread.start()
+        if args is not None:
+            built.wait()
+            if build_error:
+                raise build_error[0]
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self._last_stats = engine.stats()
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> AsyncLLMEngine:
-        return cls(LLMEngine(args))
+        """Load the model on the engine thread, which then steps it. OpenMP keeps one pool of worker threads per
+        thread that opens parallel regions, and its thread count (``torch.set_num_threads``) is set per thread too:
+        loaded elsewhere, the engine thread would run with the default count (every core) beside a second, idle
+        pool, and with more OpenMP threads than cores libgomp stops spin-waiting at its barriers (100 spins, then
+        sleep), so every barrier of the step pays a wake-up the engine alone does not. Blocks until loaded."""
+        return cls(args=args)
 
     def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
         sampling.validate()
