@@ -123,6 +123,26 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
+def sleeps(pid: int, skip: int | None = None) -> int:
+    """Voluntary context switches of ``pid``'s threads (but ``skip``): an OpenMP thread that sleeps at a barrier
+    instead of spinning makes one, so per step this tells the spinning engine from the throttled one."""
+    total = 0
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return 0
+    for tid in tids:
+        if tid == skip:
+            continue
+        try:
+            for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
+
+
 def cpu_split(pid: int, before: dict[int, float], after: dict[int, float], tokens: int) -> dict[str, float]:
     """Microseconds of CPU per output token: the server's event loop (uvicorn runs it on the main thread) and all
     its other threads (the engine thread and its OpenMP workers, the store, the samplers)."""
@@ -195,22 +215,24 @@ def main() -> None:
         order = list(servers)
         for rep in range(args.repeats):
             me = os.getpid()
-            before = thread_cpu(me)
+            before, slept = thread_cpu(me), sleeps(me)
             e2e, steady = engine_alone(engine, prompts, args.tokens)
-            after = thread_cpu(me)
+            after, slept = thread_cpu(me), sleeps(me) - slept
             add("engine", e2e)
             add("engine_steady", steady)
             cpu.setdefault("engine", []).append(
-                {"engine_us_per_token": 1e6 * sum(v - before.get(t, 0.0) for t, v in after.items()) / ntok})
+                {"engine_us_per_token": 1e6 * sum(v - before.get(t, 0.0) for t, v in after.items()) / ntok,
+                 "sleeps_per_step": slept / args.tokens})
             time.sleep(0.5)
             line = f"repeat {rep + 1}/{args.repeats}: engine alone {e2e:.1f} tok/s (steady {steady:.1f})"
             for name in order[rep % len(order):] + order[:rep % len(order)]:  # alternate which server goes first
                 proc, url = servers[name]
-                before = thread_cpu(proc.pid)
+                before, slept = thread_cpu(proc.pid), sleeps(proc.pid, skip=proc.pid)
                 client0 = os.times()
                 e2e, steady = asyncio.run(through_serve(url, texts, args.tokens))
                 client1 = os.times()
                 split = cpu_split(proc.pid, before, thread_cpu(proc.pid), ntok)
+                split["sleeps_per_step"] = (sleeps(proc.pid, skip=proc.pid) - slept) / args.tokens
                 split["client_us_per_token"] = 1e6 * (client1.user + client1.system - client0.user
                                                       - client0.system) / ntok
                 cpu.setdefault(name, []).append(split)
@@ -242,7 +264,7 @@ def main() -> None:
               f"{paired[name]['ratio']:.2f}x |")
         print(f"| {name} | steady decode | {med['engine_steady']:.1f} | {med[f'{name}_steady']:.1f} | "
               f"{ratios[name]['steady_ratio']:.2f}x | {paired[name]['steady_ratio']:.2f}x |")
-    print("\nCPU per output token (us, medians): " + "; ".join(
+    print("\nCPU per output token (us) and sleeps per step of the engine's threads, medians: " + "; ".join(
         f"{name}: " + ", ".join(f"{k.removesuffix('_us_per_token')} {v:.0f}" for k, v in c.items())
         for name, c in cpu_med.items()))
     result = {"streams": args.streams, "tokens": args.tokens, "threads": args.threads,
