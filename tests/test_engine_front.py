@@ -166,3 +166,71 @@ def test_a_request_to_a_stopped_engine_gets_a_503_not_a_500(tmp_path, engine):
     assert resp.status_code == 503, resp.text
     assert resp.json()["error"]["code"] == "engine_unavailable"
     assert resp.headers["retry-after"] == "5"
+
+
+def test_event_stream_keeps_order_and_wakes_one_waiting_consumer():
+    """The per-request channel between the engine thread's hand-off and the consumer: events put before the consumer
+    waits and while it waits all arrive, in order; a cancelled wait leaves no waiter behind to be woken."""
+    from tailguard.engine.engine import _EventStream
+
+    async def main():
+        stream = _EventStream(asyncio.get_running_loop())
+        stream.put("a")
+        stream.put("b")
+        got = [stream.pending.popleft(), stream.pending.popleft()]
+        waiting = asyncio.ensure_future(stream.wait())
+        await asyncio.sleep(0)
+        assert stream.waiter is not None and not waiting.done()
+        stream.put("c")
+        await asyncio.wait_for(waiting, 1)
+        got.append(stream.pending.popleft())
+        cancelled = asyncio.ensure_future(stream.wait())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert stream.waiter is None
+        stream.put("d")  # no waiter: kept for the next read
+        got.append(stream.pending.popleft())
+        return got
+
+    assert asyncio.run(main()) == ["a", "b", "c", "d"]
+
+
+def test_from_args_loads_and_steps_the_engine_on_one_thread(tiny_gguf):
+    """libgomp keeps one pool of OpenMP workers per thread that opens parallel regions: loading on one thread and
+    stepping on another left two pools, and more OpenMP threads than cores make libgomp sleep at every barrier
+    instead of spinning. ``from_args`` loads the model on the thread that steps it."""
+    steps_on: list[int] = []
+    built_on: list[int] = []
+    real_init = LLMEngine.__init__
+
+    def recording_init(self, args):
+        built_on.append(threading.get_ident())
+        real_init(self, args)
+
+    LLMEngine.__init__ = recording_init
+    try:
+        front = AsyncLLMEngine.from_args(EngineArgs(model=str(tiny_gguf), kv_cache_tokens=4096, max_model_len=512,
+                                                    num_threads=1))
+    finally:
+        LLMEngine.__init__ = real_init
+    real_step = front.engine.step
+
+    def observed_step():
+        steps_on.append(threading.get_ident())
+        return real_step()
+
+    front.engine.step = observed_step
+    try:
+        got, exc = asyncio.run(asyncio.wait_for(_drain(front, "threads", 4), 60))
+    finally:
+        front.shutdown()
+    assert exc is None and got == 4
+    assert set(steps_on) == set(built_on) == {front._thread.ident}
+    assert built_on[0] != threading.get_ident()
+
+
+def test_from_args_reports_a_load_failure_on_the_caller_thread():
+    with pytest.raises(Exception, match="no-such-model|not found|No such file|unknown"):
+        AsyncLLMEngine.from_args(EngineArgs(model="/nonexistent/no-such-model.gguf"))

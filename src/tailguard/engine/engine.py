@@ -8,6 +8,7 @@ step's tokens to per-request asyncio queues. Every timestamp is ``time.perf_coun
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import queue
@@ -406,24 +407,55 @@ class AsyncLLMEngine:
     (ctypes), so the event loop keeps serving while a step computes.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine | None = None, *, args: EngineArgs | None = None) -> None:
+        """Front an engine built elsewhere (``engine``), or build one from ``args`` on the engine thread itself
+        (``from_args``: see there why)."""
+        if (engine is None) == (args is None):
+            raise ValueError("AsyncLLMEngine needs an engine or the EngineArgs to build one, not both")
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, _EventStream]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._closed: str | None = None  # why no new request is taken; set under _lock
+        self.error: BaseException | None = None
+        built = threading.Event()
+        build_error: list[BaseException] = []
+
+        def run() -> None:
+            if args is not None:
+                try:
+                    self._attach(LLMEngine(args))
+                except BaseException as exc:  # noqa: BLE001 - re-raised by the constructor, on the caller's thread
+                    build_error.append(exc)
+                    return
+                finally:
+                    built.set()
+            self._loop()
+
+        if engine is not None:
+            self._attach(engine)
+        self._thread = threading.Thread(target=run, name="tailguard-engine", daemon=True)
+        self._thread.start()
+        if args is not None:
+            built.wait()
+            if build_error:
+                raise build_error[0]
+
+    def _attach(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._closed: str | None = None  # why no new request is taken; set under _lock
-        self._thread = threading.Thread(target=self._loop, name="tailguard-engine", daemon=True)
         self._last_stats = engine.stats()
-        self.error: BaseException | None = None
-        self._thread.start()
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> AsyncLLMEngine:
-        return cls(LLMEngine(args))
+        """Load the model on the engine thread, which then steps it. OpenMP (libgomp) keeps a pool of worker threads
+        per thread that opens parallel regions: loaded on another thread, the process kept a second, idle pool, and
+        with more OpenMP threads than cores libgomp stops spin-waiting at barriers (it sleeps almost at once), so
+        every barrier of every step paid a wake-up that the engine alone does not (measured with 2 threads on 2
+        cores: ~270 sleeps per step and OpenMP thread, against ~18 this way). Blocks until the model is loaded."""
+        return cls(args=args)
 
     def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
         sampling.validate()
@@ -440,18 +472,21 @@ class AsyncLLMEngine:
         """Stream a request's tokens. Leaving the iterator early (client gone, cancel) aborts the request."""
         self.check_request(len(prompt_token_ids), sampling)
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        stream = _EventStream(loop)
         with self._lock:
             if self._closed is not None:
                 raise EngineClosed(self._closed)
             if request_id in self._queues:
                 raise RequestError(f"duplicate request id {request_id!r}")
-            self._queues[request_id] = (loop, q)
+            self._queues[request_id] = (loop, stream)
         self._commands.put(("add", (prompt_token_ids, sampling, request_id, priority, arrival_time)))
         finished = False
+        pending = stream.pending
         try:
             while True:
-                event: TokenEvent = await q.get()
+                if not pending:
+                    await stream.wait()
+                event: TokenEvent = pending.popleft()
                 if event.error is not None:
                     finished = True
                     if event.finish_reason is None:
@@ -502,7 +537,7 @@ class AsyncLLMEngine:
                        for r in pending])
 
     def _deliver(self, events: list[TokenEvent]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenEvent]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_EventStream, TokenEvent]]] = {}
         with self._lock:
             for ev in events:
                 target = self._queues.get(ev.request_id)
@@ -569,6 +604,33 @@ class AsyncLLMEngine:
         self._close_all("engine shut down")
 
 
-def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
-    for q, ev in items:
-        q.put_nowait(ev)
+class _EventStream:
+    """One request's events on its event loop: a deque and at most one waiter, lighter than an ``asyncio.Queue`` on
+    the per-token path (no getter bookkeeping, no ``task_done`` counting). Touched only on the consumer's loop."""
+
+    __slots__ = ("loop", "pending", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pending: collections.deque[TokenEvent] = collections.deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, event: TokenEvent) -> None:
+        self.pending.append(event)
+        w = self.waiter
+        if w is not None:
+            self.waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    async def wait(self) -> None:
+        w = self.waiter = self.loop.create_future()
+        try:
+            await w
+        finally:
+            self.waiter = None
+
+
+def _put_all(items: list[tuple[_EventStream, TokenEvent]]) -> None:
+    for stream, ev in items:
+        stream.put(ev)
