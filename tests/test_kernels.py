@@ -576,7 +576,7 @@ def test_int8_kv_rows_written_by_c_equal_the_torch_quantizer(tiny_pair_int8):
     assert float((deq_n - deq_r).abs().max()) <= 2e-2 * float(deq_r.abs().max())
 
 
-# --- the decode step with int8 activations (the default where the CPU has AVX-512 VNNI) ------------------------------
+# --- the decode step with int8 activations (TAILGUARD_INT8_ACTIVATIONS=1 on an AVX-512 VNNI CPU) -------------------
 #
 # Against the float32 engine the logits move by the activations' 8-bit rounding (per 32-element block, every product
 # of every layer and the LM head): measured max |int8 - float32| / max |logit| 7e-3 to 2.4e-2 on this random model
