@@ -5,7 +5,7 @@ prefill crossover.
 
 1. Every layer's four matrices and the LM head at T = 1, 16 and 64 activation rows, in the two layouts the loader
    can produce: float32 activations (Q4_1R layers, the GGUF's Q8_0 head; TAILGUARD_INT8_ACTIVATIONS=0) and int8
-   activations (Q4_1X / Q8_0X, AVX-512 VNNI). Timed interleaved, minimum of the repeats (the machine is shared; the
+   activations (Q4_1X / Q8_0X, AVX-512 VNNI), with their int8 residual (2 passes, the default) and alone. Timed interleaved, minimum of the repeats (the machine is shared; the
    minimum is the kernel's own cost).
 2. The crossover that model.py's NATIVE_GEMM_MIN_TOKENS encodes: for T tokens, the kernel reading blocks (in the
    layout the loader picks here) against dequantizing the weight once and running torch's sgemm.
@@ -41,7 +41,7 @@ def best(fn, repeats: int) -> float:
 def load(int8: bool):
     """SmolLM2's packed weights in the layout for float32 (``int8=False``) or int8 activations."""
     saved = os.environ.get(kernels.INT8_ACTIVATIONS_ENV)
-    os.environ[kernels.INT8_ACTIVATIONS_ENV] = "1" if int8 else "0"
+    os.environ[kernels.INT8_ACTIVATIONS_ENV] = str(kernels.DEFAULT_ACTIVATION_PASSES) if int8 else "0"
     try:
         return load_gguf(resolve_model_path("smollm2"), packed=True)
     finally:
@@ -60,8 +60,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     result: dict = {"threads": args.threads, "simd": kernels.simd(), "date": time.strftime("%Y-%m-%d %H:%M")}
     layouts = {"float32 act": load(False)}
+    passes = {"float32 act": 2, "int8 act": 2, "int8 1-pass": 1}  # (the float32 layout ignores it)
     if kernels.lib().tg_int8_dot():
         layouts["int8 act"] = load(True)
+        layouts["int8 1-pass"] = layouts["int8 act"]
     else:
         print("this build has no AVX-512 VNNI: only the float32-activation layout is measured")
     fmts = {name: {n: kernels.NATIVE_FORMATS[getattr(w.layers[0], n).fmt] for n in NAMES} | {
@@ -75,6 +77,8 @@ def main() -> None:
         for name in (*NAMES, "LM head"):
             for _ in range(2):  # interleaved
                 for layout, w in layouts.items():
+                    if w.lm_head.fmt in kernels.INTERLEAVED_FORMATS:
+                        kernels.set_activation_passes(passes[layout])
                     mats = [w.lm_head] if name == "LM head" else [getattr(lw, name) for lw in w.layers]
                     x = torch.randn(t, mats[0].in_features)
                     took = best(lambda mats=mats, x=x: [kernels.linear(x, m) for m in mats], args.repeats)
@@ -102,6 +106,8 @@ def main() -> None:
         row: dict = {"tokens": t}
         for layout, w in layouts.items():
             m = w.layers[0].gate_up
+            if m.fmt in kernels.INTERLEAVED_FORMATS:
+                kernels.set_activation_passes(passes[layout])
             row[f"kernel_ms {layout}"] = best(lambda x=x, m=m: kernels.linear(x, m), max(5, args.repeats // 3)) * 1e3
         m = layouts["float32 act"].layers[0].gate_up
         row["sgemm_ms"] = best(lambda x=x, m=m: F.linear(x, m.dequantize()), max(5, args.repeats // 3)) * 1e3

@@ -1,7 +1,8 @@
-"""Where the native decode step's time goes, phase by phase, at 1 and 16 streams, with int8 activations (AVX-512
-VNNI, the default where the CPU has it) and with float32 activations (TAILGUARD_INT8_ACTIVATIONS=0).
+"""Where the native decode step's time goes, phase by phase, at 1 and 16 streams, with int8 activations plus their
+residual (AVX-512 VNNI, the default where the CPU has it), int8 alone (TAILGUARD_INT8_ACTIVATIONS=1) and float32
+activations (TAILGUARD_INT8_ACTIVATIONS=0).
 
-    .venv/bin/python benchmarks/profile_native_step.py                    # ~1 min, both
+    .venv/bin/python benchmarks/profile_native_step.py                    # ~2 min, all three
     .venv/bin/python benchmarks/profile_native_step.py --activations int8
 
 The C step accumulates wall time per phase (tg_profile); the rest of a step (scheduling, batch building, sampling,
@@ -21,10 +22,11 @@ from tailguard.engine.request import SamplingParams
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--activations", choices=("int8", "float32", "both"), default="both")
+    parser.add_argument("--activations", choices=("int8", "int8-1pass", "float32", "all"), default="all",
+                        help="int8: int8 plus its residual (the default); int8-1pass: int8 alone; float32")
     args = parser.parse_args()
-    for activations in ("int8", "float32") if args.activations == "both" else (args.activations,):
-        os.environ[kernels.INT8_ACTIVATIONS_ENV] = "1" if activations == "int8" else "0"
+    for activations in ("int8", "int8-1pass", "float32") if args.activations == "all" else (args.activations,):
+        os.environ[kernels.INT8_ACTIVATIONS_ENV] = {"int8": "2", "int8-1pass": "1", "float32": "0"}[activations]
         engine = LLMEngine(EngineArgs(num_threads=2, kv_cache_memory="256MiB"))
         layer = engine.model.layers[0]
         print(f"\n## {activations} activations: layer matrices {kernels.NATIVE_FORMATS[layer[1].packed.fmt]}, "

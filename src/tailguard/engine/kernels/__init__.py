@@ -36,10 +36,13 @@ NATIVE_FORMATS = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_
                   Q8_0X: "Q8_0X"}
 INTERLEAVED_FORMATS = (Q4_1X, Q8_0X)
 GROUP_ROWS = 16  # rows per interleaved group
-# Set to 1 for int8 activations on a machine that has VNNI (read when matrices load). Off by default: they fail the
-# fidelity gate on SmolLM2 (tests/test_weight_formats.py's slices: perplexity +3.1% on English, logits off by up to
-# 14% of their scale), so the exact float32-activation products stay the default.
+# Activations of the products, read when matrices load (kernels.activation_passes): 2 (the default where the build
+# has AVX-512 VNNI) int8 plus the int8 rounding residual, ~16-bit activations, within 0.02% of float32's perplexity
+# on SmolLM2; 1 int8 alone, as llama.cpp, which fails the fidelity gate on SmolLM2 (tests/test_weight_formats.py's
+# slices: perplexity +3.1% on English, logits off by up to 14% of their scale), an opt-in speed option; 0 float32
+# activations (the exact products, Q4_1R layout).
 INT8_ACTIVATIONS_ENV = "TAILGUARD_INT8_ACTIVATIONS"
+DEFAULT_ACTIVATION_PASSES = 2
 # KV cache formats the decode step reads (tg_kernels.c's TG_KV_*): int8 rows with a float16 scale each.
 KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 
@@ -105,6 +108,7 @@ def lib() -> ctypes.CDLL:
             handle.tg_embed.argtypes = [p, i, p, i, i, i, p]
             handle.tg_simd.restype = ctypes.c_char_p
             handle.tg_int8_dot.restype = ctypes.c_int
+            handle.tg_set_activation_passes.argtypes = [i]
             handle.tg_decode.argtypes = [p, p, i, p, p, p, p, i, p, p]
             handle.tg_profile.argtypes = [i]
             handle.tg_profile_read.argtypes = [p]
@@ -125,12 +129,26 @@ def simd() -> str:
     return lib().tg_simd().decode()
 
 
+def activation_passes() -> int:
+    """``TAILGUARD_INT8_ACTIVATIONS``: 0 (float32 activations), 1 (int8) or 2 (int8 plus its rounding residual in
+    int8: ~16-bit activations, twice the integer work; the default); 0 where this build has no VNNI products."""
+    value = os.environ.get(INT8_ACTIVATIONS_ENV, str(DEFAULT_ACTIVATION_PASSES)).strip()
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"{INT8_ACTIVATIONS_ENV} must be 0, 1 or 2, not {value!r}")
+    return int(value) if lib().tg_int8_dot() else 0
+
+
 def int8_activations() -> bool:
-    """Whether matrices load in the int8-activation layout: ``TAILGUARD_INT8_ACTIVATIONS`` is 1 and this build has
-    the VNNI products."""
-    if os.environ.get(INT8_ACTIVATIONS_ENV, "0").strip().lower() not in ("1", "true", "yes", "on"):
-        return False
-    return bool(lib().tg_int8_dot())
+    """Whether matrices load in the int8-activation layout (activation_passes() > 0)."""
+    return activation_passes() > 0
+
+
+def set_activation_passes(passes: int) -> None:
+    """How many int8 passes the interleaved products make from now on, process-wide (1 or 2): loading a model sets
+    it from TAILGUARD_INT8_ACTIVATIONS, so models loaded with different settings in one process share the last."""
+    if passes not in (1, 2):
+        raise ValueError("activation passes are 1 or 2")
+    lib().tg_set_activation_passes(passes)
 
 
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_1R: 24, Q4_1X: 24, Q8_0X: 36}  # bytes per block of 32 weights
@@ -230,9 +248,11 @@ def _unrepack(m: PackedMatrix) -> PackedMatrix:
 
 
 def kernel_layout(m: PackedMatrix) -> PackedMatrix:
-    """The layout the kernels read fastest here: with int8 activations (VNNI, asked for), Q4_1 and Q8_0 matrices
+    """The layout the kernels read fastest here: with int8 activations (VNNI, not turned off), Q4_1 and Q8_0 matrices
     of whole 16-row groups interleave (Q4_1X / Q8_0X); otherwise Q4_1 is repacked (Q4_1R) and the rest stays."""
-    if m.fmt in (Q4_1, Q8_0) and m.out_features % GROUP_ROWS == 0 and int8_activations():
+    passes = activation_passes() if m.fmt in (Q4_1, Q8_0) and m.out_features % GROUP_ROWS == 0 else 0
+    if passes:
+        set_activation_passes(passes)
         return interleave(m)
     return repack_q4_1(m) if m.fmt == Q4_1 else m
 
