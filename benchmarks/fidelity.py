@@ -5,7 +5,9 @@
 The texts (benchmarks/data/heldout_en.txt, heldout_zh.txt) were written for this benchmark, so no model saw them in
 training. Every system scores the same token ids (tailguard's tokenizer): tailguard's formats through the engine's
 own paths (a 16-token prefill, then one decode step per token, so the native format's decode kernel is what is
-measured); llama.cpp's Q4_1 pipeline (llama-cpp-python, when installed) by evaluating the same ids with logits for
+measured; with AVX-512 VNNI "native" takes int8 activations with their int8 residual (TAILGUARD_INT8_ACTIVATIONS=2,
+the default), "native+int8act" int8 alone (=1), "native+f32act" float32 activations (=0));
+llama.cpp's Q4_1 pipeline (llama-cpp-python, when installed) by evaluating the same ids with logits for
 every position, as its llama-perplexity tool does. A format may be the default only if its perplexity is within 1% of
 float32's and no worse than llama.cpp's Q4_1.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import time
 from pathlib import Path
@@ -22,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tailguard.engine import kernels
 from tailguard.engine.engine import EngineArgs, LLMEngine
 from tailguard.engine.model_store import resolve_model_path
 from tailguard.engine.scoring import TextScore, score_text
@@ -30,6 +34,7 @@ HERE = Path(__file__).parent
 TEXTS = {"en": HERE / "data" / "heldout_en.txt", "zh": HERE / "data" / "heldout_zh.txt"}
 PREFIX = 16
 REFERENCE = "float32:float32"  # float32 weights and a float32 KV cache
+ACTIVATIONS = {"+int8act": "1", "+f32act": "0"}  # suffixes of a native weight format: TAILGUARD_INT8_ACTIVATIONS
 
 
 def llama_cpp_score(path: str, ids: list[int], threads: int) -> TextScore | None:
@@ -58,8 +63,10 @@ def _pooled(per_lang: dict[str, TextScore]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", default="float32:float32,native:float16,native:float32,bfloat16:float16,int8:float16",
-                        help="weight format:KV cache dtype pairs; float32:float32 is the reference")
+    parser.add_argument("--formats", default="float32:float32,native:float16,native:float32,native+int8act:float32,"
+                        "native+f32act:float32,bfloat16:float16,int8:float16",
+                        help="weight format:KV cache dtype pairs; float32:float32 is the reference; native+int8act / "
+                        "native+f32act: native with int8 / float32 activations")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", default=str(HERE / "results" / "fidelity.json"))
     args = parser.parse_args()
@@ -73,8 +80,13 @@ def main() -> None:
     tokenizer = None
     for fmt in formats:
         weight_format, kv_dtype = fmt.split(":")
-        engine = LLMEngine(EngineArgs(model="smollm2", weight_format=weight_format, kv_cache_dtype=kv_dtype,
-                                      kv_cache_tokens=4096))
+        suffix = next((k for k in ACTIVATIONS if weight_format.endswith(k)), "")
+        os.environ[kernels.INT8_ACTIVATIONS_ENV] = ACTIVATIONS.get(suffix, str(kernels.DEFAULT_ACTIVATION_PASSES))
+        engine = LLMEngine(EngineArgs(model="smollm2", weight_format=weight_format.removesuffix(suffix),
+                                      kv_cache_dtype=kv_dtype, kv_cache_tokens=4096))
+        if engine.weight_format == "native":
+            layouts = sorted({kernels.NATIVE_FORMATS[m.packed.fmt] for m in engine.model.layers[0] if hasattr(m, "packed")})
+            print(f"{fmt}: layer matrices {'/'.join(layouts)}", flush=True)
         tokenizer = engine.tokenizer
         for lang, path in TEXTS.items():
             ids = tokenizer.encode(path.read_text(encoding="utf-8"))

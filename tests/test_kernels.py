@@ -186,6 +186,131 @@ def test_results_do_not_depend_on_the_thread_count():
             assert torch.equal(a, b)
 
 
+# --- int8 activations (Q4_1X / Q8_0X, AVX-512 VNNI) ---------------------------------------------------------------
+#
+# These products quantize each activation row per 32-element block (x8 = round(x / dx), dx = max|x| / 127) and sum in
+# integers, so they differ from the float reference by the activations' rounding: |x8 dx - x| <= dx / 2 per element,
+# hence |y - y_ref| <= sum_b dx_b / 2 * sum_{k in b} |w_k| (Q4_1's min term uses the float sum of x, so there only
+# the d * q part counts), plus float32 rounding. That bound is ~8% of |y|'s scale at K = 96; a wrong nibble, quad,
+# row or block scale is an O(1) error. The kernel is also checked against float64 emulation of the same int8
+# arithmetic (rounding half to even with the float32 reciprocal scale, as the kernel does), to float rounding.
+
+X_FORMATS = {"Q4_1X": ("Q4_1", kernels.Q4_1X), "Q8_0X": ("Q8_0", kernels.Q8_0X)}
+X_ROWS = 48  # three 16-row groups: the two threads split them unevenly
+needs_vnni = pytest.mark.skipif(not kernels.available() or not kernels.lib().tg_int8_dot(),
+                                reason="int8 activations need an AVX-512 VNNI build")
+
+
+def interleaved(name: str, n: int, k: int, seed: int) -> tuple[PackedMatrix, PackedMatrix, torch.Tensor]:
+    """(the GGUF-format matrix, its interleaved layout, gguf's float32 dequantization)."""
+    source, fmt = X_FORMATS[name]
+    w, ref = packed(source, n, k, seed=seed)
+    x = kernels.interleave(w)
+    assert x.fmt == fmt
+    return w, x, ref
+
+
+def int8_emulation(x: torch.Tensor, w: PackedMatrix, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the int8 algorithm's result in float64, its worst-case distance from x @ ref^T)."""
+    t, k = x.shape
+    nb = k // 32
+    xb = x.numpy().reshape(t, nb, 32)
+    amax = np.abs(xb).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    x8 = np.rint((xb * inv).astype(np.float32)).astype(np.float64)  # float32 product, rounded half to even
+    dx = (amax / np.float32(127)).astype(np.float32).astype(np.float64)
+    blocks = w.data.numpy().reshape(w.out_features, nb, -1)
+    d = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float64)[..., 0]  # [n, nb]
+    if w.fmt == kernels.Q4_1:
+        mins = blocks[:, :, 2:4].copy().view(np.float16).astype(np.float64)[..., 0]
+        qs = blocks[:, :, 4:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.float64)  # [n, nb, 32]
+        y = np.einsum("tbk,nbk,nb,tb->tn", x8, q, d, dx[..., 0]) + np.einsum(
+            "nb,tb->tn", mins, xb.astype(np.float64).sum(axis=2))
+        wq = q * d[..., None]  # the part of each weight that multiplies the rounded activations
+    else:
+        q = blocks[:, :, 2:].view(np.int8).astype(np.float64)
+        y = np.einsum("tbk,nbk,nb,tb->tn", x8, q, d, dx[..., 0])
+        wq = q * d[..., None]
+    bound = np.einsum("tb,nb->tn", dx[..., 0] / 2 * 1.0001, np.abs(wq).sum(axis=2))
+    return torch.from_numpy(y), torch.from_numpy(bound)
+
+
+@pytest.fixture(params=[1, 2])
+def passes(request):
+    """Products with one int8 pass, or two (the rounding residual quantized again: its scale is at most dx / 254,
+    so the bound above shrinks 254-fold); the process-wide setting is put back to one pass afterwards."""
+    kernels.set_activation_passes(request.param)
+    try:
+        yield request.param
+    finally:
+        kernels.set_activation_passes(1)
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", list(X_FORMATS))
+@pytest.mark.parametrize("t", [1, 3, 16, 64])
+def test_int8_activation_products_match_the_float_reference(name, t, passes):
+    k = 96
+    w, x_w, ref = interleaved(name, X_ROWS, k, seed=20 + t)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
+    exact = x.double() @ ref.double().T
+    emulated, int8_bound = int8_emulation(x, w, ref)
+    float_bound = rounding_bound(x, ref) * 4  # float32 sums in a different order, and the block scales' products
+    assert ((emulated - exact).abs() <= int8_bound).all()  # the bound holds for the algorithm itself
+
+    y = kernels.linear(x, x_w)
+    assert y.shape == (t, X_ROWS)
+    err = (y.double() - exact).abs()
+    bound = (int8_bound if passes == 1 else int8_bound / 254) + float_bound
+    assert (err <= bound).all(), f"max error {err.max():.3g} vs bound {bound.max():.3g}"
+    if passes == 1:
+        assert ((y.double() - emulated).abs() <= float_bound + 1e-6 * exact.abs().max()).all()
+    print(f"{name} T={t} passes={passes}: max |y - float reference| / max |y| = "
+          f"{float(err.max() / exact.abs().max()):.2e}")
+
+    base = torch.randn(t, X_ROWS, generator=torch.Generator().manual_seed(200 + t))
+    out = base.clone()
+    kernels.linear(x, x_w, out=out, accumulate=True)
+    assert torch.equal(out, base + y)  # accumulate adds the same product
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", list(X_FORMATS))
+def test_int8_activation_rows_do_not_depend_on_the_batch(name, passes):
+    """Each activation row is quantized alone and takes the same operations in any tile: exactly equal results."""
+    w, x_w, _ = interleaved(name, X_ROWS, 128, seed=4)
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(4))
+    full = kernels.linear(x, x_w)
+    for rows in ([5], [0, 63, 17], list(range(3, 16)), list(range(64))[::-1]):
+        assert torch.equal(kernels.linear(x[rows], x_w), full[rows])
+
+
+@pytest.mark.parametrize("name", list(X_FORMATS))
+def test_interleaved_layouts_hold_the_same_numbers(variant, name):
+    """Dequantized, embedded or multiplied with float activations (builds without VNNI read them that way), the
+    interleaved layouts give what the GGUF's blocks give."""
+    w, x_w, ref = interleaved(name, X_ROWS, 96, seed=8)
+    assert torch.equal(x_w.dequantize(), w.dequantize())
+    ids = torch.tensor([0, 47, 16, 15, 16])
+    assert torch.equal(kernels.embed(ids, x_w), w.dequantize()[ids])
+    if name == "Q4_1X":  # from the repacked layout too
+        assert torch.equal(kernels.interleave(kernels.repack_q4_1(w)).data, x_w.data)
+    if not kernels.lib().tg_int8_dot():
+        x = torch.randn(16, 96, generator=torch.Generator().manual_seed(8))
+        exact = x.double() @ ref.double().T
+        assert ((kernels.linear(x, x_w).double() - exact).abs() <= rounding_bound(x, ref)).all()
+
+
+def test_interleaving_needs_whole_groups_of_16_rows():
+    w, _ = packed("Q8_0", 40, 64)
+    with pytest.raises(ValueError, match="16"):
+        kernels.interleave(w)
+    x_w = kernels.interleave(packed("Q8_0", 48, 64)[0])
+    with pytest.raises(ValueError, match="16"):  # e.g. a head cut to a row count that splits a group
+        PackedMatrix(x_w.data[:40].contiguous(), x_w.fmt, 40, 64)
+
+
 # --- bad arguments: a ValueError, never a crash -----------------------------------------------------------------
 
 @pytest.mark.parametrize("bad_id", [-1, N_ROWS, 10**12])
@@ -258,12 +383,22 @@ def tiny_quantized_gguf(smollm2_path, tmp_path_factory) -> Path:
     return path
 
 
-def tiny_engine(path: Path, fmt: str, kv_dtype: str = "auto"):
+def tiny_engine(path: Path, fmt: str, kv_dtype: str = "auto", int8_activations: int = 0):
+    """An engine on ``path``; native matrices load for float32 activations (the exact-arithmetic products these
+    tests hold to 1e-4) unless ``int8_activations`` (1: int8, 2: int8 and its residual)."""
     from tailguard.engine.engine import EngineArgs, LLMEngine
 
-    return LLMEngine(EngineArgs(model=str(path), weight_format=fmt, kv_cache_tokens=8192, max_num_seqs=16,
-                                max_num_batched_tokens=128, max_prefill_chunk=96, num_threads=2,
-                                kv_cache_dtype=kv_dtype))
+    saved = os.environ.get(kernels.INT8_ACTIVATIONS_ENV)
+    os.environ[kernels.INT8_ACTIVATIONS_ENV] = str(int8_activations)
+    try:
+        return LLMEngine(EngineArgs(model=str(path), weight_format=fmt, kv_cache_tokens=8192, max_num_seqs=16,
+                                    max_num_batched_tokens=128, max_prefill_chunk=96, num_threads=2,
+                                    kv_cache_dtype=kv_dtype))
+    finally:
+        if saved is None:
+            del os.environ[kernels.INT8_ACTIVATIONS_ENV]
+        else:
+            os.environ[kernels.INT8_ACTIVATIONS_ENV] = saved
 
 
 @pytest.fixture(scope="module")
@@ -453,3 +588,50 @@ def test_int8_kv_rows_written_by_c_equal_the_torch_quantizer(tiny_pair_int8):
     assert float((q_native != q_ref).float().mean()) < 0.01
     deq_n, deq_r = dequantize_kv(native_rows), dequantize_kv(reference_rows)
     assert float((deq_n - deq_r).abs().max()) <= 2e-2 * float(deq_r.abs().max())
+
+
+# --- the decode step with int8 activations (TAILGUARD_INT8_ACTIVATIONS=1 on an AVX-512 VNNI CPU) -------------------
+#
+# Against the float32 engine the logits move by the activations' 8-bit rounding (per 32-element block, every product
+# of every layer and the LM head): measured max |int8 - float32| / max |logit| 7e-3 to 2.4e-2 on this random model
+# (its activations are less regular than a trained model's); the bound 6e-2 leaves a 2.5x margin and is far below a
+# real bug's O(1) (a wrong nibble, group or scale). The per-row quantization makes a sequence's logits exactly
+# independent of the rest of the batch.
+# With the residual pass too (the default) the activations carry ~16 bits: measured 2.6e-5 to 1.0e-4 (bound 1e-3).
+INT8_DECODE_RTOL = {1: 6e-2, 2: 1e-3}
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["int8", "int8+residual"])
+def tiny_native_int8(request, tiny_quantized_gguf):
+    if not kernels.available() or not kernels.lib().tg_int8_dot():
+        pytest.skip("int8 activations need an AVX-512 VNNI build")
+    engine = tiny_engine(tiny_quantized_gguf, "native", int8_activations=request.param)
+    engine.activation_passes = request.param
+    kernels.set_activation_passes(request.param)
+    formats = {lin.packed.fmt for layer in engine.model.layers for lin in (layer[1], layer[2], layer[4], layer[5])}
+    assert formats == {kernels.Q4_1X} and engine.model.lm_head.packed.fmt == kernels.Q8_0X
+    return engine
+
+
+@pytest.mark.parametrize("batch", ["1 seq, 3 slices", "6 seqs, one crosses a slice edge"])
+def test_int8_activation_decode_step_matches_float32(tiny_native_int8, tiny_pair, batch):
+    reference = tiny_pair[1]
+    texts = random_texts(BATCHES[batch], seed=13)
+    ours, native_calls = teacher_forced_decode(tiny_native_int8, texts, DECODE_STEPS)
+    theirs, _ = teacher_forced_decode(reference, texts, DECODE_STEPS)
+    assert native_calls == DECODE_STEPS
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        scale = float(b.abs().max())
+        diff = float((a - b).abs().max())
+        passes = tiny_native_int8.activation_passes
+        print(f"{batch} step {step}: {passes} int8 pass(es), max |native - float32| / max |logit| = {diff / scale:.2e}")
+        assert diff <= INT8_DECODE_RTOL[passes] * scale
+
+
+def test_int8_activation_decode_does_not_depend_on_the_batch(tiny_native_int8):
+    texts = random_texts(BATCHES["6 seqs, one crosses a slice edge"], seed=3)
+    batched, _ = teacher_forced_decode(tiny_native_int8, texts, DECODE_STEPS)
+    for i in (0, 2):
+        alone, _ = teacher_forced_decode(tiny_native_int8, [texts[i]], DECODE_STEPS)
+        for step in range(DECODE_STEPS):
+            assert torch.equal(alone[step][0], batched[step][i])

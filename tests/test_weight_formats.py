@@ -41,7 +41,9 @@ PROMPTS = [
 # Bounds, set from measurements on this machine class with a wide margin (measured figures in the comments).
 # max |logit - float32 logit| / max |float32 logit| at any prompt or decode position:
 LOGIT_RTOL = {
-    "native": 1e-4,  # measured 1.1e-6 to 2.3e-6: the same math in another summation order (40x margin)
+    # With AVX-512 VNNI (the default there) activations are int8 plus their int8 residual (~16 bits): measured 2.2e-4
+    # to 6.7e-4 (3x margin); with float32 activations (TAILGUARD_INT8_ACTIVATIONS=0, or no VNNI) 1.1e-6 to 2.3e-6.
+    "native": 2e-3,
     "bfloat16": 0.05,  # measured 0.0085 to 0.020: bf16 weights and activations in the matmuls (2.5x margin)
     # A loose bound for a speed option: measured 0.09 to 0.28 with per-token activation scales (1.4x margin); with
     # fbgemm's one activation scale per step it was 0.41 to 0.87.
@@ -49,7 +51,9 @@ LOGIT_RTOL = {
 }
 # |ppl / float32 ppl - 1| on each text:
 PPL_RTOL = {
-    "native": 0.001,  # measured below 1e-5 (decode-scored, 48 tokens a text); the bound the issue sets
+    # measured below 1e-5 (decode-scored, 48 tokens a text) with float32 activations, +0.011% en / +0.016% zh with
+    # the default int8 + residual activations (VNNI); the bound the issue sets
+    "native": 0.001,
     "bfloat16": 0.01,  # measured +0.14% en, -0.07% zh (240 tokens a text)
     # int8 is a speed option, not a fidelity-preserving one: +1.8% en, +7.6% zh on 240-token prefills with per-token
     # activation scales. With fbgemm's one activation scale per step, a 256-token prefill gave +194%.
@@ -198,4 +202,4 @@ def test_int8_decode_does_not_depend_on_the_batch(int8_engine, tokenizer):
     batched = teacher_forced(int8_engine, [prompts[0], prompts[2]], DECODE_STEPS)[0][-DECODE_STEPS:]
     rel = max_rel_diff(batched, alone)
     print(f"int8: prompt 0 decoded alone vs with prompt 2 in the batch: max |diff| / max |logit| {rel:.3g}")
-    assert rel <= LOGIT_RTOL["native"]
+    assert rel <= 1e-4

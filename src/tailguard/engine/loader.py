@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tailguard.engine.config import ModelConfig
-from tailguard.engine.kernels import F16, F32, NATIVE_FORMATS, Q4_1, PackedMatrix, repack_q4_1
+from tailguard.engine.kernels import F16, F32, NATIVE_FORMATS, PackedMatrix, kernel_layout
 
 # A matrix is a float tensor, or (``packed=True``) a PackedMatrix that keeps the GGUF's own quantized blocks.
 Matrix = torch.Tensor | PackedMatrix
@@ -114,9 +114,10 @@ def _cat_rows(parts: list[PackedMatrix]) -> PackedMatrix:
 
 
 def _kernel_layout(m: PackedMatrix) -> PackedMatrix:
-    """Q4_1 matrices are repacked for the kernels (Q4_1R: the same numbers, float scales; rows stay rows, so
-    concatenating repacked matrices by rows is still exact)."""
-    return repack_q4_1(m) if m.fmt == Q4_1 else m
+    """The kernels' layout (kernels.kernel_layout): Q4_1 repacked (Q4_1R), or with int8 activations Q4_1 and Q8_0
+    interleaved by 16-row groups (Q4_1X / Q8_0X). The same numbers; rows stay rows (in whole groups of 16), so
+    concatenating these matrices by rows is still exact."""
+    return kernel_layout(m)
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

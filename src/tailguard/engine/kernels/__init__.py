@@ -25,12 +25,24 @@ import torch  # noqa: F401 - load torch's OpenMP runtime before ours
 from tailguard.engine.model_store import cache_dir
 
 SOURCE = Path(__file__).with_name("tg_kernels.c")
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 # ggml type ids (GGUF's own numbering) of the formats the kernels read directly, and Q4_1R: Q4_1 repacked at load
 # (each row's nibbles together, then its scales and mins as float32), which the single-row kernel reads faster.
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_1R = 0, 1, 2, 3, 8, 100
-NATIVE_FORMATS = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_1R: "Q4_1R"}
+# Q4_1X / Q8_0X: the same blocks interleaved by groups of 16 rows for the int8-activation (AVX-512 VNNI) products
+# (tg_kernels.c describes the layout).
+F32, F16, Q4_0, Q4_1, Q8_0, Q4_1R, Q4_1X, Q8_0X = 0, 1, 2, 3, 8, 100, 101, 102
+NATIVE_FORMATS = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_1R: "Q4_1R", Q4_1X: "Q4_1X",
+                  Q8_0X: "Q8_0X"}
+INTERLEAVED_FORMATS = (Q4_1X, Q8_0X)
+GROUP_ROWS = 16  # rows per interleaved group
+# Activations of the products, read when matrices load (kernels.activation_passes): 2 (the default where the build
+# has AVX-512 VNNI) int8 plus the int8 rounding residual, ~16-bit activations, within 0.02% of float32's perplexity
+# on SmolLM2; 1 int8 alone, as llama.cpp, which fails the fidelity gate on SmolLM2 (tests/test_weight_formats.py's
+# slices: perplexity +3.1% on English, logits off by up to 14% of their scale), an opt-in speed option; 0 float32
+# activations (the exact products, Q4_1R layout).
+INT8_ACTIVATIONS_ENV = "TAILGUARD_INT8_ACTIVATIONS"
+DEFAULT_ACTIVATION_PASSES = 2
 # KV cache formats the decode step reads (tg_kernels.c's TG_KV_*): int8 rows with a float16 scale each.
 KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 
@@ -95,6 +107,8 @@ def lib() -> ctypes.CDLL:
             handle.tg_dequant.argtypes = [p, i, i, i, p]
             handle.tg_embed.argtypes = [p, i, p, i, i, i, p]
             handle.tg_simd.restype = ctypes.c_char_p
+            handle.tg_int8_dot.restype = ctypes.c_int
+            handle.tg_set_activation_passes.argtypes = [i]
             handle.tg_decode.argtypes = [p, p, i, p, p, p, p, i, p, p]
             handle.tg_profile.argtypes = [i]
             handle.tg_profile_read.argtypes = [p]
@@ -115,7 +129,29 @@ def simd() -> str:
     return lib().tg_simd().decode()
 
 
-_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_1R: 24}  # bytes per block of 32 weights
+def activation_passes() -> int:
+    """``TAILGUARD_INT8_ACTIVATIONS``: 0 (float32 activations), 1 (int8) or 2 (int8 plus its rounding residual in
+    int8: ~16-bit activations, twice the integer work; the default); 0 where this build has no VNNI products."""
+    value = os.environ.get(INT8_ACTIVATIONS_ENV, str(DEFAULT_ACTIVATION_PASSES)).strip()
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"{INT8_ACTIVATIONS_ENV} must be 0, 1 or 2, not {value!r}")
+    return int(value) if lib().tg_int8_dot() else 0
+
+
+def int8_activations() -> bool:
+    """Whether matrices load in the int8-activation layout (activation_passes() > 0)."""
+    return activation_passes() > 0
+
+
+def set_activation_passes(passes: int) -> None:
+    """How many int8 passes the interleaved products make from now on, process-wide (1 or 2): loading a model sets
+    it from TAILGUARD_INT8_ACTIVATIONS, so models loaded with different settings in one process share the last."""
+    if passes not in (1, 2):
+        raise ValueError("activation passes are 1 or 2")
+    lib().tg_set_activation_passes(passes)
+
+
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_1R: 24, Q4_1X: 24, Q8_0X: 36}  # bytes per block of 32 weights
 
 
 def row_bytes(fmt: int, k: int) -> int:
@@ -143,6 +179,9 @@ class PackedMatrix:
             raise ValueError(f"unknown block format {self.fmt}")
         if self.fmt >= Q4_0 and self.in_features % 32:
             raise ValueError(f"{NATIVE_FORMATS[self.fmt]} rows hold whole blocks of 32; {self.in_features} is not")
+        if self.fmt in INTERLEAVED_FORMATS and self.out_features % GROUP_ROWS:
+            raise ValueError(f"{NATIVE_FORMATS[self.fmt]} holds whole groups of {GROUP_ROWS} rows; "
+                             f"{self.out_features} is not")
         expected = (self.out_features, row_bytes(self.fmt, self.in_features))
         if (self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected or not self.data.is_contiguous()
                 or self.data.device.type != "cpu"):
@@ -170,6 +209,52 @@ def repack_q4_1(w: PackedMatrix) -> PackedMatrix:
     qs = blocks[:, :, 4:].reshape(n, nb * 16)
     data = torch.cat([qs, d.view(torch.uint8).view(n, nb * 4), m.view(torch.uint8).view(n, nb * 4)], dim=1)
     return PackedMatrix(data.contiguous(), Q4_1R, n, w.in_features)
+
+
+def interleave(w: PackedMatrix) -> PackedMatrix:
+    """Q4_1 / Q4_1R -> Q4_1X, Q8_0 -> Q8_0X: the same numbers laid out for the int8-activation products (groups of 16
+    rows; within a group and block, 4-byte slices of the 16 rows side by side, then the rows' scales as float32)."""
+    if w.out_features % GROUP_ROWS:
+        raise ValueError(f"interleaving needs whole groups of {GROUP_ROWS} rows; {w.out_features} is not")
+    n, nb, g = w.out_features, w.in_features // 32, w.out_features // GROUP_ROWS
+    if w.fmt == Q4_1R:
+        w = _unrepack(w)
+    if w.fmt == Q4_1:
+        blocks = w.data.view(n, nb, 20)
+        scales = [blocks[:, :, o:o + 2].contiguous().view(torch.float16).float() for o in (0, 2)]  # d, m: [n, nb, 1]
+        qs = blocks[:, :, 4:]
+        fmt, quads = Q4_1X, 4
+    elif w.fmt == Q8_0:
+        blocks = w.data.view(n, nb, 34)
+        scales = [blocks[:, :, 0:2].contiguous().view(torch.float16).float()]
+        qs = blocks[:, :, 2:] ^ 0x80  # q + 128 as an unsigned byte (flipping the sign bit)
+        fmt, quads = Q8_0X, 8
+    else:
+        raise ValueError(f"only Q4_1, Q4_1R and Q8_0 matrices are interleaved, not {NATIVE_FORMATS[w.fmt]}")
+    # [g, 16 rows, nb, quads, 4 bytes] -> [g, nb, quads, 16 rows, 4 bytes]
+    q = qs.reshape(g, GROUP_ROWS, nb, quads, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, quads * 64)
+    parts = [q] + [s.view(g, GROUP_ROWS, nb).permute(0, 2, 1).contiguous().view(torch.uint8) for s in scales]
+    data = torch.cat(parts, dim=2).reshape(n, -1).contiguous()
+    return PackedMatrix(data, fmt, n, w.in_features)
+
+
+def _unrepack(m: PackedMatrix) -> PackedMatrix:
+    """Q4_1R back to GGUF's Q4_1 blocks: its float scales came from halves, so converting back is exact."""
+    n, nb = m.out_features, m.in_features // 32
+    qs = m.data[:, : nb * 16].reshape(n, nb, 16)
+    d = m.data[:, nb * 16 : nb * 20].contiguous().view(torch.float32).half().view(torch.uint8).view(n, nb, 2)
+    mins = m.data[:, nb * 20 :].contiguous().view(torch.float32).half().view(torch.uint8).view(n, nb, 2)
+    return PackedMatrix(torch.cat([d, mins, qs], dim=2).reshape(n, nb * 20).contiguous(), Q4_1, n, m.in_features)
+
+
+def kernel_layout(m: PackedMatrix) -> PackedMatrix:
+    """The layout the kernels read fastest here: with int8 activations (VNNI, not turned off), Q4_1 and Q8_0 matrices
+    of whole 16-row groups interleave (Q4_1X / Q8_0X); otherwise Q4_1 is repacked (Q4_1R) and the rest stays."""
+    passes = activation_passes() if m.fmt in (Q4_1, Q8_0) and m.out_features % GROUP_ROWS == 0 else 0
+    if passes:
+        set_activation_passes(passes)
+        return interleave(m)
+    return repack_q4_1(m) if m.fmt == Q4_1 else m
 
 
 def _check(code: int) -> None:

@@ -25,9 +25,33 @@
  * [nb x 16 nibble bytes][nb float32 scales d][nb float32 mins m], so the single-row kernel loads a block's scale as
  * a float instead of converting a half per block and row, and the mins fold into one dot product per row. The same
  * numbers as Q4_1 (a half converts to float exactly). */
-enum { TG_F32 = 0, TG_F16 = 1, TG_Q4_0 = 2, TG_Q4_1 = 3, TG_Q8_0 = 8, TG_Q4_1R = 100 };
+enum { TG_F32 = 0, TG_F16 = 1, TG_Q4_0 = 2, TG_Q4_1 = 3, TG_Q8_0 = 8, TG_Q4_1R = 100, TG_Q4_1X = 101, TG_Q8_0X = 102 };
 
-int tg_abi_version(void) { return 5; }
+/* TG_Q4_1X / TG_Q8_0X: the layout of the int8-activation kernel (AVX-512 VNNI). Rows go in groups of XG = 16; within a
+ * group, block b of all 16 rows is stored together so that one 64-byte register holds 16 rows x 4 consecutive weight
+ * bytes (lane r = output row r), which vpdpbusd multiplies by 4 broadcast activation bytes:
+ *   Q4_1X, 384 bytes a group and block: 4 x [16 rows x nibble bytes 4i..4i+3] (low nibbles: k = 4i..4i+3, high
+ *          nibbles: k = 16+4i..16+4i+3), then the 16 rows' d as float32, then their m as float32.
+ *   Q8_0X, 576 bytes a group and block: 8 x [16 rows x bytes 4i..4i+3, each q + 128 as an unsigned byte], then the
+ *          16 rows' d as float32.
+ * A group is 16 whole rows' bytes (24 or 36 a block and row), so concatenating matrices by rows, or keeping the first
+ * rows, stays exact at multiples of 16. The same numbers as Q4_1 / Q8_0 (halves convert to floats exactly). */
+#define XG 16
+
+int tg_abi_version(void) { return 6; }
+
+/* 1 when this build has the int8-activation (VNNI) products; the loader lays matrices out for them only then. */
+#if !(defined(__AVX512F__) && defined(__AVX512VNNI__))
+void tg_set_activation_passes(int passes) { (void)passes; }
+#endif
+
+int tg_int8_dot(void) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 const char *tg_simd(void) {
 #if defined(__AVX512F__)
@@ -91,6 +115,8 @@ static inline int64_t row_bytes(int fmt, int K) {
     case TG_Q4_1: return (int64_t)K / 32 * 20;
     case TG_Q4_1R: return (int64_t)K / 32 * 24;
     case TG_Q8_0: return (int64_t)K / 32 * 34;
+    case TG_Q4_1X: return (int64_t)K / 32 * 24;
+    case TG_Q8_0X: return (int64_t)K / 32 * 36;
     default: return -1;
     }
 }
@@ -176,6 +202,38 @@ static void dequant_row(const uint8_t *row, int fmt, int K, float *out) {
 #endif
         }
     }
+}
+
+/* Row n of the interleaved formats into out[K]: the bytes gathered back into GGUF's block order, then the same
+ * arithmetic as dequant_row. */
+static void dequant_row_x(const uint8_t *w, int fmt, int K, int64_t n, float *out) {
+    const int nb = K / 32, r = (int)(n % XG);
+    const int64_t bb = fmt == TG_Q4_1X ? 384 : 576;
+    const uint8_t *grp = w + (size_t)(n / XG) * XG * nb * (bb / XG);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = grp + (size_t)b * bb;
+        float *o = out + b * 32;
+        if (fmt == TG_Q4_1X) {
+            float d, m;
+            memcpy(&d, blk + 256 + r * 4, 4);
+            memcpy(&m, blk + 320 + r * 4, 4);
+            for (int j = 0; j < 16; j++) {
+                const uint8_t q = blk[(j / 4) * 64 + r * 4 + j % 4];
+                o[j] = d * (float)(q & 15) + m;
+                o[j + 16] = d * (float)(q >> 4) + m;
+            }
+        } else {
+            float d;
+            memcpy(&d, blk + 512 + r * 4, 4);
+            for (int j = 0; j < 32; j++) o[j] = d * (float)((int)blk[(j / 4) * 64 + r * 4 + j % 4] - 128);
+        }
+    }
+}
+
+/* Row n of a matrix in any format. */
+static void dequant_row_at(const uint8_t *w, int fmt, int K, int64_t rb, int64_t n, float *out) {
+    if (fmt == TG_Q4_1X || fmt == TG_Q8_0X) dequant_row_x(w, fmt, K, n, out);
+    else dequant_row(w + (size_t)n * rb, fmt, K, out);
 }
 
 /* ---- dense dot products on dequantized rows --------------------------------------------------------------------- */
@@ -286,7 +344,7 @@ static void linear_rows(const float *x, int T, int K, const uint8_t *w, int fmt,
     float part[ROWS];
     for (int n = n0; n < n1; n += ROWS) {
         const int rows = n1 - n < ROWS ? n1 - n : ROWS;
-        for (int r = 0; r < rows; r++) dequant_row(w + (size_t)(n + r) * rb, fmt, K, scratch + (size_t)r * K);
+        for (int r = 0; r < rows; r++) dequant_row_at(w, fmt, K, rb, n + r, scratch + (size_t)r * K);
         int t = 0;
         if (rows == ROWS) {
             float tile[4][4];
@@ -455,10 +513,182 @@ static void gemv_fused(const float *x, const float *xsum, int K, const uint8_t *
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define TG_VNNI 1
+/* ---- int8 activations (AVX-512 VNNI), llama.cpp's lever ----------------------------------------------------------
+ * Each activation row is quantized per 32-element block: x8 = round(x / dx), dx = max|x| / 127, and the products are
+ * integer dot products (vpdpbusd: unsigned weight bytes x signed activation bytes -> int32), converted to float once
+ * per block:  sum_k w_k x_k ~= d_w dx sum_k q_k x8_k + m_w sum_k x_k  (Q4_1; the min term uses the float sum of x,
+ * exactly), and for Q8_0, stored as q + 128, d_w dx (sum_k (q_k + 128) x8_k - 128 sum_k x8_k), the correction exact in
+ * integers. The error is that of rounding x to 8 bits per block (|x8 dx - x| <= dx / 2), the same as llama.cpp's
+ * Q8_1/Q8_0 activations. Each output row r of a 16-row group is one lane of a 16-lane accumulator, so there is no
+ * horizontal sum; the group's weights are unpacked once per tile of up to XT activation rows. Every activation row's
+ * result is the same sequence of operations whatever the tile or batch it is in, so it does not depend on the batch. */
+#define XT 8
+
+/* Two passes (tg_set_activation_passes(2)): the rounding residual x - dx x8 is quantized the same way (scale dr <=
+ * dx / 254) and multiplied too, so the activations carry ~16 bits: the error bound drops ~250-fold, to near float32's
+ * products, for twice the integer work. */
+static int tg_act_passes = 2;
+void tg_set_activation_passes(int passes) { tg_act_passes = passes == 2 ? 2 : 1; }
+
+typedef struct {
+    int passes;
+    int8_t *q;      /* [passes][T, K] */
+    float *d;       /* [passes][T, nb] block scales */
+    float *sum;     /* [T, nb] float sums of x per block (Q4_1's min term) */
+    int32_t *corr;  /* [passes][T, nb] -128 * sum of the block's bytes (Q8_0's +128 offset) */
+} tg_xq;
+
+/* One 32-element block (lo, hi) to bytes o[32] at scale max|x| / 127; returns the scale, sets *corr. */
+static inline float quantize_block_x8(__m512 lo, __m512 hi, int8_t *o, int32_t *corr, __m512 *rlo, __m512 *rhi) {
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    /* round to nearest even (the default rounding mode); |x| * id <= 127, so no clamp is needed */
+    const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+    const __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i *)o, _mm512_cvtsepi32_epi8(ql));
+    _mm_storeu_si128((__m128i *)(o + 16), _mm512_cvtsepi32_epi8(qh));
+    *corr = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+    *rlo = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ql), _mm512_set1_ps(d), lo); /* x - d x8 */
+    *rhi = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qh), _mm512_set1_ps(d), hi);
+    return d;
+}
+
+static void quantize_rows_x8(const float *x, int T, int K, tg_xq *xq) {
+    const int nb = K / 32;
+    const size_t pq = (size_t)T * K, ps = (size_t)T * nb;
+#pragma omp parallel for schedule(static) if ((int64_t)T * K >= 65536)
+    for (int t = 0; t < T; t++) {
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)t * K + b * 32;
+            const size_t tb = (size_t)t * nb + b, tk = (size_t)t * K + b * 32;
+            const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+            __m512 rlo, rhi, r2lo, r2hi;
+            xq->sum[tb] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+            xq->d[tb] = quantize_block_x8(lo, hi, xq->q + tk, xq->corr + tb, &rlo, &rhi);
+            if (xq->passes == 2) xq->d[ps + tb] = quantize_block_x8(rlo, rhi, xq->q + pq + tk, xq->corr + ps + tb, &r2lo, &r2hi);
+        }
+    }
+}
+
+static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* One 16-row group against activation rows t0 .. t0 + TT - 1 (TT <= XT): y[t, n0 .. n0 + 15]. */
+static inline __attribute__((always_inline)) void xgroup_tile(const uint8_t *grp, int fmt, int nb, int K, int T,
+                                                               const tg_xq *xq, int t0, int TT, const int PASSES,
+                                                               float *y, int ldy, int n0, int accumulate) {
+    __m512 acc[XT];
+    for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
+    if (fmt == TG_Q4_1X) {
+        const __m512i mask = _mm512_set1_epi8(0x0f);
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = grp + (size_t)b * 384;
+            __m512i lo[4], hi[4];
+            for (int i = 0; i < 4; i++) {
+                const __m512i p = _mm512_loadu_si512((const void *)(blk + i * 64));
+                lo[i] = _mm512_and_si512(p, mask);
+                hi[i] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
+            }
+            const __m512 dw = _mm512_loadu_ps((const float *)(blk + 256)), mw = _mm512_loadu_ps((const float *)(blk + 320));
+            for (int t = 0; t < TT; t++) {
+                const size_t tb = (size_t)(t0 + t) * nb + b;
+                for (int pass = 0; pass < PASSES; pass++) {
+                    const int8_t *xb = xq->q + (size_t)pass * T * K + (size_t)(t0 + t) * K + b * 32;
+                    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4(xb));
+                    s = _mm512_dpbusd_epi32(s, lo[1], bcast4(xb + 4));
+                    s = _mm512_dpbusd_epi32(s, lo[2], bcast4(xb + 8));
+                    s = _mm512_dpbusd_epi32(s, lo[3], bcast4(xb + 12));
+                    s = _mm512_dpbusd_epi32(s, hi[0], bcast4(xb + 16));
+                    s = _mm512_dpbusd_epi32(s, hi[1], bcast4(xb + 20));
+                    s = _mm512_dpbusd_epi32(s, hi[2], bcast4(xb + 24));
+                    s = _mm512_dpbusd_epi32(s, hi[3], bcast4(xb + 28));
+                    const float dx = xq->d[(size_t)pass * T * nb + tb];
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[t]);
+                }
+                acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xq->sum[tb]), acc[t]);
+            }
+        }
+    } else { /* TG_Q8_0X */
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = grp + (size_t)b * 576;
+            __m512i wq[8];
+            for (int i = 0; i < 8; i++) wq[i] = _mm512_loadu_si512((const void *)(blk + i * 64));
+            const __m512 dw = _mm512_loadu_ps((const float *)(blk + 512));
+            for (int t = 0; t < TT; t++) {
+                const size_t tb = (size_t)(t0 + t) * nb + b;
+                for (int pass = 0; pass < PASSES; pass++) {
+                    const size_t pb = (size_t)pass * T * nb + tb;
+                    const int8_t *xb = xq->q + (size_t)pass * T * K + (size_t)(t0 + t) * K + b * 32;
+                    __m512i s = _mm512_set1_epi32(xq->corr[pb]);
+                    for (int i = 0; i < 8; i++) s = _mm512_dpbusd_epi32(s, wq[i], bcast4(xb + 4 * i));
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[pb])), acc[t]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < TT; t++) {
+        float *yt = y + (size_t)(t0 + t) * ldy + n0;
+        _mm512_storeu_ps(yt, accumulate ? _mm512_add_ps(_mm512_loadu_ps(yt), acc[t]) : acc[t]);
+    }
+}
+
+static void xgroups(const uint8_t *w, int fmt, int K, const tg_xq *xq, int T, int g0, int g1, float *y, int ldy,
+                    int accumulate) {
+    const int nb = K / 32;
+    const size_t gbytes = (size_t)nb * (fmt == TG_Q4_1X ? 384 : 576);
+    for (int g = g0; g < g1; g++) {
+        const uint8_t *grp = w + (size_t)g * gbytes;
+        int t = 0;
+        /* constant tile sizes, so the accumulators live in registers */
+        if (xq->passes == 2) {
+            for (; t + XT <= T; t += XT) xgroup_tile(grp, fmt, nb, K, T, xq, t, XT, 2, y, ldy, g * XG, accumulate);
+            if (T - t >= 4) { xgroup_tile(grp, fmt, nb, K, T, xq, t, 4, 2, y, ldy, g * XG, accumulate); t += 4; }
+            if (T - t >= 2) { xgroup_tile(grp, fmt, nb, K, T, xq, t, 2, 2, y, ldy, g * XG, accumulate); t += 2; }
+            if (T - t >= 1) { xgroup_tile(grp, fmt, nb, K, T, xq, t, 1, 2, y, ldy, g * XG, accumulate); t += 1; }
+        } else {
+            for (; t + XT <= T; t += XT) xgroup_tile(grp, fmt, nb, K, T, xq, t, XT, 1, y, ldy, g * XG, accumulate);
+            if (T - t >= 4) { xgroup_tile(grp, fmt, nb, K, T, xq, t, 4, 1, y, ldy, g * XG, accumulate); t += 4; }
+            if (T - t >= 2) { xgroup_tile(grp, fmt, nb, K, T, xq, t, 2, 1, y, ldy, g * XG, accumulate); t += 2; }
+            if (T - t >= 1) { xgroup_tile(grp, fmt, nb, K, T, xq, t, 1, 1, y, ldy, g * XG, accumulate); t += 1; }
+        }
+    }
+}
+
+static void linear_x8(const float *x, int T, int K, const uint8_t *w, int fmt, int N, float *y, int ldy,
+                      int accumulate) {
+    const int nb = K / 32, groups = N / XG;
+    tg_xq xq;
+    xq.passes = tg_act_passes;
+    xq.q = (int8_t *)malloc((size_t)xq.passes * T * K);
+    xq.d = (float *)malloc(sizeof(float) * (size_t)xq.passes * T * nb);
+    xq.sum = (float *)malloc(sizeof(float) * (size_t)T * nb);
+    xq.corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)xq.passes * T * nb);
+    quantize_rows_x8(x, T, K, &xq);
+#pragma omp parallel
+    {
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int g0 = (int)((int64_t)groups * id / nt), g1 = (int)((int64_t)groups * (id + 1) / nt);
+        if (g0 < g1) xgroups(w, fmt, K, &xq, T, g0, g1, y, ldy, accumulate);
+    }
+    free(xq.q); free(xq.d); free(xq.sum); free(xq.corr);
+}
+#endif
+
 /* y[T, N] (+)= x[T, K] @ W[N, K]^T, W in `fmt`. Rows are split between threads in groups of ROWS. */
 static void linear(const float *x, int T, int K, const uint8_t *w, int fmt, int N, float *y, int ldy, int accumulate) {
     const int64_t rb = row_bytes(fmt, K);
     const int groups = (N + ROWS - 1) / ROWS;
+#if defined(TG_VNNI)
+    if (fmt == TG_Q4_1X || fmt == TG_Q8_0X) {
+        linear_x8(x, T, K, w, fmt, N, y, ldy, accumulate);
+        return;
+    }
+#endif
 #if defined(__AVX512F__)
     if (T == 1 && (fmt == TG_Q4_1 || fmt == TG_Q4_1R || fmt == TG_Q8_0) && K % 32 == 0) {
         float *xsum = (float *)malloc(sizeof(float) * (size_t)(K / 32));
@@ -489,26 +719,31 @@ static void linear(const float *x, int T, int K, const uint8_t *w, int fmt, int 
     }
 }
 
+/* The interleaved formats hold whole groups of 16 rows. */
+static inline int bad_shape(int fmt, int N, int K) {
+    return row_bytes(fmt, K) < 0 || (fmt >= TG_Q4_0 && K % 32) || ((fmt == TG_Q4_1X || fmt == TG_Q8_0X) && N % XG);
+}
+
 int tg_linear(const float *x, int T, int K, const uint8_t *w, int fmt, int N, float *y, int accumulate) {
-    if (row_bytes(fmt, K) < 0 || (fmt >= TG_Q4_0 && K % 32)) return -1;
+    if (bad_shape(fmt, N, K)) return -1;
     linear(x, T, K, w, fmt, N, y, N, accumulate);
     return 0;
 }
 
 int tg_dequant(const uint8_t *w, int fmt, int N, int K, float *out) {
     const int64_t rb = row_bytes(fmt, K);
-    if (rb < 0 || (fmt >= TG_Q4_0 && K % 32)) return -1;
+    if (bad_shape(fmt, N, K)) return -1;
 #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) dequant_row(w + (size_t)n * rb, fmt, K, out + (size_t)n * K);
+    for (int n = 0; n < N; n++) dequant_row_at(w, fmt, K, rb, n, out + (size_t)n * K);
     return 0;
 }
 
 int tg_embed(const int64_t *ids, int T, const uint8_t *w, int fmt, int vocab, int K, float *out) {
     const int64_t rb = row_bytes(fmt, K);
-    if (rb < 0) return -1;
+    if (rb < 0 || ((fmt == TG_Q4_1X || fmt == TG_Q8_0X) && vocab % XG)) return -1;
     for (int t = 0; t < T; t++) {
         if (ids[t] < 0 || ids[t] >= vocab) return -2;
-        dequant_row(w + (size_t)ids[t] * rb, fmt, K, out + (size_t)t * K);
+        dequant_row_at(w, fmt, K, rb, ids[t], out + (size_t)t * K);
     }
     return 0;
 }
@@ -858,7 +1093,7 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
     float *gu = (float *)malloc(sizeof(float) * (size_t)D * 2 * I);
     float *act = (float *)malloc(sizeof(float) * (size_t)D * I);
     const int64_t erb = row_bytes(m->embed.fmt, Hd);
-    for (int d = 0; d < D; d++) dequant_row(m->embed.data + (size_t)tokens[d] * erb, m->embed.fmt, Hd, x + (size_t)d * Hd);
+    for (int d = 0; d < D; d++) dequant_row_at(m->embed.data, m->embed.fmt, Hd, erb, tokens[d], x + (size_t)d * Hd);
     const int rw = kv_row_width(c->fmt, hd);
     if (c->fmt < TG_KV_F32 || c->fmt > TG_KV_I8) return -4;
     const size_t v_off = (size_t)c->num_blocks * c->block_size * G * rw;
