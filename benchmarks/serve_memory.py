@@ -1,17 +1,17 @@
 """Resident memory of the default `tailguard serve` on SmolLM2: at start-up, and after conversations fill its KV cache.
 
-    .venv/bin/python benchmarks/serve_memory.py                  # ~3 min; benchmarks/results/serve_memory.json
+    .venv/bin/python benchmarks/serve_memory.py                  # 5-12 min; benchmarks/results/serve_memory.json
     .venv/bin/python benchmarks/serve_memory.py --conversations 32 --context 2048
     .venv/bin/python benchmarks/serve_memory.py --server-args "--kv-cache-dtype float16"   # any serve flags
 
-The server runs with its defaults (native weights, a 1.5 GiB KV cache budget). The KV cache is reserved as address
+The server runs with its defaults (native weights, int8 KV in a 768 MiB budget). The KV cache is reserved as address
 space and becomes resident as blocks are first used, so the figure that matters is the resident set (VmRSS) and its
 peak (VmHWM) with N conversations of C tokens held at once: each request's prompt plus max_tokens spans C tokens, and
 they all run concurrently. Every prompt opens with its own number, so no two conversations share KV blocks through
 the prefix cache beyond the chat template's first block (otherwise conversation i and i + 16 were the same text and
 the figure depended on whether the second arrived after the first was cached). Reported beside it: the KV capacity the
-server logged, and the resident set split into anonymous memory (the heap, torch's tensors, the KV cache) and
-file-backed pages (the shared libraries' code and data).
+server logged, and the resident set split into anonymous memory (the heap, torch's tensors), shared memory (the KV
+cache, an anonymous shared mapping) and file-backed pages (the shared libraries' code and data).
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def main() -> None:
         wall = time.perf_counter() - start
         loaded = memory_status(proc.pid)
         print(f"after {args.conversations} conversations of ~{sum(spans) / len(spans):.0f} tokens ({wall:.0f} s): "
-              f"RSS {loaded['VmRSS']:.0f} MiB (anonymous {loaded['RssAnon']:.0f}, files {loaded['RssFile']:.0f}), "
+              f"RSS {loaded['VmRSS']:.0f} MiB (anonymous {loaded['RssAnon']:.0f}, KV {loaded['RssShmem']:.0f}, "
+              f"files {loaded['RssFile']:.0f}), "
               f"peak {loaded['VmHWM']:.0f} MiB", flush=True)
     finally:
         proc.terminate()
