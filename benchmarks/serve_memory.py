@@ -1,12 +1,17 @@
 """Resident memory of the default `tailguard serve` on SmolLM2: at start-up, and after conversations fill its KV cache.
 
-    .venv/bin/python benchmarks/serve_memory.py                  # ~3 min; benchmarks/results/serve_memory.json
+    .venv/bin/python benchmarks/serve_memory.py                  # 5-12 min; benchmarks/results/serve_memory.json
     .venv/bin/python benchmarks/serve_memory.py --conversations 32 --context 2048
+    .venv/bin/python benchmarks/serve_memory.py --server-args "--kv-cache-dtype float16"   # any serve flags
 
-The server runs with its defaults (native weights, a 1.5 GiB float16 KV cache budget). The KV cache is reserved as
-address space and becomes resident as blocks are first used, so the figure that matters is the resident set (VmRSS)
-and its peak (VmHWM) with N conversations of C tokens held at once: each request's prompt plus max_tokens spans C
-tokens, and they all run concurrently. Reported beside it: the KV capacity the server logged and the bytes per token.
+The server runs with its defaults (native weights, int8 KV in a 768 MiB budget). The KV cache is reserved as address
+space and becomes resident as blocks are first used, so the figure that matters is the resident set (VmRSS) and its
+peak (VmHWM) with N conversations of C tokens held at once: each request's prompt plus max_tokens spans C tokens, and
+they all run concurrently. Every prompt opens with its own number, so no two conversations share KV blocks through
+the prefix cache beyond the chat template's first block (otherwise conversation i and i + 16 were the same text and
+the figure depended on whether the second arrived after the first was cached). Reported beside it: the KV capacity the
+server logged, and the resident set split into anonymous memory (the heap, torch's tensors), shared memory (the KV
+cache, an anonymous shared mapping) and file-backed pages (the shared libraries' code and data).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import asyncio
 import json
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -30,14 +36,20 @@ WORDS = ("river lantern orchard copper meadow harbour violet summit canvas ember
 
 
 def rss_mib(pid: int) -> tuple[float, float]:
+    status = memory_status(pid)
+    return status["VmRSS"], status["VmHWM"]
+
+
+def memory_status(pid: int) -> dict[str, float]:
+    """MiB from /proc/PID/status: VmRSS (= RssAnon + RssFile + RssShmem) and its peak VmHWM."""
     status = Path(f"/proc/{pid}/status").read_text()
-    rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
-    hwm = int(re.search(r"VmHWM:\s+(\d+)", status).group(1)) / 1024
-    return rss, hwm
+    return {key: int(re.search(rf"{key}:\s+(\d+)", status).group(1)) / 1024
+            for key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")}
 
 
 def prompt_text(i: int, words: int) -> str:
-    return " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(words))
+    # The number first: the words cycle with a period of 16, so without it prompts i and i + 16 were identical.
+    return f"{i}. " + " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(words))
 
 
 def words_for(tokens: int) -> int:
@@ -70,6 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--context", type=int, default=2048, help="tokens each conversation spans")
+    parser.add_argument("--server-args", default="", help="extra `tailguard serve` flags, e.g. '--kv-cache-dtype int8'")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "serve_memory.json"))
     args = parser.parse_args()
     port = free_port()
@@ -78,26 +91,30 @@ def main() -> None:
     with log.open("w") as out:
         proc = subprocess.Popen([str(Path(sys.executable).with_name("tailguard")), "serve", "--port", str(port),
                                  "--no-slo", "--store", f"/tmp/tg-serve-memory-{port}.db",
-                                 "--max-num-seqs", str(max(64, args.conversations))],
+                                 "--max-num-seqs", str(max(64, args.conversations)), *shlex.split(args.server_args)],
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_ready(url, proc)
         time.sleep(1.0)
-        idle = rss_mib(proc.pid)
-        print(f"idle: RSS {idle[0]:.0f} MiB", flush=True)
+        idle = memory_status(proc.pid)
+        print(f"idle: RSS {idle['VmRSS']:.0f} MiB (anonymous {idle['RssAnon']:.0f}, files {idle['RssFile']:.0f})",
+              flush=True)
         # the prompt takes the context less 64 tokens, then 64 are generated
         max_tokens = 64
         start = time.perf_counter()
         spans = asyncio.run(fill(url, args.conversations, words_for(args.context - max_tokens - 8), max_tokens))
         wall = time.perf_counter() - start
-        loaded = rss_mib(proc.pid)
+        loaded = memory_status(proc.pid)
         print(f"after {args.conversations} conversations of ~{sum(spans) / len(spans):.0f} tokens ({wall:.0f} s): "
-              f"RSS {loaded[0]:.0f} MiB, peak {loaded[1]:.0f} MiB", flush=True)
+              f"RSS {loaded['VmRSS']:.0f} MiB (anonymous {loaded['RssAnon']:.0f}, KV {loaded['RssShmem']:.0f}, "
+              f"files {loaded['RssFile']:.0f}), "
+              f"peak {loaded['VmHWM']:.0f} MiB", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    capacity = re.search(r"KV cache ([^;]*?) = ([\d,]+) tokens", log.read_text())
-    result = {"idle_rss_mib": idle[0], "loaded_rss_mib": loaded[0], "peak_rss_mib": loaded[1],
+    capacity = re.search(r"KV cache (.*?) = ([\d,]+) tokens", log.read_text())
+    result = {"idle_rss_mib": idle["VmRSS"], "loaded_rss_mib": loaded["VmRSS"], "peak_rss_mib": loaded["VmHWM"],
+              "idle": idle, "loaded": loaded, "server_args": args.server_args,
               "conversations": args.conversations, "tokens_per_conversation": spans,
               "kv_cache": capacity.group(0) if capacity else None, "wall_s": wall,
               "date": time.strftime("%Y-%m-%d %H:%M")}

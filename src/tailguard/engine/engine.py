@@ -26,7 +26,7 @@ from tailguard.engine.events import EngineStats, TokenEvent
 from tailguard.engine.internals import DEFAULT_DECODE_EVERY, DEFAULT_MAX_STEPS, InternalsSampler
 from tailguard.engine.internals import check_settings as check_internals
 from tailguard.engine.loader import load_gguf, write_tiny_gguf
-from tailguard.engine.memory import format_bytes, parse_budget
+from tailguard.engine.memory import bound_heap_retention, format_bytes, parse_budget, release_free_heap
 from tailguard.engine.model import DEFAULT_ATTENTION_SLICE_TOKENS, LlamaModel
 from tailguard.engine.model_store import cache_dir, resolve_model_path
 from tailguard.engine.request import EngineClosed, FinishReason, RequestError, SamplingParams, Sequence
@@ -127,6 +127,7 @@ def resolve_weight_format(name: str, device: torch.device) -> str:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
+        bound_heap_retention()  # before the weights load: large freed blocks go back to the OS (engine/memory.py)
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.args = args
@@ -190,6 +191,7 @@ class LLMEngine:
         self.internals = InternalsSampler(args.internals_sample_rate, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                           self.device, args.internals_decode_every, args.internals_max_steps,
                                           seed=args.internals_seed)
+        release_free_heap()  # the file's header and the weights' staging copies
         logger.info("%s", self.describe())
         self.stop_ids = set(self.tokenizer.stop_token_ids)
         self._tracked: dict[str, _Tracked] = {}

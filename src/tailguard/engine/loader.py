@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tailguard.engine.config import ModelConfig
+from tailguard.engine.gguf_file import GGUFFile, TensorInfo, read_gguf
 from tailguard.engine.kernels import F16, F32, NATIVE_FORMATS, PackedMatrix, kernel_layout
 
 # A matrix is a float tensor, or (``packed=True``) a PackedMatrix that keeps the GGUF's own quantized blocks.
@@ -40,33 +41,25 @@ class ModelWeights:
     lm_head: Matrix
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def read_config(reader: gguf.GGUFReader) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+def read_config(gf: GGUFFile) -> ModelConfig:
+    arch = gf.field("general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r}; tailguard's engine runs Llama-family models")
-    tokens = reader.fields["tokenizer.ggml.tokens"]
-    names = {t.name for t in reader.tensors}
+    tokens = gf.field("tokenizer.ggml.tokens") or []
     return ModelConfig(
-        name=str(_field(reader, "general.name", "llama")),
-        num_layers=int(_field(reader, "llama.block_count")),
-        hidden_size=int(_field(reader, "llama.embedding_length")),
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_heads=int(_field(reader, "llama.attention.head_count")),
-        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv")),
-        vocab_size=int(_field(reader, "llama.vocab_size", len(tokens.data))),
-        max_position=int(_field(reader, "llama.context_length")),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        name=str(gf.field("general.name", "llama")),
+        num_layers=int(gf.field("llama.block_count")),
+        hidden_size=int(gf.field("llama.embedding_length")),
+        intermediate_size=int(gf.field("llama.feed_forward_length")),
+        num_heads=int(gf.field("llama.attention.head_count")),
+        num_kv_heads=int(gf.field("llama.attention.head_count_kv")),
+        vocab_size=int(gf.field("llama.vocab_size", len(tokens))),
+        max_position=int(gf.field("llama.context_length")),
+        rope_theta=float(gf.field("llama.rope.freq_base", 10000.0)),
+        rms_eps=float(gf.field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in gf.tensors,
+        bos_token_id=gf.field("tokenizer.ggml.bos_token_id"),
+        eos_token_id=int(gf.field("tokenizer.ggml.eos_token_id")),
     )
 
 
@@ -82,27 +75,25 @@ def permute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _dequantize(tensor) -> np.ndarray:
-    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    # GGUF lists dims fastest-first; torch wants them slowest-first.
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    # Copy: F32 tensors come back as read-only views of the memory-mapped file.
-    return np.array(data.reshape(shape), dtype=np.float32, copy=True)
+def _dequantize(info: TensorInfo, raw: np.ndarray) -> np.ndarray:
+    """float32 values [shape] of a tensor's raw bytes (``raw`` is the reader's own array: a view of it is fine)."""
+    return np.ascontiguousarray(gguf.quants.dequantize(raw, info.tensor_type).reshape(info.shape), dtype=np.float32)
 
 
-def _packed(tensor, n_heads: int | None) -> PackedMatrix:
+def _packed(info: TensorInfo, raw: np.ndarray, n_heads: int | None) -> PackedMatrix:
     """A 2-D tensor kept in its GGUF block format (rows un-permuted as whole rows of blocks, which is exact), in the
-    kernels' layout (Q4_1 repacked). Formats the kernels cannot read are dequantized to float32 rows instead."""
-    n, k = (int(d) for d in reversed(tensor.shape))
-    fmt = int(tensor.tensor_type)
+    kernels' layout (Q4_1 repacked). Formats the kernels cannot read are dequantized to float32 rows instead.
+    ``raw`` [rows, bytes a row] is owned by this call (read from the file, not mapped), so it is used in place."""
+    n, k = info.shape
+    fmt = info.tensor_type
     if fmt in NATIVE_FORMATS and (fmt in (F32, F16) or k % 32 == 0):
-        rows = np.asarray(tensor.data).view(np.uint8).reshape(n, -1)
+        rows = raw
     else:
         fmt = 0
-        rows = _dequantize(tensor).view(np.uint8).reshape(n, -1)
+        rows = _dequantize(info, raw).view(np.uint8).reshape(n, -1)
     if n_heads is not None:
-        rows = unpermute_qk(rows, n_heads)
-    return _kernel_layout(PackedMatrix(torch.from_numpy(np.array(rows, copy=True)), fmt, n, k))
+        rows = np.ascontiguousarray(unpermute_qk(rows, n_heads))
+    return _kernel_layout(PackedMatrix(torch.from_numpy(rows), fmt, n, k))
 
 
 def _cat_rows(parts: list[PackedMatrix]) -> PackedMatrix:
@@ -124,27 +115,27 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
               packed: bool = False) -> ModelWeights:
     """Load a Llama GGUF. With ``packed`` the matrices keep the file's quantized blocks (for the native kernels);
     otherwise every matrix is dequantized to ``dtype``. Norm weights are always float tensors."""
-    reader = gguf.GGUFReader(str(path))
-    config = read_config(reader)
-    arrays = {t.name: t for t in reader.tensors}
+    gf = read_gguf(path)
+    config = read_config(gf)
+    with open(gf.path, "rb") as file:  # each tensor is read into its own array: nothing of the file stays mapped
 
-    def tensor(name: str):
-        if name not in arrays:
-            raise ValueError(f"GGUF file {path} lacks tensor {name}")
-        return arrays[name]
+        def get(name: str, n_heads: int | None = None) -> torch.Tensor:
+            array = _dequantize(gf.tensor(name), gf.read(name, file))
+            if n_heads is not None:
+                array = np.ascontiguousarray(unpermute_qk(array, n_heads))
+            return torch.from_numpy(array).to(device=device, dtype=dtype)
 
-    def get(name: str, n_heads: int | None = None) -> torch.Tensor:
-        array = _dequantize(tensor(name))
-        if n_heads is not None:
-            array = unpermute_qk(array, n_heads)
-        return torch.from_numpy(array).to(device=device, dtype=dtype)
+        def matrix(name: str, n_heads: int | None = None) -> Matrix:
+            return _packed(gf.tensor(name), gf.read(name, file), n_heads) if packed else get(name, n_heads)
 
-    def matrix(name: str, n_heads: int | None = None) -> Matrix:
-        return _packed(tensor(name), n_heads) if packed else get(name, n_heads)
+        def cat(parts: list[Matrix]) -> Matrix:
+            return _cat_rows(parts) if packed else torch.cat(parts, dim=0).contiguous()
 
-    def cat(parts: list[Matrix]) -> Matrix:
-        return _cat_rows(parts) if packed else torch.cat(parts, dim=0).contiguous()
+        return _load_layers(config, get, matrix, cat)
 
+
+def _load_layers(config: ModelConfig, get, matrix, cat) -> ModelWeights:
+    """The weights of every layer, through the loader's ``get`` (norms), ``matrix`` and ``cat`` (fused rows)."""
     layers = []
     for i in range(config.num_layers):
         p = f"blk.{i}."
@@ -188,8 +179,8 @@ def write_tiny_gguf(
     see attention and the KV cache at work use ``tie_embeddings=False`` (a separate random ``output.weight``), which
     makes the greedy continuation depend on the whole context.
     """
-    source = gguf.GGUFReader(str(tokenizer_source))
-    vocab_size = len(source.fields["tokenizer.ggml.tokens"].data)
+    source = read_gguf(tokenizer_source)
+    vocab_size = len(source.field("tokenizer.ggml.tokens"))
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tailguard-tiny-random")
@@ -202,9 +193,8 @@ def write_tiny_gguf(
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab_size)
-    for key, field in source.fields.items():
+    for key, value in source.metadata.items():
         if key.startswith("tokenizer."):
-            value = field.contents()
             if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
                 writer.add_array(key, value)
             elif key == "tokenizer.ggml.token_type":

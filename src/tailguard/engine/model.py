@@ -45,6 +45,13 @@ KV_INT8_SCALE_BYTES = 2
 # measured on this machine class to cost nothing at short contexts and the least at 8K (benchmarks/long_context.py).
 DEFAULT_ATTENTION_SLICE_TOKENS = 1024
 
+# Decode rows of a torch step (steps that mix decodes with prefill chunks) attend in groups of at most this many keys
+# in all (rows x the widest slice): the float copy of a group's gathered K/V, with its int8 dequantization temporaries,
+# stays a few MiB. Gathering all rows at once, 31 decodes at 2K held ~150 MB per layer, which set the server's peak
+# under 32 long conversations. Rows are independent, and a group keeps the step's padded width, slices and masks, so
+# its numbers are those of the whole batch (tests/test_serve_memory.py checks that they are equal).
+DECODE_ATTENTION_GROUP_KEYS = 8192
+
 
 def kv_row_bytes(kv_dtype: torch.dtype, head_dim: int) -> int:
     """Bytes of one stored (position, kv head) row of K or V."""
@@ -242,27 +249,46 @@ class LlamaModel:
     def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, slice_tokens: int = 0) -> torch.Tensor:
         """One query token per decoding sequence against its paged keys: [D, H, hd]. Contexts wider than
-        ``slice_tokens`` keys (> 0) are attended slice by slice (attention_sliced)."""
+        ``slice_tokens`` keys (> 0) are attended slice by slice (attention_sliced). Rows go in groups of at most
+        DECODE_ATTENTION_GROUP_KEYS keys (rows x the widest slice)."""
         assert meta.decode_gather is not None and meta.decode_mask is not None
         bs = k_cache.shape[1]
-        n_blocks = meta.decode_gather.shape[1]
+        width = meta.decode_gather.shape[1] * bs
+        if slice_tokens > 0:
+            width = min(width, slice_blocks(slice_tokens, bs) * bs)
+        rows = max(1, DECODE_ATTENTION_GROUP_KEYS // width)
+        # keys every sequence of the step has: slices below this need no mask (the whole step's figure, so that a
+        # group makes the same choice as the whole batch)
+        common = int(meta.decode_lens.min()) if meta.decode_lens is not None else 0
+        if q.shape[0] <= rows:
+            return LlamaModel._decode_attention_rows(q, k_cache, v_cache, meta.decode_gather, meta.decode_mask, common,
+                                                     slice_tokens)
+        return torch.cat([
+            LlamaModel._decode_attention_rows(q[r : r + rows], k_cache, v_cache, meta.decode_gather[r : r + rows],
+                                              meta.decode_mask[r : r + rows], common, slice_tokens)
+            for r in range(0, q.shape[0], rows)])
+
+    @staticmethod
+    def _decode_attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode_gather: torch.Tensor,
+                               decode_mask: torch.Tensor, common: int, slice_tokens: int) -> torch.Tensor:
+        """_decode_attention for some rows of the step (their block tables padded to the step's width)."""
+        bs = k_cache.shape[1]
+        n_blocks = decode_gather.shape[1]
         if slice_tokens <= 0 or n_blocks * bs <= slice_tokens:
             # Short contexts (most steps): one gather, one SDPA. Only the step's own blocks are gathered (and, for
             # int8, dequantized): never a float copy of the cache.
-            kd = _kv_values(k_cache[meta.decode_gather], q.dtype).flatten(1, 2).transpose(1, 2)  # [D, kv, L, hd]
-            vd = _kv_values(v_cache[meta.decode_gather], q.dtype).flatten(1, 2).transpose(1, 2)
-            od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
+            kd = _kv_values(k_cache[decode_gather], q.dtype).flatten(1, 2).transpose(1, 2)  # [D, kv, L, hd]
+            vd = _kv_values(v_cache[decode_gather], q.dtype).flatten(1, 2).transpose(1, 2)
+            od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=decode_mask, enable_gqa=True)
             return od.squeeze(2)
         n_dec, n_heads, head_dim = q.shape
         n_kv = k_cache.shape[2]
         step = slice_blocks(slice_tokens, bs)
-        mask = meta.decode_mask.view(n_dec, 1, 1, 1, -1)  # broadcast over [D, kv, group, 1 query, keys]
-        # keys every sequence of the step has: slices below this need no mask
-        common = int(meta.decode_lens.min()) if meta.decode_lens is not None else 0
+        mask = decode_mask.view(n_dec, 1, 1, 1, -1)  # broadcast over [D, kv, group, 1 query, keys]
 
         def slices():
             for b0 in range(0, n_blocks, step):
-                gather = meta.decode_gather[:, b0 : b0 + step]
+                gather = decode_gather[:, b0 : b0 + step]
                 k = _kv_values(k_cache[gather], q.dtype).flatten(1, 2).transpose(1, 2)  # [D, kv, S, hd]
                 v = _kv_values(v_cache[gather], q.dtype).flatten(1, 2).transpose(1, 2)
                 end = (b0 + gather.shape[1]) * bs
