@@ -145,3 +145,17 @@ def test_bad_draft_models_are_refused_before_serving(tiny_gguf, tmp_path):
                              kv_cache_tokens=256))
     with pytest.raises(ValueError, match="speculative must be one of"):
         LLMEngine(EngineArgs(model=str(tiny_gguf), speculative="draft:", kv_cache_tokens=256))
+
+
+def test_self_draft_head_keeps_whole_row_groups_of_an_interleaved_head(self_engine):
+    """A head stored in 16-row groups (Q4_1X / Q8_0X, the int8-activation layouts) is cut at a whole group; any other
+    head is cut at the row asked for."""
+    from tailguard.engine.drafting import _head_rows
+    from tailguard.engine.kernels import GROUP_ROWS, INTERLEAVED_FORMATS
+
+    head = self_engine.runner.model.lm_head
+    cut = _head_rows(head, 1000)
+    interleaved = head.packed is not None and head.packed.fmt in INTERLEAVED_FORMATS
+    assert cut.out_features == (1000 - 1000 % GROUP_ROWS if interleaved else 1000)
+    if head.packed is not None:
+        assert cut.packed.out_features == cut.out_features

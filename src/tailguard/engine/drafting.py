@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from tailguard.engine.blocks import BlockTable
-from tailguard.engine.kernels import PackedMatrix
+from tailguard.engine.kernels import GROUP_ROWS, INTERLEAVED_FORMATS, PackedMatrix
 from tailguard.engine.loader import load_gguf
 from tailguard.engine.model import Linear, LlamaModel
 from tailguard.engine.request import Sequence
@@ -63,6 +63,8 @@ def _head_rows(head: Linear, rows: int) -> Linear:
     """The first ``rows`` output rows of a head, in its own weight format."""
     if head.packed is not None:
         p = head.packed
+        if p.fmt in INTERLEAVED_FORMATS:  # stored in whole groups of 16 rows: keep whole groups
+            rows = max(GROUP_ROWS, rows - rows % GROUP_ROWS)
         return Linear(PackedMatrix(p.data[:rows].contiguous(), p.fmt, rows, p.in_features), head.fmt)
     out = copy.copy(head)
     out.out_features = rows
