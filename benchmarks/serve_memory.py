@@ -2,9 +2,9 @@
 
     .venv/bin/python benchmarks/serve_memory.py                  # 5-12 min; benchmarks/results/serve_memory.json
     .venv/bin/python benchmarks/serve_memory.py --conversations 32 --context 2048
-    .venv/bin/python benchmarks/serve_memory.py --server-args "--kv-cache-dtype float16"   # any serve flags
+    .venv/bin/python benchmarks/serve_memory.py --server-args "--kv-cache-dtype int8 --kv-cache-memory 768MiB"   # any serve flags
 
-The server runs with its defaults (native weights, int8 KV in a 768 MiB budget). The KV cache is reserved as address
+The server runs with its defaults (native weights, float16 KV in a 1.5 GiB budget). The KV cache is reserved as address
 space and becomes resident as blocks are first used, so the figure that matters is the resident set (VmRSS) and its
 peak (VmHWM) with N conversations of C tokens held at once: each request's prompt plus max_tokens spans C tokens, and
 they all run concurrently. Every prompt opens with its own number, so no two conversations share KV blocks through

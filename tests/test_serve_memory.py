@@ -1,7 +1,7 @@
 """What keeps the server's resident set small (issue 8): the GGUF file is read, not mapped, and by a reader that gives
 the same values as the gguf package's; the native model holds no float copy of a matrix; decode rows attend in groups
-whose numbers equal the whole batch's; large freed blocks go back to the OS; the server's KV cache defaults to int8,
-with a budget that holds 32 conversations of 2K tokens."""
+whose numbers equal the whole batch's; large freed blocks go back to the OS; the server's default KV cache (float16,
+1.5 GiB) and the int8 memory setting (768 MiB) each hold 32 conversations of 2K tokens."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def test_large_freed_blocks_go_back_to_the_os():
     assert after - before < 32  # and went back when freed, although small blocks sat between the buffers
 
 
-def test_the_server_defaults_to_an_int8_kv_cache_that_holds_32_conversations_of_2k(smollm2_path):
+def test_the_default_server_kv_cache_holds_32_conversations_of_2k_and_int8_at_half_the_budget(smollm2_path):
     from tailguard.cli import build_parser
     from tailguard.engine.loader import read_config
     from tailguard.engine.memory import parse_budget
@@ -163,11 +163,16 @@ def test_the_server_defaults_to_an_int8_kv_cache_that_holds_32_conversations_of_
     from tailguard.engine_options import engine_args_from
 
     args = engine_args_from(build_parser().parse_args(["serve"]))
-    assert args.kv_cache_dtype == "int8"
+    assert args.kv_cache_dtype == "auto"  # float16: float32's answers by default; int8 is the opt-in memory setting
     cfg = read_config(read_gguf(smollm2_path))
-    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * kv_row_bytes(torch.int8, cfg.head_dim)
-    blocks = parse_budget(args.kv_cache_memory, torch.device("cpu")) // (per_token * args.block_size)
-    tokens = blocks * args.block_size
-    assert 32 * 2048 <= tokens < 40 * 2048  # room for 32 full 2K conversations, and not much more to grow into
-    flagged = build_parser().parse_args(["serve", "--kv-cache-dtype", "float16", "--kv-cache-memory", "1.5GiB"])
-    assert (engine_args_from(flagged).kv_cache_dtype, engine_args_from(flagged).kv_cache_memory) == ("float16", "1.5GiB")
+
+    def tokens_in(budget: str, dtype: torch.dtype) -> int:
+        per_token = cfg.num_layers * 2 * cfg.num_kv_heads * kv_row_bytes(dtype, cfg.head_dim)
+        return parse_budget(budget, torch.device("cpu")) // (per_token * args.block_size) * args.block_size
+
+    # room for 32 full 2K conversations, and not much more to grow into
+    assert 32 * 2048 <= tokens_in(args.kv_cache_memory, torch.float16) < 40 * 2048
+    flagged = engine_args_from(build_parser().parse_args(["serve", "--kv-cache-dtype", "int8",
+                                                          "--kv-cache-memory", "768MiB"]))
+    assert (flagged.kv_cache_dtype, flagged.kv_cache_memory) == ("int8", "768MiB")
+    assert 32 * 2048 <= tokens_in(flagged.kv_cache_memory, torch.int8) < 40 * 2048
