@@ -138,11 +138,6 @@ def activation_passes() -> int:
     return int(value) if lib().tg_int8_dot() else 0
 
 
-def int8_activations() -> bool:
-    """Whether matrices load in the int8-activation layout (activation_passes() > 0)."""
-    return activation_passes() > 0
-
-
 def set_activation_passes(passes: int) -> None:
     """How many int8 passes the interleaved products make from now on, process-wide (1 or 2): loading a model sets
     it from TAILGUARD_INT8_ACTIVATIONS, so models loaded with different settings in one process share the last."""

@@ -37,6 +37,7 @@ enum { TG_F32 = 0, TG_F16 = 1, TG_Q4_0 = 2, TG_Q4_1 = 3, TG_Q8_0 = 8, TG_Q4_1R =
  * A group is 16 whole rows' bytes (24 or 36 a block and row), so concatenating matrices by rows, or keeping the first
  * rows, stays exact at multiples of 16. The same numbers as Q4_1 / Q8_0 (halves convert to floats exactly). */
 #define XG 16
+static inline int is_interleaved(int fmt) { return fmt == TG_Q4_1X || fmt == TG_Q8_0X; }
 
 int tg_abi_version(void) { return 6; }
 
@@ -232,7 +233,7 @@ static void dequant_row_x(const uint8_t *w, int fmt, int K, int64_t n, float *ou
 
 /* Row n of a matrix in any format. */
 static void dequant_row_at(const uint8_t *w, int fmt, int K, int64_t rb, int64_t n, float *out) {
-    if (fmt == TG_Q4_1X || fmt == TG_Q8_0X) dequant_row_x(w, fmt, K, n, out);
+    if (is_interleaved(fmt)) dequant_row_x(w, fmt, K, n, out);
     else dequant_row(w + (size_t)n * rb, fmt, K, out);
 }
 
@@ -637,25 +638,26 @@ static inline __attribute__((always_inline)) void xgroup_tile(const uint8_t *grp
     }
 }
 
+/* The tiles of one group over all T activation rows: constant tile sizes and pass count (always inlined), so the
+ * accumulators live in registers. */
+static inline __attribute__((always_inline)) void xgroup_tiles(const uint8_t *grp, int fmt, int nb, int K, int T,
+                                                                const tg_xq *xq, const int PASSES, float *y, int ldy,
+                                                                int n0, int accumulate) {
+    int t = 0;
+    for (; t + XT <= T; t += XT) xgroup_tile(grp, fmt, nb, K, T, xq, t, XT, PASSES, y, ldy, n0, accumulate);
+    if (T - t >= 4) { xgroup_tile(grp, fmt, nb, K, T, xq, t, 4, PASSES, y, ldy, n0, accumulate); t += 4; }
+    if (T - t >= 2) { xgroup_tile(grp, fmt, nb, K, T, xq, t, 2, PASSES, y, ldy, n0, accumulate); t += 2; }
+    if (T - t >= 1) xgroup_tile(grp, fmt, nb, K, T, xq, t, 1, PASSES, y, ldy, n0, accumulate);
+}
+
 static void xgroups(const uint8_t *w, int fmt, int K, const tg_xq *xq, int T, int g0, int g1, float *y, int ldy,
                     int accumulate) {
     const int nb = K / 32;
     const size_t gbytes = (size_t)nb * (fmt == TG_Q4_1X ? 384 : 576);
     for (int g = g0; g < g1; g++) {
         const uint8_t *grp = w + (size_t)g * gbytes;
-        int t = 0;
-        /* constant tile sizes, so the accumulators live in registers */
-        if (xq->passes == 2) {
-            for (; t + XT <= T; t += XT) xgroup_tile(grp, fmt, nb, K, T, xq, t, XT, 2, y, ldy, g * XG, accumulate);
-            if (T - t >= 4) { xgroup_tile(grp, fmt, nb, K, T, xq, t, 4, 2, y, ldy, g * XG, accumulate); t += 4; }
-            if (T - t >= 2) { xgroup_tile(grp, fmt, nb, K, T, xq, t, 2, 2, y, ldy, g * XG, accumulate); t += 2; }
-            if (T - t >= 1) { xgroup_tile(grp, fmt, nb, K, T, xq, t, 1, 2, y, ldy, g * XG, accumulate); t += 1; }
-        } else {
-            for (; t + XT <= T; t += XT) xgroup_tile(grp, fmt, nb, K, T, xq, t, XT, 1, y, ldy, g * XG, accumulate);
-            if (T - t >= 4) { xgroup_tile(grp, fmt, nb, K, T, xq, t, 4, 1, y, ldy, g * XG, accumulate); t += 4; }
-            if (T - t >= 2) { xgroup_tile(grp, fmt, nb, K, T, xq, t, 2, 1, y, ldy, g * XG, accumulate); t += 2; }
-            if (T - t >= 1) { xgroup_tile(grp, fmt, nb, K, T, xq, t, 1, 1, y, ldy, g * XG, accumulate); t += 1; }
-        }
+        if (xq->passes == 2) xgroup_tiles(grp, fmt, nb, K, T, xq, 2, y, ldy, g * XG, accumulate);
+        else xgroup_tiles(grp, fmt, nb, K, T, xq, 1, y, ldy, g * XG, accumulate);
     }
 }
 
@@ -684,7 +686,7 @@ static void linear(const float *x, int T, int K, const uint8_t *w, int fmt, int 
     const int64_t rb = row_bytes(fmt, K);
     const int groups = (N + ROWS - 1) / ROWS;
 #if defined(TG_VNNI)
-    if (fmt == TG_Q4_1X || fmt == TG_Q8_0X) {
+    if (is_interleaved(fmt)) {
         linear_x8(x, T, K, w, fmt, N, y, ldy, accumulate);
         return;
     }
@@ -721,7 +723,7 @@ static void linear(const float *x, int T, int K, const uint8_t *w, int fmt, int 
 
 /* The interleaved formats hold whole groups of 16 rows. */
 static inline int bad_shape(int fmt, int N, int K) {
-    return row_bytes(fmt, K) < 0 || (fmt >= TG_Q4_0 && K % 32) || ((fmt == TG_Q4_1X || fmt == TG_Q8_0X) && N % XG);
+    return row_bytes(fmt, K) < 0 || (fmt >= TG_Q4_0 && K % 32) || (is_interleaved(fmt) && N % XG);
 }
 
 int tg_linear(const float *x, int T, int K, const uint8_t *w, int fmt, int N, float *y, int accumulate) {
@@ -740,7 +742,7 @@ int tg_dequant(const uint8_t *w, int fmt, int N, int K, float *out) {
 
 int tg_embed(const int64_t *ids, int T, const uint8_t *w, int fmt, int vocab, int K, float *out) {
     const int64_t rb = row_bytes(fmt, K);
-    if (rb < 0 || ((fmt == TG_Q4_1X || fmt == TG_Q8_0X) && vocab % XG)) return -1;
+    if (bad_shape(fmt, vocab, K)) return -1;
     for (int t = 0; t < T; t++) {
         if (ids[t] < 0 || ids[t] >= vocab) return -2;
         dequant_row_at(w, fmt, K, rb, ids[t], out + (size_t)t * K);
