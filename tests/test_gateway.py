@@ -150,7 +150,11 @@ def test_failure_before_first_token_is_retried_elsewhere_and_opens_the_breaker(t
         pool = gw.state.engine.pool
         dead_rep = next(r for r in pool.replicas if r.url == dead)
         dead_rep.healthy = True  # as if it had just died: the health check has not noticed yet
-        out = [chat(gw.url) for _ in range(12)]
+        # Power-of-two choices between two idle replicas is a coin toss: keep asking until the dead one has been
+        # tried twice (40 requests leave a chance of 4e-11 that it was not).
+        out = []
+        while dead_rep.errors < 2 and len(out) < 40:
+            out.append(chat(gw.url))
         assert all(r.status_code == 200 for r in out), [r.text for r in out]
         attempts = [record(gw, r)["gateway"]["attempts"] for r in out]
         assert 2 in attempts  # some went to the dead replica first and were retried on the live one
