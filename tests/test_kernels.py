@@ -569,6 +569,28 @@ def test_int8_kv_decode_step_matches_the_torch_path(variant, tiny_pair_int8, bat
         assert engine.pool.num_used == 0
 
 
+# With AVX-512, decode attention scores 16 positions at a time (K rows converted once, the 16 dot products summed
+# by one transposing tree) and holds a head group's outputs in registers; elsewhere, and when asked, it takes the
+# generic path. Same numbers up to float32 summation order: measured max |fast - generic| / max |logit| below 1e-6.
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
+def test_fast_decode_attention_equals_the_generic_path(tiny_quantized_gguf, kv_dtype):
+    if kernels.simd() != "avx512":
+        pytest.skip("the fast attention path is AVX-512 only")
+    engine = tiny_engine(tiny_quantized_gguf, "native", kv_dtype)
+    texts = random_texts(BATCHES["6 seqs, one crosses a slice edge"], seed=5)  # tails of 16 and slice edges
+    fast, calls = teacher_forced_decode(engine, texts, DECODE_STEPS)
+    kernels.set_generic_attention(True)
+    try:
+        generic, _ = teacher_forced_decode(engine, texts, DECODE_STEPS)
+    finally:
+        kernels.set_generic_attention(False)
+    assert calls == DECODE_STEPS
+    for a, b in zip(fast, generic):
+        scale = float(b.abs().max())
+        assert float((a - b).abs().max()) <= 1e-5 * scale
+        assert torch.equal(a.argmax(dim=1), b.argmax(dim=1))
+
+
 def test_int8_kv_rows_written_by_c_equal_the_torch_quantizer(tiny_pair_int8):
     """After a C decode step, the K/V row it wrote equals model.quantize_kv of the same values (computed here from
     the float K/V the torch path writes for that token), to at most one quantum in a few elements."""

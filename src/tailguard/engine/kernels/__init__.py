@@ -25,7 +25,7 @@ import torch  # noqa: F401 - load torch's OpenMP runtime before ours
 from tailguard.engine.model_store import cache_dir
 
 SOURCE = Path(__file__).with_name("tg_kernels.c")
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 # ggml type ids (GGUF's own numbering) of the formats the kernels read directly, and Q4_1R: Q4_1 repacked at load
 # (each row's nibbles together, then its scales and mins as float32), which the single-row kernel reads faster.
@@ -109,6 +109,7 @@ def lib() -> ctypes.CDLL:
             handle.tg_simd.restype = ctypes.c_char_p
             handle.tg_int8_dot.restype = ctypes.c_int
             handle.tg_set_activation_passes.argtypes = [i]
+            handle.tg_set_generic_attention.argtypes = [i]
             handle.tg_decode.argtypes = [p, p, i, p, p, p, p, i, p, p]
             handle.tg_profile.argtypes = [i]
             handle.tg_profile_read.argtypes = [p]
@@ -144,6 +145,12 @@ def set_activation_passes(passes: int) -> None:
     if passes not in (1, 2):
         raise ValueError("activation passes are 1 or 2")
     lib().tg_set_activation_passes(passes)
+
+
+def set_generic_attention(on: bool) -> None:
+    """Decode attention on the generic path (True) or, where the build and the head shape allow, the AVX-512 one
+    that scores 16 positions at a time (False, the default). For comparing the two in one process."""
+    lib().tg_set_generic_attention(1 if on else 0)
 
 
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_1R: 24, Q4_1X: 24, Q8_0X: 36}  # bytes per block of 32 weights

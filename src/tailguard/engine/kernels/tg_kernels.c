@@ -39,7 +39,12 @@ enum { TG_F32 = 0, TG_F16 = 1, TG_Q4_0 = 2, TG_Q4_1 = 3, TG_Q8_0 = 8, TG_Q4_1R =
 #define XG 16
 static inline int is_interleaved(int fmt) { return fmt == TG_Q4_1X || fmt == TG_Q8_0X; }
 
-int tg_abi_version(void) { return 6; }
+int tg_abi_version(void) { return 7; }
+
+/* 1: decode attention takes the generic path even where the AVX-512 one applies (a test and a benchmark compare
+ * the two in one process). */
+static int slow_attention = 0;
+void tg_set_generic_attention(int on) { slow_attention = on != 0; }
 
 /* 1 when this build has the int8-activation (VNNI) products; the loader lays matrices out for them only then. */
 #if !(defined(__AVX512F__) && defined(__AVX512VNNI__))
@@ -938,6 +943,108 @@ static float exp_shifted_sum(float *s, int n, float shift) {
 #define SLICE 256   /* positions per attention slice: long contexts split across threads, merged by log-sum-exp */
 #define MAX_GROUP 16
 
+#if defined(__AVX512F__)
+#define FAST_MAX_GROUP 4
+#define FAST_MAX_NV 8   /* head_dim up to 128 (8 vectors of 16 floats) */
+
+/* The 16 horizontal sums of v[0..15] as one vector, element i = sum(v[i]): a transposing tree of 15 adds and 30
+ * shuffles instead of 16 separate reductions (~8 dependent operations each). */
+static inline __m512 reduce16(__m512 *v) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)  /* 256-bit halves: [v(2i) lo+hi, v(2i+1) lo+hi] */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  /* 128-bit lanes: v(4i .. 4i+3), 4 partial sums each */
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int k = 0; k < 2; k++)  /* lane L: 2 partials of v(8k+L), 2 of v(8k+4+L) */
+        y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0xEE));
+    /* element 4L+e = sum v(L+4e): put it at L+4e */
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, z);
+}
+
+/* One stored K/V row as nv vectors of floats (int8 rows unscaled: the caller applies the row's scale). */
+static inline void load_kv_row(const void *kv, int fmt, size_t off, int nv, __m512 *out) {
+    if (fmt == TG_KV_F16) {
+        const uint16_t *h = (const uint16_t *)kv + off;
+        for (int c = 0; c < nv; c++) out[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 16 * c)));
+    } else if (fmt == TG_KV_I8) {
+        const int8_t *b = (const int8_t *)kv + off;
+        for (int c = 0; c < nv; c++)
+            out[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 * c))));
+    } else {
+        const float *f = (const float *)kv + off;
+        for (int c = 0; c < nv; c++) out[c] = _mm512_loadu_ps(f + 16 * c);
+    }
+}
+
+/* One attention slice [p0, p1) of one sequence and KV head for its `group` query heads (group <= 4, hd = 16 nv):
+ * scores 16 positions at a time (K rows converted once into floats, one accumulator per position, summed by
+ * reduce16), softmax statistics, then V accumulated with the group's outputs held in registers. Writes res as the
+ * generic path does: per query head max, sum of exp, unnormalised output. */
+static void attend_slice_fast(const tg_kv *c, size_t k_base, size_t v_base, const int32_t *table, int bs, int stride,
+                              int p0, int p1, const float *qh, int group, int nv, float scale, float *scores,
+                              float *res) {
+    const int hd = 16 * nv, i8 = c->fmt == TG_KV_I8;
+    __m512 qv[FAST_MAX_GROUP][FAST_MAX_NV];
+    for (int j = 0; j < group; j++)
+        for (int v = 0; v < nv; v++) qv[j][v] = _mm512_loadu_ps(qh + (size_t)j * hd + 16 * v);
+    float kf[16 * 16 * FAST_MAX_NV];
+    float rs[16];  /* each position's score scale: softmax scale x the int8 row's own scale */
+    for (int p = p0; p < p1; p += 16) {
+        const int n = p1 - p < 16 ? p1 - p : 16;
+        for (int i = 0; i < 16; i++) {
+            __m512 row[FAST_MAX_NV];
+            if (i < n) {
+                const size_t off = k_base + ((size_t)table[(p + i) / bs] * bs + (p + i) % bs) * stride;
+                load_kv_row(c->kv, c->fmt, off, nv, row);
+                rs[i] = i8 ? kv_scale(c->kv, off, hd) * scale : scale;
+            } else {
+                for (int v = 0; v < nv; v++) row[v] = _mm512_setzero_ps();
+                rs[i] = 0.0f;
+            }
+            for (int v = 0; v < nv; v++) _mm512_storeu_ps(kf + (size_t)(i * nv + v) * 16, row[v]);
+        }
+        const __m512 rsv = _mm512_loadu_ps(rs);
+        const __mmask16 m = (__mmask16)(n == 16 ? 0xFFFFu : (1u << n) - 1u);
+        for (int j = 0; j < group; j++) {
+            __m512 acc[16];
+            for (int i = 0; i < 16; i++) {
+                const float *k = kf + (size_t)i * nv * 16;
+                __m512 a = _mm512_mul_ps(qv[j][0], _mm512_loadu_ps(k));
+                for (int v = 1; v < nv; v++) a = _mm512_fmadd_ps(qv[j][v], _mm512_loadu_ps(k + 16 * v), a);
+                acc[i] = a;
+            }
+            _mm512_mask_storeu_ps(scores + (size_t)j * SLICE + (p - p0), m, _mm512_mul_ps(reduce16(acc), rsv));
+        }
+    }
+    for (int j = 0; j < group; j++) {
+        float *s = scores + (size_t)j * SLICE, mx = -INFINITY;
+        for (int i = 0; i < p1 - p0; i++) mx = s[i] > mx ? s[i] : mx;
+        res[j * (hd + 2)] = mx;
+        res[j * (hd + 2) + 1] = exp_shifted_sum(s, p1 - p0, mx);
+    }
+    __m512 o[FAST_MAX_GROUP][FAST_MAX_NV];
+    for (int j = 0; j < group; j++)
+        for (int v = 0; v < nv; v++) o[j][v] = _mm512_setzero_ps();
+    for (int p = p0; p < p1; p++) {
+        const size_t off = v_base + ((size_t)table[p / bs] * bs + p % bs) * stride;
+        __m512 row[FAST_MAX_NV];
+        load_kv_row(c->kv, c->fmt, off, nv, row);
+        const float vs = i8 ? kv_scale(c->kv, off, hd) : 1.0f;
+        for (int j = 0; j < group; j++) {
+            const __m512 w = _mm512_set1_ps(scores[(size_t)j * SLICE + (p - p0)] * vs);
+            for (int v = 0; v < nv; v++) o[j][v] = _mm512_fmadd_ps(w, row[v], o[j][v]);
+        }
+    }
+    for (int j = 0; j < group; j++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(res + j * (hd + 2) + 2 + 16 * v, o[j][v]);
+}
+#endif
+
 /* One decode query per sequence against its paged K/V. q, out: [D, n_heads * hd]. */
 static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D, const float *q, const int32_t *tables,
                             int max_blocks, const int32_t *ctx_lens, float *out) {
@@ -969,6 +1076,14 @@ static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D,
             const int p1 = p0 + SLICE < ctx_lens[d] ? p0 + SLICE : ctx_lens[d];
             const int32_t *table = tables + (size_t)d * max_blocks;
             float *res = pm + (size_t)task * group * (hd + 2);
+#if defined(__AVX512F__)
+            if (group <= FAST_MAX_GROUP && hd % 16 == 0 && hd <= 16 * FAST_MAX_NV && !slow_attention) {
+                attend_slice_fast(c, layer_off + (size_t)g * rw, layer_off + v_off + (size_t)g * rw, table, bs, G * rw,
+                                  p0, p1, q + (size_t)d * H * hd + (size_t)g * group * hd, group, hd / 16, scale,
+                                  scores, res);
+                continue;
+            }
+#endif
             for (int p = p0; p < p1; p++) {
                 const size_t off = layer_off + ((size_t)table[p / bs] * bs + p % bs) * G * rw + (size_t)g * rw;
                 const float *qh = q + (size_t)d * H * hd + (size_t)g * group * hd;
