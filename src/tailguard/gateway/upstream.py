@@ -4,7 +4,13 @@ Routing picks, among the replicas that are healthy and whose breaker lets traffi
 outstanding tokens by the power of two choices (two at random, the lighter wins: near-best balance without herding on
 one replica). With prefix affinity a request with a session key or a long shared prefix goes to the replica chosen by
 rendezvous hashing on that key, so that the replica's prefix cache is reused, unless that replica is much busier than
-the rest (bounded load). Where an upstream exposes vLLM-style ``/metrics``, its waiting queue is counted in its load.
+the rest (bounded load). Where an upstream exposes vLLM-style ``/metrics``, its waiting queue is counted in its load
+and feeds the lanes' admission (``queue_full``, the upstream queue gate of ``tailguard.gateway.lanes``).
+
+The scraped queue is read at each health check, and every ``queue_scrape_s`` while a replica reports a non-zero
+queue. Between two reads it is kept current from what the gateway itself sees: a replica that queues is full, so each
+request the gateway sends it since the read joins its queue and each one that finishes lets one waiting request in
+(``Replica.queue_estimate``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +67,8 @@ class RoutingConfig(BaseModel):
     affinity_slack: float = Field(1.5, ge=1, description="affinity holds while the replica's load <= slack x mean")
     retries: int = Field(2, ge=0, description="other replicas tried when one fails before the first token")
     health_interval_s: float = Field(2.0, gt=0)
+    queue_scrape_s: float = Field(0.25, gt=0, description="while a replica reports a waiting queue, its /metrics "
+                                                          "is read this often (between health checks)")
     connect_timeout_s: float = Field(5.0, gt=0)
     breaker_failures: int = Field(3, ge=1, description="consecutive failures that open a replica's breaker")
     breaker_cooldown_s: float = Field(10.0, gt=0, description="open breaker: time before one trial request")
@@ -114,6 +123,8 @@ class Replica:
     in_flight: int = 0
     outstanding_tokens: int = 0
     upstream_waiting: float = 0.0  # from its /metrics, when it has them
+    reports_queue: bool = False  # its /metrics has a queue gauge we know
+    in_flight_at_scrape: int = 0  # the gateway's requests in flight there when upstream_waiting was read
     requests: int = 0
     errors: int = 0
     last_error: str | None = None
@@ -127,6 +138,13 @@ class Replica:
     @property
     def available(self) -> bool:
         return self.healthy and self.breaker.allows()
+
+    def queue_estimate(self) -> float:
+        """Its waiting queue now: the last read, plus the requests sent there since, less those finished since
+        (while it queues it is full: a new one waits, a finished one lets a waiting one in)."""
+        if self.upstream_waiting <= 0:
+            return 0.0
+        return max(0.0, self.upstream_waiting + self.in_flight - self.in_flight_at_scrape)
 
     def load(self, tokens_per_waiting: int = 256) -> float:
         return self.outstanding_tokens + self.upstream_waiting * tokens_per_waiting
@@ -153,6 +171,8 @@ class UpstreamPool:
         self.rng = rng or random.Random()
         self.session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task | None = None
+        self._queue_watch: asyncio.Task | None = None
+        self.on_queue: Callable[[], None] | None = None  # called after each read of a replica's queue (Lanes.poke)
 
     def _new(self, u: UpstreamConfig) -> Replica:
         name = u.name or u.url.split("://", 1)[1]
@@ -201,10 +221,12 @@ class UpstreamPool:
                                                                            sock_connect=self.routing.connect_timeout_s))
         await self.check_all()
         self._health = asyncio.create_task(self._health_loop())
+        self._queue_watch = asyncio.create_task(self._queue_loop())
 
     async def close(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
+        for task in (self._health, self._queue_watch):
+            if task is not None:
+                task.cancel()
         if self.session is not None:
             await self.session.close()
 
@@ -220,6 +242,26 @@ class UpstreamPool:
                 await self.check_all()
             except Exception:  # noqa: BLE001 - a failed round must not end health checking
                 log.exception("upstream health check")
+
+    async def _queue_loop(self) -> None:
+        """Read the queues of the replicas that queue more often than the health checks: the gate reopens sooner."""
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.routing.health_interval_s))
+        while True:
+            await asyncio.sleep(self.routing.queue_scrape_s)
+            busy = [r for r in self.replicas if r.available and r.upstream_waiting > 0]
+            if not busy:
+                continue
+            try:
+                await asyncio.gather(*(self._scrape(r, timeout) for r in busy))
+            except Exception:  # noqa: BLE001 - a failed read must not end the watch
+                log.exception("upstream queue read")
+
+    def queue_full(self, per_replica: float) -> bool:
+        """The replicas that report a queue hold more than ``per_replica`` waiting requests each, together."""
+        reps = [r for r in self.replicas if r.available and r.reports_queue]
+        return bool(reps) and sum(r.queue_estimate() for r in reps) > per_replica * len(reps)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in self.replicas))
@@ -261,6 +303,13 @@ class UpstreamPool:
             return
         found = [float(m) for m in _WAITING.findall(body)]
         r.upstream_waiting = sum(found) if found else 0.0
+        r.reports_queue = bool(found)
+        r.in_flight_at_scrape = r.in_flight
+        if self.on_queue is not None:
+            try:
+                self.on_queue()
+            except Exception:  # noqa: BLE001 - admission's hook must not fail a health check
+                log.exception("upstream queue hook")
 
     # --- routing ----------------------------------------------------------------------------------------------------
     def pick(self, affinity_key: str | None = None, exclude: set[str] | None = None) -> Replica:
