@@ -2,17 +2,22 @@
 token budget as well as the sequences, holds its cost until released (exactly), VIP keeps its token reserve while
 batch fills the rest, a request larger than the whole budget is admitted alone (never deadlocks, never refused), and
 while the upstream replicas queue too much only the reserved lane is admitted. Also the upstream pool's queue
-estimate between two reads of a replica's /metrics."""
+estimate between two reads of a replica's /metrics, and a fleet (real Redis): slots are the fleet's, the token
+budget this gateway's."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+from collections.abc import Iterator
 
 import pytest
 from pydantic import ValidationError
 
 from tailguard.gateway.lanes import CapacityConfig, LaneConfig, Lanes, default_lanes
+from tailguard.gateway.shared import RedisState
 from tailguard.gateway.upstream import UpstreamConfig, UpstreamPool
+from tests.redis_server import RedisServer, RedisUnavailable
 
 
 def run(coro):
@@ -200,3 +205,55 @@ def test_replica_queue_estimate_follows_the_gateways_own_traffic_between_reads()
     assert b.queue_estimate() == 0
     a.in_flight, a.healthy = 12, False  # an unhealthy replica does not count
     assert not pool.queue_full(0)
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    try:
+        server = RedisServer().start()
+    except RedisUnavailable as exc:
+        if os.environ.get("CI"):  # .ci/run installs redis-server: in CI a missing server fails, never skips
+            raise
+        pytest.skip(str(exc))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_in_a_fleet_the_slots_are_the_fleets_and_the_token_budget_is_this_gateways(redis):
+    lanes_cfg = {"standard": LaneConfig()}
+    cfg = tokens_cfg(reserved_share=0, burst_share=0)  # 1000 tokens per gateway
+
+    async def main() -> None:
+        sa, sb = RedisState(redis.url, gateway_id="a"), RedisState(redis.url, gateway_id="b")
+        a, b = Lanes(lanes_cfg, 4, cfg, fleet=sa), Lanes(lanes_cfg, 4, cfg, fleet=sb)  # 4 slots for the fleet
+        std_a, std_b = a.lanes["standard"], b.lanes["standard"]
+        assert await a.acquire("standard", "x", tokens=800) == 0.0
+        # This gateway's token budget holds the next one back though the fleet has slots...
+        held = asyncio.create_task(a.acquire("standard", "x", tokens=300))
+        await asyncio.sleep(0.1)
+        assert not held.done() and std_a.waiting == 1
+        assert await sa.fleet_in_use(["standard"]) == {"standard": 1}  # ...and it took no fleet slot meanwhile
+        # The other gateway has its own token budget, but shares the fleet's slots: it fills them.
+        for cost in (900, 50, 40):
+            assert await b.acquire("standard", "y", tokens=cost) == 0.0
+        a.release("standard", 800)
+        await asyncio.wait_for(held, 5)  # tokens and a fleet slot are back here: the pump admits it
+        assert std_a.tokens == 300 and await sa.fleet_in_use(["standard"]) == {"standard": 4}
+        # Now the fleet's slots bind, though this gateway has tokens to spare.
+        small = asyncio.create_task(a.acquire("standard", "x", tokens=10))
+        await asyncio.sleep(0.1)
+        assert not small.done()
+        b.release("standard", 50)
+        await asyncio.wait_for(small, 5)
+        assert std_a.tokens == 310 and std_b.tokens == 940
+        for lanes, cost in ((a, 300), (a, 10), (b, 900), (b, 40)):
+            lanes.release("standard", cost)
+        await asyncio.sleep(0.1)
+        assert await sa.fleet_in_use(["standard"]) == {"standard": 0}
+        assert std_a.tokens == 0 and std_b.tokens == 0
+        await sa.close()
+        await sb.close()
+
+    run(main())
