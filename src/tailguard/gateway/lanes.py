@@ -141,7 +141,8 @@ class LaneState:
 
 
 class Lanes:
-    """Admission by lane against a capacity split into reserved, burst and general parts."""
+    """Admission by lane against a capacity (sequences, and tokens when configured) split into reserved, burst and
+    general parts, gated by the upstream queue when a hook says it is too long."""
 
     def __init__(self, lanes: dict[str, LaneConfig], capacity: int, cfg: CapacityConfig | None = None,
                  fleet: RedisState | None = None, upstream_full: Callable[[], bool] | None = None) -> None:
