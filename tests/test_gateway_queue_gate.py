@@ -22,11 +22,11 @@ def test_upstream_queue_keeps_batch_at_the_gateway_while_vip_passes(tmp_path):
                     capacity={"upstream_queue_limit": 1}) as gw:
         lanes = gw.state.lanes
         batch = lanes.lanes["batch"]
-        assert lanes.upstream_full is not None and not lanes.upstream_full()
+        assert lanes.upstream_full is not None and not lanes.gate_closed()
         with httpx.Client(timeout=60) as c, ThreadPoolExecutor(24) as pool:
             # The first wave is admitted at once (the replica has not queued yet): most of it waits upstream.
             first = [pool.submit(chat, gw.url, keys["batch"], 20, False, c) for _ in range(10)]
-            assert wait_until(lambda: lanes.upstream_full(), timeout=10, interval=0.02)
+            assert wait_until(lambda: lanes.gate_closed(), timeout=10, interval=0.02)
             # The second wave finds the upstream queueing: it waits here, though the sequences have room (40).
             second = [pool.submit(chat, gw.url, keys["batch"], 20, False, c) for _ in range(8)]
             assert wait_until(lambda: batch.waiting >= 6, timeout=10, interval=0.01)
@@ -42,7 +42,7 @@ def test_upstream_queue_keeps_batch_at_the_gateway_while_vip_passes(tmp_path):
         assert max(waits) > 0.1  # they did wait at the gateway (a 20-token answer takes 0.4 s upstream)
         settle(gw)
         assert all(s.in_use == 0 and s.waiting == 0 for s in lanes.lanes.values())
-        assert wait_until(lambda: not lanes.upstream_full(), timeout=10)
+        assert wait_until(lambda: not lanes.gate_closed(), timeout=10)
 
 
 def test_the_gate_is_off_with_no_limit(tmp_path):

@@ -159,7 +159,7 @@ def test_a_cancelled_token_waiter_gives_nothing_back_it_did_not_hold():
 def test_upstream_queue_gate_keeps_batch_at_the_gateway_and_lets_vip_in_up_to_its_reserve():
     async def main():
         full = [False]
-        lanes = Lanes(default_lanes(), 20, upstream_full=lambda: full[0])  # reserve: 4 sequences
+        lanes = Lanes(default_lanes(), 20, upstream_full=lambda admitted: full[0])  # reserve: 4 sequences
         batch, vip = lanes.lanes["batch"], lanes.lanes["vip"]
         assert await lanes.acquire("batch", "crawler") == 0.0
         full[0] = True
@@ -205,6 +205,50 @@ def test_replica_queue_estimate_follows_the_gateways_own_traffic_between_reads()
     assert b.queue_estimate() == 0
     a.in_flight, a.healthy = 12, False  # an unhealthy replica does not count
     assert not pool.queue_full(0)
+
+
+def test_a_replica_that_showed_its_slots_queues_a_burst_sent_between_two_reads():
+    pool = UpstreamPool([UpstreamConfig(url="http://127.0.0.1:9")])
+    (r,) = pool.replicas
+    # A read while it queued: 4 running, 2 waiting, 6 of ours in flight. It runs 4 at once.
+    r.reports_queue, r.upstream_waiting, r.upstream_running, r.in_flight, r.in_flight_at_scrape = True, 2, 4, 6, 6
+    r.slots = 4
+    assert r.queue_estimate() == 2
+    # A later read: no queue, 1 running (ours). A burst of 10 sent before the next read: 3 fit, 7 wait.
+    r.upstream_waiting, r.upstream_running, r.in_flight, r.in_flight_at_scrape = 0, 1, 1, 1
+    assert r.queue_estimate() == 0
+    r.in_flight = 11
+    assert r.queue_estimate() == 7 and pool.queue_full(2)
+    r.in_flight = 3  # all but 3 done: it runs 3 of its 4 slots, no queue
+    assert r.queue_estimate() == 0 and not pool.queue_full(0)
+    # A burst the gateway admitted in one moment, not yet sent: beyond the free slot it will queue.
+    assert r.free_slots() == 1
+    assert not pool.queue_full(1, admitted=3 + 2) and pool.queue_full(1, admitted=3 + 3)
+    # Without a running gauge (or before it ever queued) nothing is assumed about its slots.
+    r.upstream_running = None
+    assert r.free_slots() is None and not pool.queue_full(1, admitted=100)
+    r.in_flight = 50
+    assert r.queue_estimate() == 0
+
+
+def test_the_gate_is_asked_with_what_the_gateway_has_admitted():
+    async def main():
+        asked: list[int] = []
+
+        def full(admitted: int) -> bool:
+            asked.append(admitted)
+            return admitted >= 3
+
+        lanes = Lanes(default_lanes(), 20, upstream_full=full)
+        for _ in range(3):
+            assert await lanes.acquire("standard", "shop") == 0.0
+        held = asyncio.create_task(lanes.acquire("batch", "crawler"))
+        await spin()
+        assert not held.done() and lanes.gate_closed() and asked[-1] == 3
+        lanes.release("standard")
+        await spin()
+        assert held.done() and lanes.lanes["batch"].in_use == 1
+    run(main())
 
 
 @pytest.fixture

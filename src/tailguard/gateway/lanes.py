@@ -23,9 +23,10 @@ request holds tokens, any other when no non-reserved request does (and the reser
 it holds its full cost, so the rest waits until it finishes. It is never refused for its size. A request that
 passes no ``tokens`` (0) is counted in sequences only.
 
-The upstream queue gate (optional, ``upstream_full``): over upstream replicas that report their waiting queue
-(``tailguard.gateway.upstream``), while they together hold more than ``CapacityConfig.upstream_queue_limit`` per
-replica, the non-reserved lanes admit nobody new: their requests wait here, in lane order and fairly by tenant,
+The upstream queue gate (optional, ``upstream_full``, asked with the number of requests this gateway has admitted
+and not yet released): over upstream replicas that report their waiting queue (``tailguard.gateway.upstream``), while
+they together hold more than ``CapacityConfig.upstream_queue_limit`` per replica, the non-reserved lanes admit
+nobody new: their requests wait here, in lane order and fairly by tenant,
 rather than in the upstream's FIFO; the reserved lane is still admitted up to its reserve. The hook is asked at
 each admission decision, and ``poke()`` re-runs the decisions when the figure changes (a new scrape).
 
@@ -145,12 +146,14 @@ class Lanes:
     general parts, gated by the upstream queue when a hook says it is too long."""
 
     def __init__(self, lanes: dict[str, LaneConfig], capacity: int, cfg: CapacityConfig | None = None,
-                 fleet: RedisState | None = None, upstream_full: Callable[[], bool] | None = None) -> None:
+                 fleet: RedisState | None = None, upstream_full: Callable[[int], bool] | None = None) -> None:
         if not lanes:
             raise ValueError("at least one lane is needed")
         self.cfg = cfg or CapacityConfig()
         self.fleet = fleet  # None: this gateway's counts alone (the single-gateway path)
-        self.upstream_full = upstream_full  # True: the upstreams queue too much (only the reserve is admitted)
+        # Asked with this gateway's admitted requests in flight (some perhaps not yet sent upstream); True: the
+        # upstreams queue too much, only the reserve is admitted.
+        self.upstream_full = upstream_full
         self._pump: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._marked: set[str] = set()  # reserved lanes this gateway told the fleet it has waiters in
@@ -223,9 +226,13 @@ class Lanes:
         # Alone: nothing else outside the reserve holds tokens, and the reserved lane keeps to its share.
         return others == 0 and mine <= self.reserved_tokens
 
+    def gate_closed(self) -> bool:
+        """The upstream queue gate holds the non-reserved lanes."""
+        return self.upstream_full is not None and self.upstream_full(sum(s.in_use for s in self.lanes.values()))
+
     def _gated(self, lane: LaneState) -> bool:
         """The upstreams queue too much: nobody new but the reserved lane, up to its reserve (at least one)."""
-        if self.upstream_full is None or not self.upstream_full():
+        if not self.gate_closed():
             return False
         if not lane.cfg.reserved:
             return True

@@ -93,7 +93,7 @@ class GatewayMetrics:
                                 ("burst", lanes.burst_tokens), ("general", lanes.general_tokens)):
                     self.lane_token_capacity.labels(m, part).set(v)
             if lanes.upstream_full is not None:
-                self.upstream_gate.labels(m).set(1 if lanes.upstream_full() else 0)
+                self.upstream_gate.labels(m).set(1 if lanes.gate_closed() else 0)
         if pool is not None:
             for rep in pool.replicas:
                 self.up_outstanding.labels(m, rep.name).set(rep.outstanding_tokens)

@@ -76,7 +76,8 @@ class ServerState:
             cap = self.config.capacity
             pool = getattr(engine, "pool", None)
             limit = cap.upstream_queue_limit
-            gate = (lambda: pool.queue_full(limit)) if pool is not None and limit is not None else None
+            gate = (lambda admitted: pool.queue_full(limit, admitted)) if pool is not None and limit is not None \
+                else None
             self.lanes = Lanes(self.config.lane_configs(), cap.max_concurrent or backend_capacity(engine), cap,
                                fleet=self.shared if self.shared.fleet else None,  # type: ignore[arg-type]
                                upstream_full=gate)
