@@ -2,7 +2,7 @@
 runs two sequences at a time reports its waiting queue on /metrics (``tailguard_num_requests_waiting``); once the
 gateway reads a queue over the limit, new batch requests wait in the gateway's lane queue (where VIP goes first)
 rather than in the replica's FIFO, a VIP request is still admitted at once, and the batch requests are admitted as
-the replica drains."""
+the replica drains; once the replica has shown how many it runs, a burst is held at the gateway at once."""
 
 from __future__ import annotations
 
@@ -43,6 +43,14 @@ def test_upstream_queue_keeps_batch_at_the_gateway_while_vip_passes(tmp_path):
         settle(gw)
         assert all(s.in_use == 0 and s.waiting == 0 for s in lanes.lanes.values())
         assert wait_until(lambda: not lanes.gate_closed(), timeout=10)
+        # The replica has shown it runs 2 at once: a new burst is held at the gateway at once, before any read of
+        # its queue (without that, the whole burst would be admitted and queue upstream).
+        assert gw.state.engine.pool.replicas[0].slots in (1, 2)  # 1: a read between a finish and the next start
+        with httpx.Client(timeout=60) as c, ThreadPoolExecutor(10) as pool:
+            burst = [pool.submit(chat, gw.url, keys["batch"], 20, False, c) for _ in range(10)]
+            assert wait_until(lambda: batch.waiting >= 5, timeout=10, interval=0.01)
+            assert batch.in_use <= 5
+            assert all(f.result().status_code == 200 for f in burst)
 
 
 def test_the_gate_is_off_with_no_limit(tmp_path):
