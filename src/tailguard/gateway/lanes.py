@@ -14,10 +14,28 @@ cannot push another tenant's requests back. Each request has a deadline to be ad
 says it cannot make it, it is refused at once with a ``Retry-After`` (before it costs a queue slot), and one that
 waits past its deadline is refused then.
 
+Capacity in tokens (optional, ``CapacityConfig.tokens_per_s``): the backend may hold ``tokens_per_s x
+token_horizon_s`` tokens of outstanding work. Each admitted request holds its estimated cost (prompt tokens +
+max_tokens, passed to ``acquire`` and given back to ``release``) until it finishes. The token budget is cut like the
+sequences (reserved, burst, general; borrowing the reserve only while its lane is idle) and a request must fit both.
+A request larger than its lane's whole token share is admitted alone: a reserved-lane request when no reserved
+request holds tokens, any other when no non-reserved request does (and the reserved lane holds at most its share);
+it holds its full cost, so the rest waits until it finishes. It is never refused for its size. A request that
+passes no ``tokens`` (0) is counted in sequences only.
+
+The upstream queue gate (optional, ``upstream_full``, asked with the number of requests this gateway has admitted
+and not yet released): over upstream replicas that report their waiting queue (``tailguard.gateway.upstream``), while
+they together hold more than ``CapacityConfig.upstream_queue_limit`` per replica, the non-reserved lanes admit
+nobody new: their requests wait here, in lane order and fairly by tenant,
+rather than in the upstream's FIFO; the reserved lane is still admitted up to its reserve. The hook is asked at
+each admission decision, and ``poke()`` re-runs the decisions when the figure changes (a new scrape).
+
 In a fleet (several gateways sharing Redis, ``tailguard.gateway.shared``), the same rule runs over the fleet's
 in-flight counts: a slot is a lease in Redis, taken atomically, and the reserve is a fleet reserve. Queues and
 fairness stay per gateway; waiters are admitted by a pump that retries the fleet every ``FLEET_POLL_S`` (and at once
-when this gateway releases a slot). Redis unreachable: the gateway falls back to its own counts (fail open).
+when this gateway releases a slot). Redis unreachable: the gateway falls back to its own counts (fail open). The
+token budget and the upstream queue gate are this gateway's own in a fleet (checked before a fleet slot is taken):
+give each gateway its share of ``tokens_per_s``.
 """
 
 from __future__ import annotations
@@ -27,6 +45,7 @@ import contextlib
 import math
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -78,6 +97,17 @@ class CapacityConfig(BaseModel):
     reserved_share: float = Field(0.2, ge=0, lt=1)
     burst_share: float = Field(0.05, ge=0, lt=1)
     drain_window_s: float = Field(10.0, gt=0, description="window of the drain rate behind Retry-After")
+    tokens_per_s: float | None = Field(None, gt=0, description="the backend's token rate; with token_horizon_s it "
+                                                               "bounds the tokens of outstanding work; None: off")
+    token_horizon_s: float = Field(10.0, gt=0, description="seconds of work the backend may hold: the token budget "
+                                                           "is tokens_per_s x token_horizon_s")
+    upstream_queue_limit: float | None = Field(2.0, ge=0, description="upstream replicas: while the replicas that "
+                                               "report a waiting queue hold more than this many per replica, only "
+                                               "the reserved lane is admitted (others wait here); None: off")
+
+    @property
+    def token_budget(self) -> int | None:
+        return None if self.tokens_per_s is None else max(1, int(self.tokens_per_s * self.token_horizon_s))
 
 
 class Overloaded(Exception):
@@ -93,6 +123,7 @@ class _Waiter:
     future: asyncio.Future
     tenant: str
     enqueued: float
+    tokens: int = 0  # the estimated cost it will hold once admitted
 
 
 @dataclass
@@ -100,6 +131,7 @@ class LaneState:
     name: str
     cfg: LaneConfig
     in_use: int = 0
+    tokens: int = 0  # estimated tokens held by its admitted requests
     admitted: int = 0
     refused: int = 0
     # tenant -> its waiters, in arrival order; tenants in round-robin order (the next to serve first).
@@ -110,14 +142,18 @@ class LaneState:
 
 
 class Lanes:
-    """Admission by lane against a capacity split into reserved, burst and general parts."""
+    """Admission by lane against a capacity (sequences, and tokens when configured) split into reserved, burst and
+    general parts, gated by the upstream queue when a hook says it is too long."""
 
     def __init__(self, lanes: dict[str, LaneConfig], capacity: int, cfg: CapacityConfig | None = None,
-                 fleet: RedisState | None = None) -> None:
+                 fleet: RedisState | None = None, upstream_full: Callable[[int], bool] | None = None) -> None:
         if not lanes:
             raise ValueError("at least one lane is needed")
         self.cfg = cfg or CapacityConfig()
         self.fleet = fleet  # None: this gateway's counts alone (the single-gateway path)
+        # Asked with this gateway's admitted requests in flight (some perhaps not yet sent upstream); True: the
+        # upstreams queue too much, only the reserve is admitted.
+        self.upstream_full = upstream_full
         self._pump: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._marked: set[str] = set()  # reserved lanes this gateway told the fleet it has waiters in
@@ -133,6 +169,13 @@ class Lanes:
             self.cfg.reserved_share > 0 and self.capacity > 1 else 0
         self.burst = round(self.capacity * self.cfg.burst_share)
         self.general = max(1, self.capacity - self.reserved - self.burst)
+        budget = self.cfg.token_budget
+        self.token_budget = budget
+        self.reserved_tokens = self.burst_tokens = self.general_tokens = 0
+        if budget is not None:  # the same split as the sequences
+            self.reserved_tokens = round(budget * self.cfg.reserved_share) if has_reserved else 0
+            self.burst_tokens = round(budget * self.cfg.burst_share)
+            self.general_tokens = max(1, budget - self.reserved_tokens - self.burst_tokens)
         if self.fleet is not None:
             from tailguard.gateway.shared import lane_rule
 
@@ -146,7 +189,15 @@ class Lanes:
     def _others_in_use(self) -> int:
         return sum(s.in_use for s in self.lanes.values() if not s.cfg.reserved)
 
-    def _fits(self, lane: LaneState) -> bool:
+    def _fits(self, lane: LaneState, tokens: int = 0) -> bool:
+        """Room for one more request of ``lane`` costing ``tokens``: sequences, tokens and the upstream queue."""
+        return self._fits_sequences(lane) and self._local_ok(lane, tokens)
+
+    def _local_ok(self, lane: LaneState, tokens: int) -> bool:
+        """What this gateway decides alone, also in a fleet: the token budget and the upstream queue gate."""
+        return not self._gated(lane) and self._fits_tokens(lane, tokens)
+
+    def _fits_sequences(self, lane: LaneState) -> bool:
         others = self._others_in_use()
         if lane.cfg.reserved:
             mine = sum(s.in_use for s in self.lanes.values() if s.cfg.reserved)
@@ -157,6 +208,35 @@ class Lanes:
             limit += self.reserved  # borrow the reserve while its owner is idle
         total = others + sum(s.in_use for s in self.lanes.values() if s.cfg.reserved)
         return others < limit and total < self.capacity
+
+    def _fits_tokens(self, lane: LaneState, tokens: int) -> bool:
+        """The sequences' rule over the token budget; a request bigger than its lane's share is admitted alone."""
+        budget = self.token_budget
+        if budget is None or tokens <= 0:
+            return True
+        mine = sum(s.tokens for s in self.lanes.values() if s.cfg.reserved)
+        others = sum(s.tokens for s in self.lanes.values() if not s.cfg.reserved)
+        if lane.cfg.reserved:
+            return mine == 0 or mine + min(others, self.general_tokens + self.burst_tokens) + tokens <= budget
+        limit = self.general_tokens + (self.burst_tokens if lane.cfg.burst else 0)
+        if not self._reserved_busy():
+            limit += self.reserved_tokens
+        if others + tokens <= limit and mine + others + tokens <= budget:
+            return True
+        # Alone: nothing else outside the reserve holds tokens, and the reserved lane keeps to its share.
+        return others == 0 and mine <= self.reserved_tokens
+
+    def gate_closed(self) -> bool:
+        """The upstream queue gate holds the non-reserved lanes."""
+        return self.upstream_full is not None and self.upstream_full(sum(s.in_use for s in self.lanes.values()))
+
+    def _gated(self, lane: LaneState) -> bool:
+        """The upstreams queue too much: nobody new but the reserved lane, up to its reserve (at least one)."""
+        if not self.gate_closed():
+            return False
+        if not lane.cfg.reserved:
+            return True
+        return sum(s.in_use for s in self.lanes.values() if s.cfg.reserved) >= max(1, self.reserved)
 
     # --- admission --------------------------------------------------------------------------------------------------
     def lane(self, name: str) -> LaneState:
@@ -179,16 +259,19 @@ class Lanes:
             return None
         return (lane.waiting + 1) / rate
 
-    async def acquire(self, name: str, tenant: str = "", now: float | None = None) -> float:
-        """Wait for a slot in lane ``name``; returns when admitted (the wait in seconds) or raises ``Overloaded``."""
+    async def acquire(self, name: str, tenant: str = "", now: float | None = None, tokens: int = 0) -> float:
+        """Wait for a slot in lane ``name`` for a request of ``tokens`` estimated tokens (prompt + max_tokens; 0:
+        sequences only); returns when admitted (the wait in seconds) or raises ``Overloaded``. The caller gives the
+        slot back with ``release(name, tokens)``, the same ``tokens``."""
         lane = self.lane(name)
         now = time.monotonic() if now is None else now
+        tokens = max(0, int(tokens))
         if self.fleet is None:
-            if lane.waiting == 0 and self._fits(lane):
-                self._admit(lane, now)
+            if lane.waiting == 0 and self._fits(lane, tokens):
+                self._admit(lane, now, tokens)
                 return 0.0
-        elif lane.waiting == 0 and await self._fleet_take(lane):
-            self._admit(lane, now)
+        elif lane.waiting == 0 and self._local_ok(lane, tokens) and await self._fleet_take(lane, tokens):
+            self._admit(lane, now, tokens)
             return 0.0
         if lane.waiting >= lane.cfg.max_queue:
             lane.refused += 1
@@ -200,7 +283,7 @@ class Lanes:
             lane.refused += 1  # refused before it costs anything: it would miss its deadline anyway
             raise Overloaded(f"lane {name!r} would admit this request in about {wait:.1f} s, past its "
                              f"{lane.cfg.max_queue_wait_s:g} s deadline", wait)
-        w = _Waiter(asyncio.get_running_loop().create_future(), tenant, now)
+        w = _Waiter(asyncio.get_running_loop().create_future(), tenant, now, tokens)
         lane.queues.setdefault(tenant, deque()).append(w)
         lane.waiting += 1
         if self.fleet is not None:
@@ -209,7 +292,7 @@ class Lanes:
             await asyncio.wait_for(asyncio.shield(w.future), lane.cfg.max_queue_wait_s)
         except (TimeoutError, asyncio.CancelledError) as exc:
             if w.future.done() and not w.future.cancelled():
-                self.release(name)  # admitted in the very moment it gave up: hand the slot back
+                self.release(name, tokens)  # admitted in the very moment it gave up: hand the slot back
             else:
                 w.future.cancel()
                 self._forget(lane, w)
@@ -222,9 +305,11 @@ class Lanes:
             raise
         return time.monotonic() - now
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, tokens: int = 0) -> None:
+        """Give back a slot of lane ``name`` and the ``tokens`` it was acquired with."""
         lane = self.lanes[name]
         lane.in_use = max(0, lane.in_use - 1)
+        lane.tokens = max(0, lane.tokens - max(0, int(tokens)))
         if self.fleet is None:
             self._dispatch()
             return
@@ -235,7 +320,16 @@ class Lanes:
             self._kick()
 
     # --- the fleet ----------------------------------------------------------------------------------------------------
-    async def _fleet_take(self, lane: LaneState) -> bool:
+    def poke(self) -> None:
+        """Something outside the lanes changed (the upstream queue was read again): admit whoever fits now."""
+        if not any(s.waiting for s in self.order):
+            return
+        if self.fleet is None:
+            self._dispatch()
+        else:
+            self._kick()
+
+    async def _fleet_take(self, lane: LaneState, tokens: int = 0) -> bool:
         """A slot for ``lane`` under the fleet's rule (its lease kept with the lane), or False. Redis unreachable:
         this gateway's own counts decide (fail open)."""
         from tailguard.gateway.shared import SharedUnavailable
@@ -244,7 +338,7 @@ class Lanes:
         try:
             lease = await self.fleet.take_slot(lane.name, self.rule)
         except SharedUnavailable:
-            if not self._fits(lane):
+            if not self._fits(lane, tokens):
                 return False
             lease = ""
         if lease is None:
@@ -269,15 +363,16 @@ class Lanes:
             self._wake.clear()
             for lane in self.order:
                 while lane.waiting:
-                    if not await self._fleet_take(lane):
+                    w = self._peek(lane)
+                    if w is None or not self._local_ok(lane, w.tokens) or not await self._fleet_take(lane, w.tokens):
                         break
-                    w = self._next(lane)
-                    if w is None:  # every waiter gave up meanwhile: hand the slot back
+                    if w.future.done():  # it gave up while Redis answered: hand the slot back, try the next
                         lease = lane.leases.pop()
                         if lease:
                             self.fleet.give_slot(lane.name, lease)
-                        break
-                    self._admit(lane, time.monotonic())
+                        continue
+                    self._take(lane, w)
+                    self._admit(lane, time.monotonic(), w.tokens)
                     w.future.set_result(None)
             waiting_reserved = {s.name for s in self.order if s.cfg.reserved and s.waiting}
             for name in waiting_reserved | self._marked:
@@ -289,8 +384,9 @@ class Lanes:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), FLEET_POLL_S)
 
-    def _admit(self, lane: LaneState, now: float) -> None:
+    def _admit(self, lane: LaneState, now: float, tokens: int = 0) -> None:
         lane.in_use += 1
+        lane.tokens += tokens
         lane.admitted += 1
         lane.drained.append(now)
 
@@ -302,19 +398,28 @@ class Lanes:
             if not q:
                 del lane.queues[w.tenant]
 
-    def _next(self, lane: LaneState) -> _Waiter | None:
-        """The next waiter of ``lane``: round-robin over its tenants."""
+    def _peek(self, lane: LaneState) -> _Waiter | None:
+        """The next waiter of ``lane`` (round-robin over its tenants), left in its queue; waiters that gave up
+        are dropped on the way."""
         while lane.queues:
             tenant, q = next(iter(lane.queues.items()))
-            w = q.popleft()
-            lane.waiting -= 1
+            while q and q[0].future.done():
+                q.popleft()
+                lane.waiting -= 1
             if q:
-                lane.queues.move_to_end(tenant)  # this tenant goes to the back of the round
-            else:
-                del lane.queues[tenant]
-            if not w.future.done():
-                return w
+                return q[0]
+            del lane.queues[tenant]
         return None
+
+    def _take(self, lane: LaneState, w: _Waiter) -> None:
+        """Take ``w`` (the head ``_peek`` gave) out of its queue; its tenant goes to the back of the round."""
+        q = lane.queues[w.tenant]
+        q.remove(w)
+        lane.waiting -= 1
+        if q:
+            lane.queues.move_to_end(w.tenant)
+        else:
+            del lane.queues[w.tenant]
 
     def _dispatch(self) -> None:
         """Admit waiters while they fit, most important lane first."""
@@ -322,13 +427,14 @@ class Lanes:
             return  # the fleet's pump admits (it must ask Redis, which takes an await)
         now = time.monotonic()
         for lane in self.order:
-            while lane.waiting and self._fits(lane):
-                w = self._next(lane)
-                if w is None:
+            while lane.waiting:
+                w = self._peek(lane)  # the head waits for room: a large request is not overtaken by small ones
+                if w is None or not self._fits(lane, w.tokens):
                     break
-                self._admit(lane, now)
+                self._take(lane, w)
+                self._admit(lane, now, w.tokens)
                 w.future.set_result(None)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
-        return {name: {"in_use": s.in_use, "waiting": s.waiting, "admitted": s.admitted, "refused": s.refused}
-                for name, s in self.lanes.items()}
+        return {name: {"in_use": s.in_use, "tokens": s.tokens, "waiting": s.waiting, "admitted": s.admitted,
+                       "refused": s.refused} for name, s in self.lanes.items()}

@@ -27,6 +27,14 @@ class GatewayMetrics:
         self.lane_capacity = Gauge("tailguard_lane_capacity_sequences",
                                    "Capacity split: total, reserved, burst and general sequences.",
                                    ["model", "part"], registry=r)
+        self.lane_tokens = Gauge("tailguard_lane_in_use_tokens", "Estimated tokens (prompt + max_tokens) held by "
+                                 "admitted requests, per lane (with a token budget).", lane, registry=r)
+        self.lane_token_capacity = Gauge("tailguard_lane_capacity_tokens", "Token budget split: total, reserved, "
+                                         "burst and general tokens (with a token budget).", ["model", "part"],
+                                         registry=r)
+        self.upstream_gate = Gauge("tailguard_upstream_queue_gate_closed", "1 while the upstream replicas queue "
+                                   "more than the limit and only the reserved lane is admitted.", ["model"],
+                                   registry=r)
         self.lane_refused = Counter("tailguard_lane_refused_requests",
                                     "Requests refused with 429 by the lanes (queue full or deadline).", lane, registry=r)
         self.lane_wait = Histogram("tailguard_lane_wait_seconds", "Time a request waited for its lane to admit it.",
@@ -78,6 +86,14 @@ class GatewayMetrics:
             for part, v in (("total", lanes.capacity), ("reserved", lanes.reserved), ("burst", lanes.burst),
                             ("general", lanes.general)):
                 self.lane_capacity.labels(m, part).set(v)
+            if lanes.token_budget is not None:
+                for name, s in lanes.lanes.items():
+                    self.lane_tokens.labels(m, name).set(s.tokens)
+                for part, v in (("total", lanes.token_budget), ("reserved", lanes.reserved_tokens),
+                                ("burst", lanes.burst_tokens), ("general", lanes.general_tokens)):
+                    self.lane_token_capacity.labels(m, part).set(v)
+            if lanes.upstream_full is not None:
+                self.upstream_gate.labels(m).set(1 if lanes.gate_closed() else 0)
         if pool is not None:
             for rep in pool.replicas:
                 self.up_outstanding.labels(m, rep.name).set(rep.outstanding_tokens)

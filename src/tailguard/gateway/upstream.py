@@ -4,7 +4,14 @@ Routing picks, among the replicas that are healthy and whose breaker lets traffi
 outstanding tokens by the power of two choices (two at random, the lighter wins: near-best balance without herding on
 one replica). With prefix affinity a request with a session key or a long shared prefix goes to the replica chosen by
 rendezvous hashing on that key, so that the replica's prefix cache is reused, unless that replica is much busier than
-the rest (bounded load). Where an upstream exposes vLLM-style ``/metrics``, its waiting queue is counted in its load.
+the rest (bounded load). Where an upstream exposes vLLM-style ``/metrics``, its waiting queue is counted in its load
+and feeds the lanes' admission (``queue_full``, the upstream queue gate of ``tailguard.gateway.lanes``).
+
+The scraped queue is read at each health check, and every ``queue_scrape_s`` while a replica's queue is (or is
+estimated) non-zero. Between two reads it is kept current from what the gateway itself sees: a replica that queues is
+full, so each request the gateway sends it since the read joins its queue and each one that finishes lets one waiting
+request in; a replica that did not queue, but once showed how many sequences it runs when full (its running gauge
+while it queued), queues whatever the gateway sends beyond its free slots (``Replica.queue_estimate``).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import logging
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +35,8 @@ log = logging.getLogger("tailguard.gateway")
 
 # Queue gauges of the engines we know: vLLM's, SGLang's and tailguard's own.
 _WAITING = re.compile(rb"^(?:vllm:num_requests_waiting|sglang:num_queue_reqs|tailguard_num_requests_waiting)"
+                      rb"(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+_RUNNING = re.compile(rb"^(?:vllm:num_requests_running|sglang:num_running_reqs|tailguard_num_requests_running)"
                       rb"(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
 
 
@@ -60,6 +70,9 @@ class RoutingConfig(BaseModel):
     affinity_slack: float = Field(1.5, ge=1, description="affinity holds while the replica's load <= slack x mean")
     retries: int = Field(2, ge=0, description="other replicas tried when one fails before the first token")
     health_interval_s: float = Field(2.0, gt=0)
+    queue_scrape_s: float = Field(0.25, gt=0, description="while a replica's waiting queue is (or is estimated) "
+                                                          "non-zero, its /metrics is read this often (between "
+                                                          "health checks)")
     connect_timeout_s: float = Field(5.0, gt=0)
     breaker_failures: int = Field(3, ge=1, description="consecutive failures that open a replica's breaker")
     breaker_cooldown_s: float = Field(10.0, gt=0, description="open breaker: time before one trial request")
@@ -114,6 +127,10 @@ class Replica:
     in_flight: int = 0
     outstanding_tokens: int = 0
     upstream_waiting: float = 0.0  # from its /metrics, when it has them
+    reports_queue: bool = False  # its /metrics has a queue gauge we know
+    in_flight_at_scrape: int = 0  # the gateway's requests in flight there when upstream_waiting was read
+    upstream_running: float | None = None  # its running sequences, from its /metrics, when it has them
+    slots: float | None = None  # sequences it runs at once, learned: its running count when it last queued
     requests: int = 0
     errors: int = 0
     last_error: str | None = None
@@ -127,6 +144,25 @@ class Replica:
     @property
     def available(self) -> bool:
         return self.healthy and self.breaker.allows()
+
+    def queue_estimate(self) -> float:
+        """Its waiting queue now: the last read, plus the requests sent there since, less those finished since
+        (while it queues it is full: a new one waits, a finished one lets a waiting one in). A replica that did
+        not queue at the last read queues what is sent beyond its free slots, once it has shown how many it runs
+        (so a burst between two reads is seen at once)."""
+        sent = self.in_flight - self.in_flight_at_scrape
+        if self.upstream_waiting > 0:
+            return max(0.0, self.upstream_waiting + sent)
+        if self.slots is not None and self.upstream_running is not None:
+            return max(0.0, self.upstream_running + sent - self.slots)
+        return 0.0
+
+    def free_slots(self) -> float | None:
+        """Slots it has free now by the same reckoning (None: it has not shown how many it runs)."""
+        if self.slots is None or self.upstream_running is None:
+            return None
+        sent = self.in_flight - self.in_flight_at_scrape
+        return max(0.0, self.slots - self.upstream_running - self.upstream_waiting - sent)
 
     def load(self, tokens_per_waiting: int = 256) -> float:
         return self.outstanding_tokens + self.upstream_waiting * tokens_per_waiting
@@ -153,6 +189,8 @@ class UpstreamPool:
         self.rng = rng or random.Random()
         self.session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task | None = None
+        self._queue_watch: asyncio.Task | None = None
+        self.on_queue: Callable[[], None] | None = None  # called after each read of a replica's queue (Lanes.poke)
 
     def _new(self, u: UpstreamConfig) -> Replica:
         name = u.name or u.url.split("://", 1)[1]
@@ -201,10 +239,12 @@ class UpstreamPool:
                                                                            sock_connect=self.routing.connect_timeout_s))
         await self.check_all()
         self._health = asyncio.create_task(self._health_loop())
+        self._queue_watch = asyncio.create_task(self._queue_loop())
 
     async def close(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
+        for task in (self._health, self._queue_watch):
+            if task is not None:
+                task.cancel()
         if self.session is not None:
             await self.session.close()
 
@@ -220,6 +260,39 @@ class UpstreamPool:
                 await self.check_all()
             except Exception:  # noqa: BLE001 - a failed round must not end health checking
                 log.exception("upstream health check")
+
+    async def _queue_loop(self) -> None:
+        """Read the queues of the replicas that queue more often than the health checks: the gate reopens sooner."""
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.routing.health_interval_s))
+        while True:
+            await asyncio.sleep(self.routing.queue_scrape_s)
+            busy = [r for r in self.replicas if r.available and (r.upstream_waiting > 0 or r.queue_estimate() > 0)]
+            if not busy:
+                continue
+            try:
+                await asyncio.gather(*(self._scrape(r, timeout) for r in busy))
+            except Exception:  # noqa: BLE001 - a failed read must not end the watch
+                log.exception("upstream queue read")
+
+    def queue_full(self, per_replica: float, admitted: int = 0) -> bool:
+        """The replicas that report a queue hold more than ``per_replica`` waiting requests each, together.
+
+        ``admitted``: the requests the gateway has admitted and not yet released. Those not yet sent to a replica
+        (a burst admitted in one moment) will queue beyond the replicas' free slots, when every available replica
+        has shown how many it runs."""
+        avail = [r for r in self.replicas if r.available]
+        reps = [r for r in avail if r.reports_queue]
+        if not reps:
+            return False
+        queued = sum(r.queue_estimate() for r in reps)
+        unsent = admitted - sum(r.in_flight for r in self.replicas)
+        if unsent > 0:
+            free = [r.free_slots() for r in avail]
+            if None not in free:
+                queued += max(0.0, unsent - sum(free))  # type: ignore[arg-type]
+        return queued > per_replica * len(reps)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in self.replicas))
@@ -261,6 +334,19 @@ class UpstreamPool:
             return
         found = [float(m) for m in _WAITING.findall(body)]
         r.upstream_waiting = sum(found) if found else 0.0
+        r.reports_queue = bool(found)
+        running = [float(m) for m in _RUNNING.findall(body)]
+        r.upstream_running = sum(running) if running and found else None
+        # Its slots: what it runs while it queues (it is full), or more when it runs more without a queue.
+        run = r.upstream_running
+        if run is not None and (r.upstream_waiting > 0 or (r.slots is not None and run > r.slots)):
+            r.slots = run
+        r.in_flight_at_scrape = r.in_flight
+        if self.on_queue is not None:
+            try:
+                self.on_queue()
+            except Exception:  # noqa: BLE001 - admission's hook must not fail a health check
+                log.exception("upstream queue hook")
 
     # --- routing ----------------------------------------------------------------------------------------------------
     def pick(self, affinity_key: str | None = None, exclude: set[str] | None = None) -> Replica:

@@ -74,8 +74,15 @@ class ServerState:
         self.token_text = TokenText(engine.tokenizer) if engine.tokenizer is not None else None
         if self.config.lanes_enabled:
             cap = self.config.capacity
+            pool = getattr(engine, "pool", None)
+            limit = cap.upstream_queue_limit
+            gate = (lambda admitted: pool.queue_full(limit, admitted)) if pool is not None and limit is not None \
+                else None
             self.lanes = Lanes(self.config.lane_configs(), cap.max_concurrent or backend_capacity(engine), cap,
-                               fleet=self.shared if self.shared.fleet else None)  # type: ignore[arg-type]
+                               fleet=self.shared if self.shared.fleet else None,  # type: ignore[arg-type]
+                               upstream_full=gate)
+            if gate is not None:  # a new read of the upstream queues may open the gate: admit who fits
+                pool.on_queue = self.lanes.poke
             if self.metrics is not None:
                 self.gateway_metrics = GatewayMetrics(self.metrics.registry, self.metrics.model)
                 if hasattr(engine, "on_attempt"):  # over upstream replicas: count each attempt per replica
