@@ -1,5 +1,5 @@
 """The gateway's Prometheus metrics: lanes (queue depth, admitted, refused, lane wait), tenants (rate limited),
-streams (stalls, interruptions, degraded) and upstream replicas (requests, errors, outstanding tokens, TTFT)."""
+streams (stalls, interruptions, degraded, stall fallbacks) and upstream replicas (requests, errors, outstanding tokens, TTFT)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,9 @@ class GatewayMetrics:
                               ["model", "lane", "kind"], registry=r)
         self.degraded = Counter("tailguard_stream_degraded_requests",
                                 "Streams switched to a degraded answer after consecutive stalls.", lane, registry=r)
+        self.fallbacks = Counter("tailguard_stream_fallbacks",
+                                 "Stalled streams sent on to another replica, by how that ended: ok, stalled (again), "
+                                 "failed, no_replica, interrupted, not_continuable.", [*lane, "outcome"], registry=r)
         self.interrupted = Counter("tailguard_stream_interrupted_requests",
                                    "Streams that ended with an error after their first token.", lane, registry=r)
         self.streams = Counter("tailguard_streams_started", "Streams that sent their first token.", lane, registry=r)

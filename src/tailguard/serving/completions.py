@@ -37,12 +37,14 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tailguard.engine.request import EngineClosed, RequestError, SamplingParams
+from tailguard.gateway.fallback import UpstreamRequest, stall_fallback
 from tailguard.gateway.lanes import LaneConfig, Overloaded
 from tailguard.gateway.proxy import UpstreamError
 from tailguard.gateway.streams import KEEPALIVE, Stalled, watch
 from tailguard.gateway.tenants import RateLimited
 from tailguard.observe.metrics import clean_label
 from tailguard.observe.timeline import Outcome, Timeline
+from tailguard.serving.chat_prompt import render_chat_prompt
 from tailguard.serving.errors import APIError
 from tailguard.serving.ids import request_id_from
 from tailguard.serving.protocol import Parsed, decode_json, parse_chat, parse_completion
@@ -215,6 +217,35 @@ async def _watched(respond: Callable[[], Awaitable[None]], receive: Receive, on_
         tg.cancel_scope.cancel()
 
 
+class _FallbackRecord:
+    """What a stall fallback did, in the record (the answer is marked degraded, mode ``fallback``; the gateway
+    section's ``fallback`` says from which replica, after how many tokens, to which, and how it ended) and metrics."""
+
+    def __init__(self, tl: Timeline, gm: Any) -> None:
+        self.tl, self.gm = tl, gm
+
+    def _entry(self) -> dict[str, Any]:
+        g = self.tl.gateway = self.tl.gateway or {}
+        return g.setdefault("fallback", {})
+
+    def switched(self, stalled_on: str | None, sent_tokens: int, stalled: Stalled) -> None:
+        tl = self.tl
+        tl.slo_action = {"action": "degrade", "mode": "fallback", "tier": "stream", "scope": f"lane:{tl.lane}",
+                         "action_id": "stall-fallback", "reason": f"{stalled}; continued on another replica"}
+        self._entry().update({"from": stalled_on, "after_tokens": sent_tokens})
+
+    def finished(self, outcome: str, replica: str | None) -> None:
+        entry = self._entry()
+        entry["outcome"] = outcome
+        if replica is not None:
+            entry["to"] = replica
+        gm = self.gm
+        if gm is not None:
+            gm.fallbacks.labels(gm.model, self.tl.lane, outcome).inc()
+            if outcome == "ok":  # a template ending is counted where the template is written
+                gm.degraded.labels(gm.model, self.tl.lane).inc()
+
+
 @dataclass
 class _Prepared:
     """A validated, tokenized request, ready for the engine."""
@@ -342,19 +373,32 @@ class CompletionEndpoint:
         st.active_ids.add(engine_id)
         tl.queued = perf_counter()
         priority = ex.lane.priority if ex.lane is not None else 0
+        lane = ex.lane
+        guard: Callable[[AsyncIterator[Any]], AsyncIterator[Any]] | None = None
+        if lane is not None and lane.watches:
+            guard = partial(watch, ttft_deadline=lane.ttft_deadline_s, itl_deadline=lane.itl_deadline_s,
+                            misses=lane.stall_misses, keepalive=lane.keepalive_s if p.stream else None,
+                            on_miss=self._on_miss(tl))
         if getattr(engine, "takes_text", False):
-            agen = engine.generate_request(  # type: ignore[attr-defined]
-                prep.body, self.chat, engine_id, priority=priority, est_tokens=tl.num_prompt_tokens + p.max_tokens,
+            up = UpstreamRequest(
+                prep.body, self.chat, engine_id, p.max_tokens or 1, priority=priority,
+                est_tokens=tl.num_prompt_tokens + (p.max_tokens or 0),
                 affinity_key=engine.pool.affinity_key(p.user or request.headers.get("x-session-id"),  # type: ignore
                                                       prep.text or ""),
                 headers=_forwarded(request))
+            if guard is not None and lane is not None and lane.stall_fallback == "replica" and \
+                    (lane.ttft_deadline_s or lane.itl_deadline_s):
+                # A stall continues the answer on another replica (the template only when that fails too).
+                agen = stall_fallback(engine, up, guard, _FallbackRecord(tl, self.state.gateway_metrics))  # type: ignore
+                guard = None
+            else:
+                agen = engine.generate_request(  # type: ignore[attr-defined]
+                    up.body, self.chat, engine_id, priority=priority, est_tokens=up.est_tokens,
+                    affinity_key=up.affinity_key, headers=up.headers)
         else:
             agen = engine.generate(ids, prep.sampling, engine_id, priority=priority, arrival_time=tl.received)
-        if ex.lane is not None and ex.lane.watches:
-            lane = ex.lane
-            agen = watch(agen, ttft_deadline=lane.ttft_deadline_s, itl_deadline=lane.itl_deadline_s,
-                         misses=lane.stall_misses, keepalive=lane.keepalive_s if p.stream else None,
-                         on_miss=self._on_miss(tl))
+        if guard is not None:
+            agen = guard(agen)
         respond = self._stream if p.stream else self._full
 
         def on_disconnect() -> bool:
@@ -562,7 +606,10 @@ class CompletionEndpoint:
         def run() -> tuple[list[int], str | None]:
             if p.prompt_token_ids is not None:
                 return p.prompt_token_ids, None
-            text = tok.render_chat(p.messages) if p.messages is not None else p.prompt or ""
+            if p.messages is None:
+                text = p.prompt or ""
+            else:
+                text = render_chat_prompt(tok, p.messages, p.add_generation_prompt, p.continue_final_message)
             return tok.encode(text), text
 
         size = sum(len(m["content"]) for m in p.messages) if p.messages is not None else len(p.prompt or "")
