@@ -210,3 +210,30 @@ def test_a_tailguard_replica_continues_the_final_message(tmp_path: Path):
             r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
                            json={"model": "fake", "messages": convo, "max_tokens": 3, **bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_fallback_stalls_too_and_the_template_ends_it(tmp_path: Path):
+    lanes = {"standard": {"priority": 1, "itl_deadline_s": 0.1, "ttft_deadline_s": 5.0}}
+    with replica(tmp_path, "s1", ttft=0.01, itl=1.0, output_text=SLOW) as s1, \
+            replica(tmp_path, "s2", ttft=0.01, itl=1.0, output_text=FAST) as s2, \
+            gateway(tmp_path, [s1.url, s2.url], lanes=lanes) as gw:
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+            "model": "fake", "messages": MESSAGES, "max_tokens": 12, "stream": True})
+        _, text = _sse(r)
+        first, second = text[0], text[1]
+        assert {first, second} == {SLOW[0], FAST[0]}  # one token from each, then the template
+        assert "service is overloaded" in text[2:]
+        rec = record(gw, r)
+        assert rec["slo_action"]["mode"] == "stall" and rec["output_tokens"] == 2
+        fb = rec["gateway"]["fallback"]
+        assert fb["outcome"] == "stalled" and fb["after_tokens"] == 1 and fb["from"] != fb["to"]
+        assert rec["gateway"]["itl_misses"] == 6
+
+
+def test_continuation_matches_transformers_on_a_real_chat_template(tokenizer, hf_tokenizer):
+    convo = [{"role": "user", "content": "Name three rivers."}, {"role": "assistant", "content": "The Nile, the "}]
+    ours = render_chat_prompt(tokenizer, convo, add_generation_prompt=False, continue_final_message=True)
+    assert ours.endswith("<|im_start|>assistant\nThe Nile, the ")
+    theirs = hf_tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=False,
+                                              continue_final_message=True)
+    assert ours == theirs
