@@ -133,6 +133,7 @@ class Exchange:
     gone_at: float | None = None  # when the client left, if it left before the last byte
     output: list[str] = field(default_factory=list)
     lane: LaneConfig | None = None  # the request's lane, when lanes are on
+    tenant: str | None = None  # the API key's tenant (the SLO actions' tenant selectors), None without keys
     lane_slot: str | None = None  # the lane whose capacity slot this request holds (given back once, at the end)
     charged: tuple[Any, int, bool] | None = None  # (tenant, output tokens charged, charged in the shared store)
     audit_ids: list[int] | None = None  # the output token ids, kept when the speculation audit will rerun it
@@ -336,6 +337,7 @@ class CompletionEndpoint:
         st, tl = self.state, ex.tl
         caller = st.keys.client(request.headers.get("authorization"))
         tl.owner = caller.key_id
+        ex.tenant = caller.tenant.name if caller.tenant is not None else None
         self._lane(ex, request, caller)
         engine = st.engine
         if engine is None or not st.ready:
@@ -346,7 +348,7 @@ class CompletionEndpoint:
         # (an allowlist, or the first 32 types seen), and a type counted as "other" must still be shed or degraded.
         btype = clean_label(request.headers.get("x-business-type"))
         if ex.lane is None or ex.lane.sheddable:
-            self._shed(tl, btype)
+            self._shed(tl, btype, ex.tenant)
         prep = await self._prepare(ex, engine, body, btype)
         if prep.degradation is not None and prep.degradation.mode == "template":
             await self._template(ex, prep.parsed, prep.degradation.template)
@@ -528,16 +530,18 @@ class CompletionEndpoint:
             chunks.append(part)
         return b"".join(chunks)
 
-    def _shed(self, tl: Timeline, btype: str) -> None:
+    def _shed(self, tl: Timeline, btype: str, tenant: str | None) -> None:
         mon = self.state.slo
-        shed = mon.shed_for(btype, tl.lane) if mon is not None else None
+        # The actions themselves: they take the tenant (the API key's) besides the business type and lane.
+        shed = mon.actions.shed_for(btype, tl.lane, tenant) if mon is not None else None
         if shed is None:
             return
         # Orange: non-core traffic is refused before it costs a parse, a tokenize or a queue slot.
         tl.slo_action = {k: shed[k] for k in ("action", "tier", "scope", "action_id")}
         wait = max(1, math.ceil(shed["retry_after_s"]))
         raise APIError(shed["status"], f"the service is shedding non-core traffic (SLO tier {shed['tier']}, "
-                                       f"business type {btype!r}, lane {tl.lane!r}); retry in {wait} s",
+                                       f"business type {btype!r}, lane {tl.lane!r}"
+                                       f"{f', tenant {tenant!r}' if tenant else ''}); retry in {wait} s",
                        code="slo_shed", headers={"Retry-After": str(wait)})
 
     async def _prepare(self, ex: Exchange, engine: Backend, body: bytes, btype: str) -> _Prepared:
@@ -568,7 +572,10 @@ class CompletionEndpoint:
                 256 if takes_text else max(1, engine.max_model_len - len(ids)))
         max_tokens = requested
         mon = st.slo
-        deg = mon.degradation_for(btype, tl.lane, tl.client, tl.region, len(ids)) if mon else None
+        # Never for a lane the monitor may not touch (``sheddable: false``, VIP by default) or a protected tenant.
+        exempt = ex.lane is not None and not ex.lane.sheddable
+        deg = mon.actions.degradation_for(btype, tl.lane, tl.client, tl.region, len(ids), ex.tenant) \
+            if mon and not exempt else None
         if deg is not None:
             tl.slo_action = {"action": "degrade", "mode": deg.mode, "tier": deg.tier, "scope": deg.scope,
                              "action_id": deg.action_id, "reason": deg.reason}
