@@ -91,7 +91,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         with replica(tmp, "slow", ttft=1.0, itl=1.0, output_text=SLOW) as slow, \
                 replica(tmp, "fast", ttft=0.01, itl=0.005, output_text=FAST) as fast, \
                 gateway(tmp, [slow.url, fast.url], keys_file=str(path), lanes=LANES,
-                        routing={"policy": "prefix"}) as gw:
+                        routing={"policy": "prefix", "breaker_failures": 100}) as gw:  # see the breaker test
             names = {r.url: r.name for r in gw.state.engine.pool.replicas}
             yield gw, keys, slow, fast, names[slow.url], names[fast.url], _user_routed_to(gw, names[slow.url])
 
@@ -237,3 +237,27 @@ def test_continuation_matches_transformers_on_a_real_chat_template(tokenizer, hf
     theirs = hf_tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=False,
                                               continue_final_message=True)
     assert ours == theirs
+
+
+def test_a_replica_that_keeps_stalling_is_taken_out_by_its_breaker(tmp_path: Path):
+    lanes = {"standard": {"priority": 1, "itl_deadline_s": 0.1, "ttft_deadline_s": 5.0}}
+    with replica(tmp_path, "slow", ttft=0.01, itl=1.0, output_text=SLOW) as slow, \
+            replica(tmp_path, "fast", ttft=0.01, itl=0.002, output_text=FAST) as fast, \
+            gateway(tmp_path, [slow.url, fast.url], lanes=lanes,
+                    routing={"breaker_failures": 3, "breaker_cooldown_s": 60}) as gw:
+        slow_rep = next(r for r in gw.state.engine.pool.replicas if r.url == slow.url)
+        fell_back = 0
+        for _ in range(40):  # power-of-two choices between idle replicas: a coin toss each time
+            r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+                "model": "fake", "messages": MESSAGES, "max_tokens": 6})
+            assert r.json()["choices"][0]["message"]["content"] in (FAST[:6], SLOW[:1] + FAST[:5])
+            fell_back += "fallback" in record(gw, r)["gateway"]
+            if slow_rep.breaker.state == "open":
+                break
+        assert fell_back == 3 and slow_rep.breaker.state == "open"  # three stalls in a row open it
+        assert slow_rep.last_error.startswith("a stream stalled")
+        out = [httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+            "model": "fake", "messages": MESSAGES, "max_tokens": 6}) for _ in range(6)]
+        assert all(r.json()["choices"][0]["message"]["content"] == FAST[:6] for r in out)  # no stall any more
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert metric_value(metrics, "tailguard_upstream_stalled_requests_total") == 3.0

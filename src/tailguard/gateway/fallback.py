@@ -10,7 +10,7 @@ the server sends them under the same id, in the same SSE stream, with no second 
 The continuation is watched too. If no other replica is available, or the continuation fails before its first
 token, or stalls as well, the original ``Stalled`` (or the new one) reaches the server, which ends the answer with
 the lane's template as it does without a fallback. ``report`` tells the server what happened, for the record and the
-metrics.
+metrics. Each stall counts as a failure for the stalled replica's circuit breaker.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ async def stall_fallback(backend: UpstreamBackend, request: UpstreamRequest,
     except Stalled as exc:
         stalled = exc
     stalled_on = tried[-1] if tried else None
+    backend.stalled(stalled_on)
     if sent >= request.max_tokens:  # every token had come: only the stream's end was missing
         yield UpstreamEvent(request.request_id, None, "", perf_counter(), finished=True,
                             finish_reason="length", num_output_tokens=sent,  # type: ignore[arg-type]
@@ -96,6 +97,7 @@ async def stall_fallback(backend: UpstreamBackend, request: UpstreamRequest,
                     report.finished("ok", ev.replica)
                 yield ev
     except Stalled:
+        backend.stalled(again[-1] if again else None)
         report.finished("stalled", again[-1] if again else None)
         raise
     except UpstreamError as exc:

@@ -49,6 +49,9 @@ class GatewayMetrics:
         self.streams = Counter("tailguard_streams_started", "Streams that sent their first token.", lane, registry=r)
         self.up_requests = Counter("tailguard_upstream_requests", "Requests sent to an upstream replica, by outcome.",
                                    [*rep, "outcome"], registry=r)
+        self.up_stalls = Counter("tailguard_upstream_stalled_requests",
+                                 "Streams at a replica that the stall watch gave up on (then sent to another replica).",
+                                 rep, registry=r)
         self.up_ttft = Histogram("tailguard_upstream_time_to_first_token_seconds",
                                  "From sending to an upstream replica to its first token.", rep,
                                  buckets=LATENCY_BUCKETS, registry=r)

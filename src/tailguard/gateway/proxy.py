@@ -112,6 +112,17 @@ class UpstreamBackend:
     def abort(self, request_id: str) -> None:
         pass  # closing the event stream closes the upstream connection, which aborts the request there
 
+    def stalled(self, name: str | None) -> None:
+        """A stream at replica ``name`` stalled (the stall watch gave up on it): a failure for its breaker, so that a
+        replica that stalls every stream leaves the routing for the cooldown, as one that fails does. Not while it is
+        the only one available: a stall may be overload, and a slow answer (or the template) beats a 503 for all."""
+        r = next((x for x in self.pool.replicas if x.name == name), None)
+        if r is None or not any(x.available for x in self.pool.replicas if x is not r):
+            return
+        r.errors += 1
+        r.last_error = "a stream stalled (consecutive deadlines missed)"
+        r.breaker.failure()
+
     def stats(self) -> EngineStats:
         reps = self.pool.replicas
         return EngineStats(running=sum(r.in_flight for r in reps), waiting=int(sum(r.upstream_waiting for r in reps)),

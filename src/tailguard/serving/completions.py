@@ -234,6 +234,8 @@ class _FallbackRecord:
         tl.slo_action = {"action": "degrade", "mode": "fallback", "tier": "stream", "scope": f"lane:{tl.lane}",
                          "action_id": "stall-fallback", "reason": f"{stalled}; continued on another replica"}
         self._entry().update({"from": stalled_on, "after_tokens": sent_tokens})
+        if self.gm is not None and stalled_on is not None:
+            self.gm.up_stalls.labels(self.gm.model, stalled_on).inc()
 
     def finished(self, outcome: str, replica: str | None) -> None:
         entry = self._entry()
@@ -241,6 +243,8 @@ class _FallbackRecord:
         if replica is not None:
             entry["to"] = replica
         gm = self.gm
+        if gm is not None and outcome == "stalled" and replica is not None:
+            gm.up_stalls.labels(gm.model, replica).inc()
         if gm is not None:
             gm.fallbacks.labels(gm.model, self.tl.lane, outcome).inc()
             if outcome == "ok":  # a template ending is counted where the template is written
