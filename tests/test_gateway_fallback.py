@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tailguard.engine.fake import ByteTokenizer
+from tailguard.gateway.proxy import continuation_body
 from tailguard.serving.chat_prompt import render_chat_prompt
 from tests.serving_helpers import ADMIN, ADMIN_KEY, fake_server
 from tests.test_gateway import gateway, keyfile, metric_value, record, replica
@@ -261,3 +262,20 @@ def test_a_replica_that_keeps_stalling_is_taken_out_by_its_breaker(tmp_path: Pat
         assert all(r.json()["choices"][0]["message"]["content"] == FAST[:6] for r in out)  # no stall any more
         metrics = httpx.get(gw.url + "/metrics").text
         assert metric_value(metrics, "tailguard_upstream_stalled_requests_total") == 3.0
+
+
+def test_continuation_bodies():
+    chat = {"model": "m", "messages": MESSAGES, "max_completion_tokens": 10, "min_tokens": 4, "stream": False}
+    out = continuation_body(chat, True, "Hel", 3, 10)
+    assert out["messages"] == [*MESSAGES, {"role": "assistant", "content": "Hel"}]
+    assert out["continue_final_message"] is True and out["add_generation_prompt"] is False
+    assert out["max_tokens"] == 7 and "max_completion_tokens" not in out and out["min_tokens"] == 1
+    assert chat["messages"] == MESSAGES and "max_tokens" not in chat  # the client's body is left as it was
+    # A request that was a continuation already: its open message grows.
+    again = continuation_body(out, True, "lo", 2, 7)
+    assert again["messages"][-1] == {"role": "assistant", "content": "Hello"} and len(again["messages"]) == 2
+    assert again["max_tokens"] == 5
+    assert continuation_body({"prompt": ["Once"], "max_tokens": 5}, False, " upon", 2, 5) == \
+        {"prompt": "Once upon", "max_tokens": 3}
+    assert continuation_body({"prompt": [1, 2, 3]}, False, "x", 1, 5) is None  # token ids: not continuable
+    assert continuation_body(chat, True, "", 0, 10) == chat  # before the first token: the request as it was

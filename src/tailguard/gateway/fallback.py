@@ -51,8 +51,9 @@ class FallbackReport(Protocol):
 
 async def stall_fallback(backend: UpstreamBackend, request: UpstreamRequest,
                          guard: Callable[[AsyncIterator[Any]], AsyncIterator[Any]],
-                         report: FallbackReport) -> AsyncIterator[Any]:
-    """The request's events, through ``guard`` (the stall watch); after a stall, the continuation's events."""
+                         report: FallbackReport, wanted: Callable[[], bool] = lambda: True) -> AsyncIterator[Any]:
+    """The request's events, through ``guard`` (the stall watch); after a stall, the continuation's events.
+    ``wanted``: False once the client has gone (no continuation is sent for nobody)."""
     tried: list[str] = []
     texts: list[str] = []
     sent = 0
@@ -76,6 +77,8 @@ async def stall_fallback(backend: UpstreamBackend, request: UpstreamRequest,
                             finish_reason="length", num_output_tokens=sent,  # type: ignore[arg-type]
                             replica=stalled_on, attempts=len(tried))
         return
+    if not wanted():
+        raise stalled
     body = continuation_body(request.body, request.chat, "".join(texts), sent, request.max_tokens)
     if body is None:
         report.finished("not_continuable", None)

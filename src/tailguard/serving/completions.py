@@ -395,7 +395,8 @@ class CompletionEndpoint:
             if guard is not None and lane is not None and lane.stall_fallback == "replica" and \
                     (lane.ttft_deadline_s or lane.itl_deadline_s):
                 # A stall continues the answer on another replica (the template only when that fails too).
-                agen = stall_fallback(engine, up, guard, _FallbackRecord(tl, self.state.gateway_metrics))  # type: ignore
+                agen = stall_fallback(engine, up, guard, _FallbackRecord(tl, self.state.gateway_metrics),  # type: ignore
+                                      wanted=lambda: ex.phase < Phase.ABANDONED)
                 guard = None
             else:
                 agen = engine.generate_request(  # type: ignore[attr-defined]
