@@ -231,8 +231,12 @@ class _FallbackRecord:
 
     def switched(self, stalled_on: str | None, sent_tokens: int, stalled: Stalled) -> None:
         tl = self.tl
+        prev = tl.slo_action
         tl.slo_action = {"action": "degrade", "mode": "fallback", "tier": "stream", "scope": f"lane:{tl.lane}",
                          "action_id": "stall-fallback", "reason": f"{stalled}; continued on another replica"}
+        if prev is not None and prev.get("mode") == "truncate":  # the red cap still holds: keep saying so
+            tl.slo_action.update({k: prev[k] for k in ("max_tokens", "requested_max_tokens") if k in prev},
+                                 truncated_by=prev.get("action_id"))
         self._entry().update({"from": stalled_on, "after_tokens": sent_tokens})
         if self.gm is not None and stalled_on is not None:
             self.gm.up_stalls.labels(self.gm.model, stalled_on).inc()
