@@ -280,3 +280,25 @@ def test_continuation_bodies():
         {"prompt": "Once upon", "max_tokens": 3}
     assert continuation_body({"prompt": [1, 2, 3]}, False, "x", 1, 5) is None  # token ids: not continuable
     assert continuation_body(chat, True, "", 0, 10) == chat  # before the first token: the request as it was
+
+
+def test_a_fallback_that_fails_before_its_first_token_ends_with_the_template(tmp_path: Path):
+    from tests.test_gateway import _free_port
+
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    lanes = {"standard": {"priority": 1, "itl_deadline_s": 0.1, "ttft_deadline_s": 5.0}}
+    with replica(tmp_path, "slow", ttft=0.01, itl=1.0, output_text=SLOW) as slow, \
+            gateway(tmp_path, [slow.url, dead], lanes=lanes,
+                    routing={"policy": "prefix", "health_interval_s": 60, "retries": 0}) as gw:
+        pool = gw.state.engine.pool
+        names = {r.url: r.name for r in pool.replicas}
+        next(r for r in pool.replicas if r.url == dead).healthy = True  # as if it had just died
+        user = _user_routed_to(gw, names[slow.url])
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+            "model": "fake", "messages": MESSAGES, "max_tokens": 12, "stream": True, "user": user})
+        _, text = _sse(r)
+        assert text.startswith(SLOW[:1]) and "service is overloaded" in text
+        rec = record(gw, r)
+        assert rec["slo_action"]["mode"] == "stall"
+        assert rec["gateway"]["fallback"] == {"from": names[slow.url], "after_tokens": 1, "outcome": "failed",
+                                              "to": names[dead]}
