@@ -47,7 +47,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -76,6 +76,9 @@ class LaneConfig(BaseModel):
                                                               "is pending (keeps proxies from cutting long TTFTs)")
     degrade_text: str = Field("[the answer was cut short: the service is overloaded; please retry]",
                               description="appended to a stream that stalled, marked as degraded")
+    stall_fallback: Literal["replica", "template"] = Field(
+        "replica", description="after a stall behind upstreams: continue the answer on another replica (else, and "
+                               "on the embedded engine, end it with degrade_text)")
 
     @property
     def watches(self) -> bool:

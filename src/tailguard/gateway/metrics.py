@@ -1,5 +1,5 @@
 """The gateway's Prometheus metrics: lanes (queue depth, admitted, refused, lane wait), tenants (rate limited),
-streams (stalls, interruptions, degraded) and upstream replicas (requests, errors, outstanding tokens, TTFT)."""
+streams (stalls, interruptions, degraded, stall fallbacks) and upstream replicas (requests, errors, outstanding tokens, TTFT)."""
 
 from __future__ import annotations
 
@@ -49,11 +49,17 @@ class GatewayMetrics:
                               ["model", "lane", "kind"], registry=r)
         self.degraded = Counter("tailguard_stream_degraded_requests",
                                 "Streams switched to a degraded answer after consecutive stalls.", lane, registry=r)
+        self.fallbacks = Counter("tailguard_stream_fallbacks",
+                                 "Stalled streams sent on to another replica, by how that ended: ok, stalled (again), "
+                                 "failed, no_replica, interrupted, not_continuable.", [*lane, "outcome"], registry=r)
         self.interrupted = Counter("tailguard_stream_interrupted_requests",
                                    "Streams that ended with an error after their first token.", lane, registry=r)
         self.streams = Counter("tailguard_streams_started", "Streams that sent their first token.", lane, registry=r)
         self.up_requests = Counter("tailguard_upstream_requests", "Requests sent to an upstream replica, by outcome.",
                                    [*rep, "outcome"], registry=r)
+        self.up_stalls = Counter("tailguard_upstream_stalled_requests",
+                                 "Streams at a replica that the stall watch gave up on (then sent to another replica).",
+                                 rep, registry=r)
         self.up_ttft = Histogram("tailguard_upstream_time_to_first_token_seconds",
                                  "From sending to an upstream replica to its first token.", rep,
                                  buckets=LATENCY_BUCKETS, registry=r)

@@ -112,6 +112,17 @@ class UpstreamBackend:
     def abort(self, request_id: str) -> None:
         pass  # closing the event stream closes the upstream connection, which aborts the request there
 
+    def stalled(self, name: str | None) -> None:
+        """A stream at replica ``name`` stalled (the stall watch gave up on it): a failure for its breaker, so that a
+        replica that stalls every stream leaves the routing for the cooldown, as one that fails does. Not while it is
+        the only one available: a stall may be overload, and a slow answer (or the template) beats a 503 for all."""
+        r = next((x for x in self.pool.replicas if x.name == name), None)
+        if r is None or not any(x.available for x in self.pool.replicas if x is not r):
+            return
+        r.errors += 1
+        r.last_error = "a stream stalled (consecutive deadlines missed)"
+        r.breaker.failure()
+
     def stats(self) -> EngineStats:
         reps = self.pool.replicas
         return EngineStats(running=sum(r.in_flight for r in reps), waiting=int(sum(r.upstream_waiting for r in reps)),
@@ -119,20 +130,26 @@ class UpstreamBackend:
 
     async def generate_request(self, body: dict[str, Any], chat: bool, request_id: str, *, priority: int = 0,
                                est_tokens: int = 0, affinity_key: str | None = None,
-                               headers: dict[str, str] | None = None) -> AsyncIterator[UpstreamEvent]:
-        """Stream the request's tokens from a replica; retry elsewhere while no token has come back."""
+                               headers: dict[str, str] | None = None, tried: list[str] | None = None,
+                               exclude: set[str] | None = None) -> AsyncIterator[UpstreamEvent]:
+        """Stream the request's tokens from a replica; retry elsewhere while no token has come back.
+
+        ``tried``: the caller's list, to which each replica is appended as it is sent the request (the last one is
+        the replica streaming); ``exclude``: replicas not to use (the stall fallback's stalled one)."""
         pool = self.pool
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        tried: set[str] = set()
+        tried = [] if tried is None else tried
+        avoid = set(exclude or ())
         last: UpstreamError | None = None
         for attempt in range(1, pool.routing.retries + 2):
             try:
-                r = pool.pick(affinity_key, tried)
+                r = pool.pick(affinity_key, avoid)
             except NoReplica as exc:
                 if last is not None:
                     raise last from None
                 raise UpstreamError(503, str(exc), code="no_upstream", retry_after=5) from None
-            tried.add(r.name)
+            tried.append(r.name)
+            avoid.add(r.name)
             out = dict(body)
             out["stream"] = True
             out["stream_options"] = {"include_usage": True}
@@ -274,6 +291,41 @@ class UpstreamBackend:
             r.outstanding_tokens -= max(0, est_tokens - n_out)
             if self.on_attempt is not None:
                 self.on_attempt(r.name, outcome, None if first is None else first - sent)
+
+
+def continuation_body(body: dict[str, Any], chat: bool, sent_text: str, sent_tokens: int,
+                      max_tokens: int) -> dict[str, Any] | None:
+    """The request that carries on an answer elsewhere after ``sent_tokens`` tokens (``sent_text``) went out.
+
+    Completions: the prompt followed by the text already sent. Chat: the messages plus an assistant message holding
+    it, with ``continue_final_message`` (and no generation prompt), the fields vLLM, SGLang and tailguard accept.
+    ``max_tokens`` (the request's effective limit) shrinks by the tokens already sent. Before the first token, the
+    request as it was. None when the answer cannot be continued (a prompt given as token ids)."""
+    out = dict(body)
+    if sent_tokens == 0:
+        return out
+    if chat:
+        messages = list(body.get("messages") or [])
+        last = messages[-1] if messages else None
+        if body.get("continue_final_message") and isinstance(last, dict) and isinstance(last.get("content"), str):
+            messages[-1] = {**last, "content": last["content"] + sent_text}  # it was a continuation already
+        else:
+            messages.append({"role": "assistant", "content": sent_text})
+        out["messages"] = messages
+        out["continue_final_message"] = True
+        out["add_generation_prompt"] = False
+        out.pop("max_completion_tokens", None)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            return None
+        out["prompt"] = prompt + sent_text
+    out["max_tokens"] = max_tokens - sent_tokens
+    if isinstance(body.get("min_tokens"), int):
+        out["min_tokens"] = max(0, body["min_tokens"] - sent_tokens)
+    return out
 
 
 def _upstream_request_id(mode: str, request_id: str) -> str | None:

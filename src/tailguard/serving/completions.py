@@ -37,12 +37,14 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tailguard.engine.request import EngineClosed, RequestError, SamplingParams
+from tailguard.gateway.fallback import UpstreamRequest, stall_fallback
 from tailguard.gateway.lanes import LaneConfig, Overloaded
 from tailguard.gateway.proxy import UpstreamError
 from tailguard.gateway.streams import KEEPALIVE, Stalled, watch
 from tailguard.gateway.tenants import RateLimited
 from tailguard.observe.metrics import clean_label
 from tailguard.observe.timeline import Outcome, Timeline
+from tailguard.serving.chat_prompt import render_chat_prompt
 from tailguard.serving.errors import APIError
 from tailguard.serving.ids import request_id_from
 from tailguard.serving.protocol import Parsed, decode_json, parse_chat, parse_completion
@@ -131,6 +133,7 @@ class Exchange:
     gone_at: float | None = None  # when the client left, if it left before the last byte
     output: list[str] = field(default_factory=list)
     lane: LaneConfig | None = None  # the request's lane, when lanes are on
+    tenant: str | None = None  # the API key's tenant (the SLO actions' tenant selectors), None without keys
     lane_slot: str | None = None  # the lane whose capacity slot this request holds (given back once, at the end)
     charged: tuple[Any, int, bool] | None = None  # (tenant, output tokens charged, charged in the shared store)
     audit_ids: list[int] | None = None  # the output token ids, kept when the speculation audit will rerun it
@@ -213,6 +216,43 @@ async def _watched(respond: Callable[[], Awaitable[None]], receive: Receive, on_
         tg.start_soon(listen)
         await respond()
         tg.cancel_scope.cancel()
+
+
+class _FallbackRecord:
+    """What a stall fallback did, in the record (the answer is marked degraded, mode ``fallback``; the gateway
+    section's ``fallback`` says from which replica, after how many tokens, to which, and how it ended) and metrics."""
+
+    def __init__(self, tl: Timeline, gm: Any) -> None:
+        self.tl, self.gm = tl, gm
+
+    def _entry(self) -> dict[str, Any]:
+        g = self.tl.gateway = self.tl.gateway or {}
+        return g.setdefault("fallback", {})
+
+    def switched(self, stalled_on: str | None, sent_tokens: int, stalled: Stalled) -> None:
+        tl = self.tl
+        prev = tl.slo_action
+        tl.slo_action = {"action": "degrade", "mode": "fallback", "tier": "stream", "scope": f"lane:{tl.lane}",
+                         "action_id": "stall-fallback", "reason": f"{stalled}; continued on another replica"}
+        if prev is not None and prev.get("mode") == "truncate":  # the red cap still holds: keep saying so
+            tl.slo_action.update({k: prev[k] for k in ("max_tokens", "requested_max_tokens") if k in prev},
+                                 truncated_by=prev.get("action_id"))
+        self._entry().update({"from": stalled_on, "after_tokens": sent_tokens})
+        if self.gm is not None and stalled_on is not None:
+            self.gm.up_stalls.labels(self.gm.model, stalled_on).inc()
+
+    def finished(self, outcome: str, replica: str | None) -> None:
+        entry = self._entry()
+        entry["outcome"] = outcome
+        if replica is not None:
+            entry["to"] = replica
+        gm = self.gm
+        if gm is not None and outcome == "stalled" and replica is not None:
+            gm.up_stalls.labels(gm.model, replica).inc()
+        if gm is not None:
+            gm.fallbacks.labels(gm.model, self.tl.lane, outcome).inc()
+            if outcome == "ok":  # a template ending is counted where the template is written
+                gm.degraded.labels(gm.model, self.tl.lane).inc()
 
 
 @dataclass
@@ -305,6 +345,7 @@ class CompletionEndpoint:
         st, tl = self.state, ex.tl
         caller = st.keys.client(request.headers.get("authorization"))
         tl.owner = caller.key_id
+        ex.tenant = caller.tenant.name if caller.tenant is not None else None
         self._lane(ex, request, caller)
         engine = st.engine
         if engine is None or not st.ready:
@@ -315,7 +356,7 @@ class CompletionEndpoint:
         # (an allowlist, or the first 32 types seen), and a type counted as "other" must still be shed or degraded.
         btype = clean_label(request.headers.get("x-business-type"))
         if ex.lane is None or ex.lane.sheddable:
-            self._shed(tl, btype)
+            self._shed(tl, btype, ex.tenant)
         prep = await self._prepare(ex, engine, body, btype)
         if prep.degradation is not None and prep.degradation.mode == "template":
             await self._template(ex, prep.parsed, prep.degradation.template)
@@ -342,19 +383,33 @@ class CompletionEndpoint:
         st.active_ids.add(engine_id)
         tl.queued = perf_counter()
         priority = ex.lane.priority if ex.lane is not None else 0
+        lane = ex.lane
+        guard: Callable[[AsyncIterator[Any]], AsyncIterator[Any]] | None = None
+        if lane is not None and lane.watches:
+            guard = partial(watch, ttft_deadline=lane.ttft_deadline_s, itl_deadline=lane.itl_deadline_s,
+                            misses=lane.stall_misses, keepalive=lane.keepalive_s if p.stream else None,
+                            on_miss=self._on_miss(tl))
         if getattr(engine, "takes_text", False):
-            agen = engine.generate_request(  # type: ignore[attr-defined]
-                prep.body, self.chat, engine_id, priority=priority, est_tokens=tl.num_prompt_tokens + p.max_tokens,
+            up = UpstreamRequest(
+                prep.body, self.chat, engine_id, p.max_tokens or 1, priority=priority,
+                est_tokens=tl.num_prompt_tokens + (p.max_tokens or 0),
                 affinity_key=engine.pool.affinity_key(p.user or request.headers.get("x-session-id"),  # type: ignore
                                                       prep.text or ""),
                 headers=_forwarded(request))
+            if guard is not None and lane is not None and lane.stall_fallback == "replica" and \
+                    (lane.ttft_deadline_s or lane.itl_deadline_s):
+                # A stall continues the answer on another replica (the template only when that fails too).
+                agen = stall_fallback(engine, up, guard, _FallbackRecord(tl, self.state.gateway_metrics),  # type: ignore
+                                      wanted=lambda: ex.phase < Phase.ABANDONED)
+                guard = None
+            else:
+                agen = engine.generate_request(  # type: ignore[attr-defined]
+                    up.body, self.chat, engine_id, priority=priority, est_tokens=up.est_tokens,
+                    affinity_key=up.affinity_key, headers=up.headers)
         else:
             agen = engine.generate(ids, prep.sampling, engine_id, priority=priority, arrival_time=tl.received)
-        if ex.lane is not None and ex.lane.watches:
-            lane = ex.lane
-            agen = watch(agen, ttft_deadline=lane.ttft_deadline_s, itl_deadline=lane.itl_deadline_s,
-                         misses=lane.stall_misses, keepalive=lane.keepalive_s if p.stream else None,
-                         on_miss=self._on_miss(tl))
+        if guard is not None:
+            agen = guard(agen)
         respond = self._stream if p.stream else self._full
 
         def on_disconnect() -> bool:
@@ -484,16 +539,18 @@ class CompletionEndpoint:
             chunks.append(part)
         return b"".join(chunks)
 
-    def _shed(self, tl: Timeline, btype: str) -> None:
+    def _shed(self, tl: Timeline, btype: str, tenant: str | None) -> None:
         mon = self.state.slo
-        shed = mon.shed_for(btype, tl.lane) if mon is not None else None
+        # The actions themselves: they take the tenant (the API key's) besides the business type and lane.
+        shed = mon.actions.shed_for(btype, tl.lane, tenant) if mon is not None else None
         if shed is None:
             return
         # Orange: non-core traffic is refused before it costs a parse, a tokenize or a queue slot.
         tl.slo_action = {k: shed[k] for k in ("action", "tier", "scope", "action_id")}
         wait = max(1, math.ceil(shed["retry_after_s"]))
         raise APIError(shed["status"], f"the service is shedding non-core traffic (SLO tier {shed['tier']}, "
-                                       f"business type {btype!r}, lane {tl.lane!r}); retry in {wait} s",
+                                       f"business type {btype!r}, lane {tl.lane!r}"
+                                       f"{f', tenant {tenant!r}' if tenant else ''}); retry in {wait} s",
                        code="slo_shed", headers={"Retry-After": str(wait)})
 
     async def _prepare(self, ex: Exchange, engine: Backend, body: bytes, btype: str) -> _Prepared:
@@ -524,7 +581,10 @@ class CompletionEndpoint:
                 256 if takes_text else max(1, engine.max_model_len - len(ids)))
         max_tokens = requested
         mon = st.slo
-        deg = mon.degradation_for(btype, tl.lane, tl.client, tl.region, len(ids)) if mon else None
+        # Never for a lane the monitor may not touch (``sheddable: false``, VIP by default) or a protected tenant.
+        exempt = ex.lane is not None and not ex.lane.sheddable
+        deg = mon.actions.degradation_for(btype, tl.lane, tl.client, tl.region, len(ids), ex.tenant) \
+            if mon and not exempt else None
         if deg is not None:
             tl.slo_action = {"action": "degrade", "mode": deg.mode, "tier": deg.tier, "scope": deg.scope,
                              "action_id": deg.action_id, "reason": deg.reason}
@@ -562,7 +622,10 @@ class CompletionEndpoint:
         def run() -> tuple[list[int], str | None]:
             if p.prompt_token_ids is not None:
                 return p.prompt_token_ids, None
-            text = tok.render_chat(p.messages) if p.messages is not None else p.prompt or ""
+            if p.messages is None:
+                text = p.prompt or ""
+            else:
+                text = render_chat_prompt(tok, p.messages, p.add_generation_prompt, p.continue_final_message)
             return tok.encode(text), text
 
         size = sum(len(m["content"]) for m in p.messages) if p.messages is not None else len(p.prompt or "")

@@ -85,6 +85,9 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM's and SGLang's fields for continuing an answer: the last (assistant) message is left open, no new turn.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class CompletionRequest(_Common):
@@ -113,6 +116,8 @@ class Parsed:
     messages: list[dict[str, str]] | None = None  # chat
     prompt: str | None = None  # completions, text prompt
     prompt_token_ids: list[int] | None = None  # completions, pre-tokenized prompt
+    add_generation_prompt: bool = True  # chat: open a new assistant turn after the messages
+    continue_final_message: bool = False  # chat: the last message (an assistant's) stays open and is continued
     raw: dict[str, Any] = field(default_factory=dict)
 
     def sampling_record(self) -> dict[str, Any]:
@@ -204,9 +209,17 @@ def parse_chat(data: dict[str, Any]) -> Parsed:
         content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
         # The chat template knows system/user/assistant; OpenAI's "developer" is the new name for "system".
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                           param="continue_final_message")
+        if messages[-1]["role"] != "assistant":
+            raise APIError(400, "'continue_final_message' needs the last message to be the assistant's",
+                           param="continue_final_message")
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return Parsed(max_tokens=max_tokens, messages=messages, raw=data, **_common(req, logprobs))
+    return Parsed(max_tokens=max_tokens, messages=messages, raw=data, add_generation_prompt=req.add_generation_prompt,
+                  continue_final_message=req.continue_final_message, **_common(req, logprobs))
 
 
 def parse_completion(data: dict[str, Any], vocab_size: int) -> Parsed:

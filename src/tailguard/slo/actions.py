@@ -4,9 +4,9 @@
   ``replicas_pct`` (10%) more replicas; once per escalation (green -> yellow), and a matching scale-in request
   (``replicas_delta_pct`` negative) when the monitor is back to green.
 - **orange** (and above) -> shed: :meth:`ActionEngine.shed_for` answers with the refusal (status, ``Retry-After``)
-  for non-core business types and lanes (protected lanes never); the server answers 429 or 503.
+  for non-core business types, lanes and tenants (protected lanes and tenants never); the server answers 429 or 503.
 - **red** -> degrade: :meth:`ActionEngine.degradation_for` returns a :class:`Degradation` for traffic of the red
-  scope (shedding goes on, since red implies orange). By default it says "truncate: cap max_tokens at N"; a canned
+  scope, minus protected lanes and tenants (shedding goes on, since red implies orange). By default it says "truncate: cap max_tokens at N"; a canned
   template answer only where ``degrade.mode: template`` asks for one. The server applies it and marks the response
   and the record degraded.
 
@@ -340,27 +340,36 @@ class ActionEngine:
         self._shed_bt = frozenset(cfg.shed.non_core_business_types)
         self._shed_lanes = frozenset(cfg.shed.non_core_lanes)
         self._shed_protected = frozenset(cfg.shed.protected_lanes)
+        self._shed_tenants = frozenset(cfg.shed.non_core_tenants)
+        self._shed_protected_tenants = frozenset(cfg.shed.protected_tenants)
         self._degrade_scopes: tuple[tuple[Selector, Degradation], ...] = ()
         self._degrade_protected = frozenset(cfg.degrade.protected_lanes)
+        self._degrade_protected_tenants = frozenset(cfg.degrade.protected_tenants)
         self._probe_every = cfg.degrade.probe_every
         self._affected = 0  # requests matched by a degradation, for the every-n-th probe
 
     # --- per-request questions ---------------------------------------------------------------------------------------
-    def shed_for(self, business_type: str | None, lane: str | None = None) -> dict[str, Any] | None:
+    def shed_for(self, business_type: str | None, lane: str | None = None,
+                 tenant: str | None = None) -> dict[str, Any] | None:
         """What the server needs to refuse this request while shedding (status, Retry-After, the action's id and
-        tier, for the response and the record), or None to let it through."""
+        tier, for the response and the record), or None to let it through. ``tenant``: the API key's tenant (None
+        for a request without one); a protected lane or tenant is never shed."""
         info = self._shed_info  # one read: the evaluation thread may swap it meanwhile
-        if info is None or lane in self._shed_protected:
+        if info is None or lane in self._shed_protected or (tenant is not None and tenant in self._shed_protected_tenants):
             return None
-        if business_type in self._shed_bt or lane in self._shed_lanes:
+        if business_type in self._shed_bt or lane in self._shed_lanes or (
+                tenant is not None and tenant in self._shed_tenants):
             return info
         return None
 
     def degradation_for(self, business_type: str | None = None, lane: str | None = None, client: str | None = None,
-                        region: str | None = None, input_tokens: int | None = None) -> Degradation | None:
-        """The degradation to apply while red holds a scope this request belongs to, else None."""
+                        region: str | None = None, input_tokens: int | None = None,
+                        tenant: str | None = None) -> Degradation | None:
+        """The degradation to apply while red holds a scope this request belongs to, else None (always None for a
+        protected lane or tenant)."""
         scopes = self._degrade_scopes
-        if not scopes or lane in self._degrade_protected:
+        if not scopes or lane in self._degrade_protected or (
+                tenant is not None and tenant in self._degrade_protected_tenants):
             return None
         for sel, deg in scopes:
             if sel.matches(business_type=business_type, lane=lane, client=client, region=region,
@@ -442,7 +451,8 @@ class ActionEngine:
                 sc = self.cfg.shed
                 rec = self._start("shed", now, top_scope, top, figs_top, {
                     "non_core_business_types": sc.non_core_business_types, "non_core_lanes": sc.non_core_lanes,
-                    "protected_lanes": sc.protected_lanes, "status": sc.status, "retry_after_s": sc.retry_after_s,
+                    "non_core_tenants": sc.non_core_tenants, "protected_lanes": sc.protected_lanes,
+                    "protected_tenants": sc.protected_tenants, "status": sc.status, "retry_after_s": sc.retry_after_s,
                 }, alert_ids.get((top_scope, 2)))
                 self.shed = self._emit(rec)
                 self._shed_on = not self.dry_run
@@ -463,7 +473,8 @@ class ActionEngine:
                 figs = dict(figures.get(scope, {}))
                 if lv >= 3 and scope not in self.degrade:
                     dc = self.cfg.degrade
-                    details: dict[str, Any] = {"mode": dc.mode, "protected_lanes": dc.protected_lanes}
+                    details: dict[str, Any] = {"mode": dc.mode, "protected_lanes": dc.protected_lanes,
+                                               "protected_tenants": dc.protected_tenants}
                     details.update({"max_tokens": dc.max_tokens} if dc.mode == "truncate" else {"template": dc.template})
                     rec = self._start("degrade", now, scope, lv, figs, details, alert_ids.get((scope, 3)))
                     self.degrade[scope] = self._emit(rec)

@@ -258,18 +258,23 @@ class ScaleOutConfig(_M):
 
 
 class ShedConfig(_M):
-    """Orange: refuse traffic of non-core business types or lanes with ``status`` and ``Retry-After``."""
+    """Orange: refuse traffic of non-core business types, lanes or tenants with ``status`` and ``Retry-After``.
+
+    Tenants are the API keys' tenants (never a header). Protection wins over every non-core match: a request in a
+    protected lane, or of a protected tenant, is never shed."""
 
     enabled: bool = True
     non_core_business_types: list[str] = Field(default_factory=lambda: ["batch"])
     non_core_lanes: list[str] = Field(default_factory=lambda: ["batch"])
+    non_core_tenants: list[str] = Field(default_factory=list)
     protected_lanes: list[str] = Field(default_factory=lambda: ["vip"])
+    protected_tenants: list[str] = Field(default_factory=list)
     status: Literal[429, 503] = 429
     retry_after_s: float = Field(default=30.0, ge=0)
 
 
 class DegradeConfig(_M):
-    """Red: degrade the affected traffic (the red scope's, minus protected lanes). Shedding goes on meanwhile (red
+    """Red: degrade the affected traffic (the red scope's, minus protected lanes and tenants). Shedding goes on meanwhile (red
     implies orange), so non-core traffic is refused first.
 
     ``mode: truncate`` (the default) serves the request with at most ``max_tokens`` output tokens: a real, shorter
@@ -286,6 +291,7 @@ class DegradeConfig(_M):
     )
     max_tokens: int = Field(default=64, ge=1)
     protected_lanes: list[str] = Field(default_factory=list)
+    protected_tenants: list[str] = Field(default_factory=list)  # the API keys' tenants whose answers are never degraded
     # Serve every n-th affected request normally (0: none). These probes are the undisturbed answers a tier judged
     # on E2E reads (truncated ones are left out); under a template nothing else reaches the engine at all.
     probe_every: int = Field(default=10, ge=0)
