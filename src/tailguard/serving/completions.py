@@ -135,6 +135,7 @@ class Exchange:
     lane: LaneConfig | None = None  # the request's lane, when lanes are on
     tenant: str | None = None  # the API key's tenant (the SLO actions' tenant selectors), None without keys
     lane_slot: str | None = None  # the lane whose capacity slot this request holds (given back once, at the end)
+    lane_tokens: int = 0  # the estimated tokens that slot holds (prompt + max_tokens)
     charged: tuple[Any, int, bool] | None = None  # (tenant, output tokens charged, charged in the shared store)
     audit_ids: list[int] | None = None  # the output token ids, kept when the speculation audit will rerun it
 
@@ -316,7 +317,7 @@ class CompletionEndpoint:
         finally:
             ex.move(Phase.CLOSED)  # gives the queue slot back if the request still held one
             if ex.lane_slot is not None and st.lanes is not None:
-                st.lanes.release(ex.lane_slot)
+                st.lanes.release(ex.lane_slot, ex.lane_tokens)
                 ex.lane_slot = None
             if ex.charged is not None:  # output tokens charged but never produced go back to the tenant
                 tenant, max_out, shared = ex.charged
@@ -365,7 +366,7 @@ class CompletionEndpoint:
             shared = await self._charge(tl, caller.tenant, prep)
             ex.charged = (caller.tenant, prep.sampling.max_tokens, shared)
         if ex.lane is not None:
-            await self._admit(ex)
+            await self._admit(ex, tl.num_prompt_tokens + prep.sampling.max_tokens)
         ex.enqueue()
         if st.batch_cap is not None:  # the forecast counts the load the engine is offered, when it arrived
             st.batch_cap.record_arrival(tl.received)
@@ -471,19 +472,19 @@ class CompletionEndpoint:
             raise APIError(429, f"{exc.what}; retry in {exc.retry_after} s", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(exc.retry_after)}) from None
 
-    async def _admit(self, ex: Exchange) -> None:
+    async def _admit(self, ex: Exchange, tokens: int = 0) -> None:
         st, tl = self.state, ex.tl
         assert st.lanes is not None
         gm = st.gateway_metrics
         tenant = (tl.gateway or {}).get("tenant", "")
         try:
-            waited = await st.lanes.acquire(tl.lane, tenant)
+            waited = await st.lanes.acquire(tl.lane, tenant, tokens=tokens)
         except Overloaded as exc:
             if gm is not None:
                 gm.lane_refused.labels(gm.model, tl.lane).inc()
             raise APIError(429, f"{exc}; retry in {exc.retry_after} s", type="rate_limit_error",
                            code="lane_overloaded", headers={"Retry-After": str(exc.retry_after)}) from None
-        ex.lane_slot = tl.lane
+        ex.lane_slot, ex.lane_tokens = tl.lane, tokens
         tl.gateway = {**(tl.gateway or {}), "lane_wait": round(waited, 6)}
         if gm is not None:
             gm.lane_wait.labels(gm.model, tl.lane).observe(waited)
@@ -542,7 +543,7 @@ class CompletionEndpoint:
     def _shed(self, tl: Timeline, btype: str, tenant: str | None) -> None:
         mon = self.state.slo
         # The actions themselves: they take the tenant (the API key's) besides the business type and lane.
-        shed = mon.actions.shed_for(btype, tl.lane, tenant) if mon is not None else None
+        shed = mon.shed_for(btype, tl.lane, tenant) if mon is not None else None
         if shed is None:
             return
         # Orange: non-core traffic is refused before it costs a parse, a tokenize or a queue slot.
@@ -583,7 +584,7 @@ class CompletionEndpoint:
         mon = st.slo
         # Never for a lane the monitor may not touch (``sheddable: false``, VIP by default) or a protected tenant.
         exempt = ex.lane is not None and not ex.lane.sheddable
-        deg = mon.actions.degradation_for(btype, tl.lane, tl.client, tl.region, len(ids), ex.tenant) \
+        deg = mon.degradation_for(btype, tl.lane, tl.client, tl.region, len(ids), ex.tenant) \
             if mon and not exempt else None
         if deg is not None:
             tl.slo_action = {"action": "degrade", "mode": deg.mode, "tier": deg.tier, "scope": deg.scope,

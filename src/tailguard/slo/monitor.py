@@ -3,8 +3,8 @@
     monitor = SLOMonitor(MonitorConfig(...), sinks=[store.put_alert], registry=metrics.registry)
     monitor.record(timeline)                 # per finished request: cheap, on the request path
     monitor.evaluate()                       # every eval_interval_s (a background task)
-    monitor.shed_for(business_type, lane)    # -> refusal details | None: per request, before admission
-    monitor.degradation_for(business_type, lane, client=..., region=..., input_tokens=...)  # -> Degradation | None
+    monitor.shed_for(business_type, lane, tenant)    # -> refusal details | None: per request, before admission
+    monitor.degradation_for(business_type, lane, client=..., region=..., input_tokens=..., tenant=...)  # or None
     monitor.snapshot()                       # JSON for the dashboard and GET /v1/alerts
     monitor.alerts()                         # the alert/action records kept in memory
 
@@ -145,12 +145,14 @@ class SLOMonitor:
         except Exception:  # noqa: BLE001 - monitoring must never fail a request
             log.exception("SLO monitor could not record a request")
 
-    def shed_for(self, business_type: str | None, lane: str | None = None) -> dict[str, Any] | None:
-        return self.actions.shed_for(business_type, lane)
+    def shed_for(self, business_type: str | None, lane: str | None = None,
+                 tenant: str | None = None) -> dict[str, Any] | None:
+        return self.actions.shed_for(business_type, lane, tenant)
 
     def degradation_for(self, business_type: str | None = None, lane: str | None = None, client: str | None = None,
-                        region: str | None = None, input_tokens: int | None = None) -> Degradation | None:
-        return self.actions.degradation_for(business_type, lane, client, region, input_tokens)
+                        region: str | None = None, input_tokens: int | None = None,
+                        tenant: str | None = None) -> Degradation | None:
+        return self.actions.degradation_for(business_type, lane, client, region, input_tokens, tenant)
 
     # --- periodic ---------------------------------------------------------------------------------------------------
     @property
