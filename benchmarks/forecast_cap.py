@@ -8,8 +8,10 @@ replays the conv trace's first ``--duration`` replay seconds, time-scaled by ``-
 ``--length-scale`` (the same window and scaling as benchmarks/techniques.py: the trace's opening minutes ramp from
 about 1.3 to 5.8 requests/s, so the load varies within the run). Configurations: ``static-N`` (``--max-num-seqs N``,
 the default token budget of 512), ``forecast`` (``--batch-cap forecast``: the cap and the token budget set each
-period from a Holt-Winters forecast of arrivals, within 2-16) and ``forecast-cap`` (the same, the cap only: the
-token budget stays 512).
+period from a Holt-Winters forecast of arrivals, within 2-16), ``forecast-cap`` (the same, the cap only: the
+token budget stays 512) and ``forecast-knee`` (the forecast cap never below the engine's throughput knee, the smallest
+cap whose request throughput is within 5% of the best: on a continuous-batching engine a cap below the knee only
+queues requests that the engine could have served at no loss, so the forecast is left to widen the cap beyond it).
 
 The forecast plan needs this engine's throughput on this machine now: before the runs, the benchmark measures it
 with the same model, weights and thread count (prefill tokens/s of a 512-token prompt; aggregate decode tokens/s
@@ -86,9 +88,9 @@ def trace_token_means(a: argparse.Namespace) -> tuple[float, float]:
 def config_flags(name: str) -> list[str]:
     if name.startswith("static-"):
         return ["--max-num-seqs", str(int(name.removeprefix("static-")))]
-    if name in ("forecast", "forecast-cap"):
+    if name in ("forecast", "forecast-cap", "forecast-knee"):
         return ["--batch-cap", "forecast", "--max-num-seqs", "16"]
-    raise SystemExit(f"unknown configuration {name!r}: static-N or forecast")
+    raise SystemExit(f"unknown configuration {name!r}: static-N, forecast, forecast-cap or forecast-knee")
 
 
 class CapPoller(threading.Thread):
@@ -121,6 +123,9 @@ def run_one(name: str, a: argparse.Namespace, tmp: Path, batch_cap: dict) -> dic
     url = f"http://127.0.0.1:{port}"
     cfg_file = tmp / f"{name}-{port}.yaml"
     cap_cfg = {**batch_cap, "token_budget": "engine"} if name == "forecast-cap" else batch_cap
+    if name == "forecast-knee":  # never below the throughput knee: the forecast only widens the cap beyond it
+        cap_cfg = {**batch_cap, "min_seqs": a.knee}
+    cap_cfg = {k: v for k, v in cap_cfg.items() if k != "throughput_knee"}
     cfg_file.write_text(yaml.safe_dump({"batch_cap": cap_cfg}))
     cmd = [sys.executable, "-m", "tailguard.cli", "serve", "--port", str(port), "--no-access-log", "--log-level",
            "warning", "--no-slo", "--no-prefix-caching", "--threads", str(a.threads), "--config", str(cfg_file),
@@ -210,7 +215,12 @@ def main() -> int:
                      "refit_every": a.min_history, "forecaster": a.forecaster, "min_seqs": a.min_seqs,
                      "max_seqs": a.max_seqs, "mean_input_tokens": round(mean_in, 1),
                      "mean_output_tokens": round(mean_out, 1), **measured}
-        print(f"  {measured}; trace means {mean_in:.0f} in, {mean_out:.0f} out", flush=True)
+        from tailguard.plan.capacity import ServiceProfile, throughput_cap
+
+        a.knee = throughput_cap(ServiceProfile(mean_in, mean_out, measured["prefill_tokens_per_s"],
+                                               measured["decode_tokens_per_s"]), a.min_seqs, a.max_seqs)
+        batch_cap["throughput_knee"] = a.knee
+        print(f"  {measured}; trace means {mean_in:.0f} in, {mean_out:.0f} out; throughput knee {a.knee}", flush=True)
     rows: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(a.repeats):
         for n in (names if rep % 2 == 0 else list(reversed(names))):
@@ -225,15 +235,17 @@ def main() -> int:
         table.append({"config": n, **med, "runs": runs})
     statics = [t for t in table if t["config"].startswith("static-") and t.get("e2e_p99") is not None]
     best = min(statics, key=lambda t: t["e2e_p99"]) if statics else None
-    fc = next((t for t in table if t["config"] == "forecast"), None)
-    verdict = None
-    if best is not None and fc is not None and fc.get("e2e_p99") is not None:
+    verdicts = {}
+    for fc in (t for t in table if t["config"].startswith("forecast") and t.get("e2e_p99") is not None):
+        if best is None:
+            break
         lower_p99 = fc["e2e_p99"] < best["e2e_p99"]
         goodput_ok = (fc.get("goodput_rps") or 0) >= (best.get("goodput_rps") or 0)
-        verdict = {"best_static": best["config"], "best_static_e2e_p99": best["e2e_p99"],
-                   "forecast_e2e_p99": fc["e2e_p99"], "p99_change": fc["e2e_p99"] / best["e2e_p99"] - 1,
-                   "forecast_goodput_rps": fc.get("goodput_rps"), "best_static_goodput_rps": best.get("goodput_rps"),
-                   "target_met": bool(lower_p99 and goodput_ok)}
+        verdicts[fc["config"]] = {
+            "best_static": best["config"], "best_static_e2e_p99": best["e2e_p99"], "forecast_e2e_p99": fc["e2e_p99"],
+            "p99_change": fc["e2e_p99"] / best["e2e_p99"] - 1, "forecast_goodput_rps": fc.get("goodput_rps"),
+            "best_static_goodput_rps": best.get("goodput_rps"), "target_met": bool(lower_p99 and goodput_ok)}
+    verdict = verdicts.get("forecast")
     print(f"\n{a.repeats} repeat(s), medians; OMP_NUM_THREADS={a.threads}, load average before "
           f"{load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
     print("| config | E2E P50 | E2E P95 | E2E P99 | TTFT P99 | goodput | out tok/s | errors | cap (min-mean-max) |")
@@ -246,15 +258,18 @@ def main() -> int:
         print(f"| {t['config']} | {fmt(t.get('e2e_p50'))} | {fmt(t.get('e2e_p95'))} | {fmt(t.get('e2e_p99'))} | "
               f"{fmt(t.get('ttft_p99'))} | {gp} | {fmt(t.get('output_tokens_per_s'), '', digits=1)} | "
               f"{fmt(t.get('error_rate'), '', 100, 1)}% | {cap} |")
-    if verdict:
-        print(f"\nbest static: {verdict['best_static']} (E2E P99 {verdict['best_static_e2e_p99']:.2f} s); forecast "
-              f"{verdict['forecast_e2e_p99']:.2f} s ({verdict['p99_change']:+.0%}); target (lower P99 at equal or "
-              f"higher goodput) {'met' if verdict['target_met'] else 'NOT met'}")
+    for name, v in verdicts.items():
+        print(f"best static: {v['best_static']} (E2E P99 {v['best_static_e2e_p99']:.2f} s); {name} "
+              f"{v['forecast_e2e_p99']:.2f} s ({v['p99_change']:+.0%}); target (lower P99 at equal or "
+              f"higher goodput) {'met' if v['target_met'] else 'NOT met'}")
+    print("\nE2E P99 per round (s): " + "; ".join(
+        f"{t['config']} " + "/".join(f"{r['e2e_p99']:.1f}" for r in t["runs"] if r.get("e2e_p99") is not None)
+        for t in table))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({
         "benchmark": "forecast_cap", "command": f"OMP_NUM_THREADS={a.threads} python benchmarks/forecast_cap.py "
         f"{' '.join(sys.argv[1:])}", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": vars(a),
-        "batch_cap": batch_cap, "table": table, "verdict": verdict,
+        "batch_cap": batch_cap, "table": table, "verdict": verdict, "verdicts": verdicts,
         "load_average": {"before": load_before, "after": os.getloadavg()}}, indent=1))
     print(f"wrote {a.out}")
     return 0

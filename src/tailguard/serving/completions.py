@@ -542,7 +542,7 @@ class CompletionEndpoint:
 
     def _shed(self, tl: Timeline, btype: str, tenant: str | None) -> None:
         mon = self.state.slo
-        # The actions themselves: they take the tenant (the API key's) besides the business type and lane.
+        # Selected by business type, lane and the API key's tenant (never a header's).
         shed = mon.shed_for(btype, tl.lane, tenant) if mon is not None else None
         if shed is None:
             return
