@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tailguard.engine.model_store import ModelNotFoundError, resolve_model_path  # noqa: E402
+from tests.redis_server import RedisServer, RedisUnavailable  # noqa: E402
 
 # Small budgets so that chunked prefill and decodes share steps even with short prompts.
 TINY_BATCHED_TOKENS = 64
@@ -164,3 +165,17 @@ def churn(engine, pending: list[tuple[str, list[int], Any, int]], rng: random.Ra
             final[rid] = ev
             live.remove(rid)
     return final
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    try:
+        server = RedisServer().start()
+    except RedisUnavailable as exc:
+        if os.environ.get("CI"):  # .ci/run installs redis-server: in CI a missing server fails, never skips
+            raise
+        pytest.skip(str(exc))
+    try:
+        yield server
+    finally:
+        server.stop()

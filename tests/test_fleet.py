@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import sys
 import threading
 import time
@@ -26,23 +25,8 @@ from tailguard.gateway.tenants import KeyFile, RateLimited, Tenant, TenantConfig
 from tailguard.serving.server import ThreadedServer
 from tailguard.slo.monitor import SLOMonitor
 from tailguard.slo.windows import RequestSample, SlidingWindows
-from tests.redis_server import RedisServer, RedisUnavailable
 from tests.serving_helpers import fake_server, settle, wait_until
 from tests.slo_helpers import FakeClock, slo_config
-
-
-@pytest.fixture
-def redis() -> Iterator[RedisServer]:
-    try:
-        server = RedisServer().start()
-    except RedisUnavailable as exc:
-        if os.environ.get("CI"):  # .ci/run installs redis-server: in CI a missing server fails, never skips
-            raise
-        pytest.skip(str(exc))
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _keys(tmp: Path, **tenants: dict) -> tuple[str, dict[str, str]]:

@@ -8,8 +8,6 @@ budget this gateway's."""
 from __future__ import annotations
 
 import asyncio
-import os
-from collections.abc import Iterator
 
 import pytest
 from pydantic import ValidationError
@@ -17,7 +15,6 @@ from pydantic import ValidationError
 from tailguard.gateway.lanes import CapacityConfig, LaneConfig, Lanes, default_lanes
 from tailguard.gateway.shared import RedisState
 from tailguard.gateway.upstream import UpstreamConfig, UpstreamPool
-from tests.redis_server import RedisServer, RedisUnavailable
 
 
 def run(coro):
@@ -250,19 +247,6 @@ def test_the_gate_is_asked_with_what_the_gateway_has_admitted():
         assert held.done() and lanes.lanes["batch"].in_use == 1
     run(main())
 
-
-@pytest.fixture
-def redis() -> Iterator[RedisServer]:
-    try:
-        server = RedisServer().start()
-    except RedisUnavailable as exc:
-        if os.environ.get("CI"):  # .ci/run installs redis-server: in CI a missing server fails, never skips
-            raise
-        pytest.skip(str(exc))
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_in_a_fleet_the_slots_are_the_fleets_and_the_token_budget_is_this_gateways(redis):
