@@ -15,7 +15,9 @@ difference between two medians says little. Each round therefore runs every conf
 alternating order (given, reversed, given...), and a technique is judged by its **paired ratio**: its P99 over the
 baseline's P99 *of the same round*, whose median over the rounds (with its range) is the figure reported. With
 ``--speedups`` holding several values, the whole design runs at each load (e.g. a comfortable one and the one where
-the baseline breaks its SLO).
+the baseline breaks its SLO). The first server of a session is an outlier every time (cold caches: the first
+baseline of two earlier passes had 3-4x the P99 of the next), so one discarded run comes first (``--no-warmup``
+skips it). ``--report RESULTS.json`` prints the tables of an earlier run again.
 
 Configurations (``--configs``): baseline (continuous batching, chunked prefill, float16 KV), speculative (n-gram),
 kv_int8, prefix_cache, background_cap (--max-background-seqs 2), small_batch (continuous batching held to 4
@@ -134,15 +136,15 @@ def _ratio_cell(ratios: list[float]) -> str:
     return f"{med:.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]" if len(ratios) > 1 else f"{med:.2f}x"
 
 
-def _ci(t: dict, key: str) -> str:
-    ci = (t.get("runs") or [{}])[0].get(f"{key}_ci")
-    return f" [{ci[0]:.1f}-{ci[1]:.1f}]" if isinstance(ci, list | tuple) and len(ci) == 2 and None not in ci else ""
+def _per_round(t: dict, key: str) -> str:
+    vals = [r.get(key) for r in t.get("runs") or []]
+    return " (" + " / ".join("-" if v is None else f"{v:.2f}" for v in vals) + ")" if len(vals) > 1 else ""
 
 
 def print_table(speedup: float, table: list[dict], rows: dict[str, list[dict]], unavailable: list[str]) -> None:
-    print(f"\n### trace speed x{speedup}: medians of {len(next(iter(rows.values()), []))} rounds; "
-          "P99 vs baseline = median [range] of per-round paired ratios; CI = first round's bootstrap 95% interval")
-    print("| config | TTFT P50 | TTFT P99 | ITL P99 | E2E P50 | E2E P99 (CI) | E2E P99 vs baseline | "
+    print(f"\n### trace speed x{speedup}: medians of {len(next(iter(rows.values()), []))} rounds (E2E P99: each "
+          "round's in brackets); P99 vs baseline = median [range] of per-round paired ratios")
+    print("| config | TTFT P50 | TTFT P99 | ITL P99 | E2E P50 | E2E P99 (rounds) | E2E P99 vs baseline | "
           "TTFT P99 vs baseline | goodput | out tok/s | CPU-s/1k tok | peak RSS |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for t in table:
@@ -152,7 +154,7 @@ def print_table(speedup: float, table: list[dict], rows: dict[str, list[dict]], 
         good = t.get("goodput")
         print(f"| {t['config']} | {t.get('ttft_p50', nan):.2f} s | {t.get('ttft_p99', nan):.2f} s"
               f" | {t.get('itl_p99', nan) * 1e3:.0f} ms | {t.get('e2e_p50', nan):.2f} s | "
-              f"{t.get('e2e_p99', nan):.2f} s{_ci(t, 'e2e_p99')} | {_ratio_cell(e2e)} | {_ratio_cell(ttft)} | "
+              f"{t.get('e2e_p99', nan):.2f} s{_per_round(t, 'e2e_p99')} | {_ratio_cell(e2e)} | {_ratio_cell(ttft)} | "
               f"{'-' if good is None else f'{good:.2f} req/s'} | {t.get('output_tokens_per_s', nan):.1f} | "
               f"{t.get('cpu_s_per_1k_tokens', nan):.1f} | {t.get('peak_rss_mib', nan):.0f} MiB |")
     for n in unavailable:
@@ -173,7 +175,16 @@ def main() -> int:
     p.add_argument("--goodput-profile", default="baseline", help="the SLO profile whose per-request bounds define "
                                                                   "goodput")
     p.add_argument("--out", default="benchmarks/results/techniques.json")
+    p.add_argument("--no-warmup", action="store_true", help="skip the discarded first run (the first server of a "
+                                                               "session pays for cold caches: an outlier every time)")
+    p.add_argument("--report", metavar="JSON", help="print the tables of an earlier run's results and exit")
     a = p.parse_args()
+    if a.report:
+        saved = json.loads(Path(a.report).read_text())
+        for load in saved["loads"]:
+            rows = {t["config"]: t["runs"] for t in load["table"]}
+            print_table(load["speedup"], load["table"], rows, saved.get("unavailable", []))
+        return 0
     names = [n.strip() for n in a.configs.split(",") if n.strip()]
     if "baseline" in names:  # first in every round's given order: each ratio's pair is close in time
         names = ["baseline"] + [n for n in names if n != "baseline"]
@@ -182,6 +193,10 @@ def main() -> int:
     order = [n for n in names if n not in unavailable]
     speedups = [float(x) for x in a.speedups.split(",") if x.strip()]
     loads, total, done = [], len(speedups) * a.repeats * len(order), 0
+    if order and not a.no_warmup:
+        print(f"warm-up (discarded): {order[0]} at x{speedups[0]} ...", flush=True)
+        a.speedup = speedups[0]
+        run_one(order[0], CONFIGS[order[0]], a, tmp)
     for speedup in speedups:
         a.speedup = speedup
         rows: dict[str, list[dict]] = {n: [] for n in order}
