@@ -21,7 +21,13 @@ from tailguard.gateway.tenants import (
     TokenBucket,
     hash_key,
 )
-from tailguard.gateway.upstream import CircuitBreaker, RoutingConfig, UpstreamConfig, UpstreamPool
+from tailguard.gateway.upstream import (
+    CircuitBreaker,
+    RoutingConfig,
+    UpstreamConfig,
+    UpstreamPool,
+    queue_gauges,
+)
 
 
 def run(coro):
@@ -394,3 +400,22 @@ def test_token_texts_learn_the_streams_plain_shape_and_still_agree_with_the_pars
         b'"choices": [{"index": 0, "delta": {"content": "', b'"}, "logprobs": null, "finish_reason": null}]}'
     forged = head + b'a", "role": "b' + tail
     assert texts(forged) == read_chunk(forged, True).text == "a"  # not the bytes between head and tail
+
+
+# What each engine's /metrics says about its queue (the names as those servers print them; labels and HELP lines
+# included). The gate reads waiting and running; an engine with neither gauge is invisible to it.
+@pytest.mark.parametrize(("text", "expected"), [
+    (b'# HELP vllm:num_requests_waiting Number of requests waiting.\n# TYPE vllm:num_requests_waiting gauge\n'
+     b'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\nvllm:num_requests_running{engine="0",model_name="m"} 8.0\n',
+     (3.0, 8.0)),
+    (b'sglang:num_queue_reqs{model_name="m"} 5\nsglang:num_running_reqs{model_name="m"} 16\n', (5.0, 16.0)),
+    (b'# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 4\n'
+     b'# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 2\n', (2.0, 4.0)),
+    (b'tailguard_num_requests_waiting{model="a"} 1.0\ntailguard_num_requests_waiting{model="b"} 2.0\n'
+     b'tailguard_num_requests_running{model="a"} 4.0\n', (3.0, 4.0)),
+    (b'vllm:num_requests_running{engine="0"} 8.0\n', (None, None)),  # running alone: no queue figure
+    (b'# HELP vllm:num_requests_waiting x\nsome_other_metric 7\n', (None, None)),
+])
+def test_queue_gauges_of_each_engine(text, expected):
+    assert queue_gauges(text) == expected
+

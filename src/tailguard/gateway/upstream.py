@@ -33,11 +33,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tailguard.gateway")
 
-# Queue gauges of the engines we know: vLLM's, SGLang's and tailguard's own.
-_WAITING = re.compile(rb"^(?:vllm:num_requests_waiting|sglang:num_queue_reqs|tailguard_num_requests_waiting)"
-                      rb"(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
-_RUNNING = re.compile(rb"^(?:vllm:num_requests_running|sglang:num_running_reqs|tailguard_num_requests_running)"
-                      rb"(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+# Queue gauges of the engines we know: vLLM's, SGLang's, llama.cpp's server (with --metrics: requests deferred for
+# want of a free slot, and those in its slots) and tailguard's own.
+_WAITING = re.compile(rb"^(?:vllm:num_requests_waiting|sglang:num_queue_reqs|llamacpp:requests_deferred|"
+                      rb"tailguard_num_requests_waiting)(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+_RUNNING = re.compile(rb"^(?:vllm:num_requests_running|sglang:num_running_reqs|llamacpp:requests_processing|"
+                      rb"tailguard_num_requests_running)(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+
+
+def queue_gauges(metrics_text: bytes) -> tuple[float | None, float | None]:
+    """(waiting, running) summed over an upstream's /metrics samples; None where it has no gauge we know (running
+    counts only beside a waiting gauge: without a queue figure the pair means nothing to the gate)."""
+    waiting = [float(m) for m in _WAITING.findall(metrics_text)]
+    if not waiting:
+        return None, None
+    running = [float(m) for m in _RUNNING.findall(metrics_text)]
+    return sum(waiting), (sum(running) if running else None)
 
 
 class UpstreamConfig(BaseModel):
@@ -332,11 +343,9 @@ class UpstreamPool:
                 body = await resp.read()
         except (aiohttp.ClientError, TimeoutError):
             return
-        found = [float(m) for m in _WAITING.findall(body)]
-        r.upstream_waiting = sum(found) if found else 0.0
-        r.reports_queue = bool(found)
-        running = [float(m) for m in _RUNNING.findall(body)]
-        r.upstream_running = sum(running) if running and found else None
+        waiting, r.upstream_running = queue_gauges(body)
+        r.upstream_waiting = waiting or 0.0
+        r.reports_queue = waiting is not None
         # Its slots: what it runs while it queues (it is full), or more when it runs more without a queue.
         run = r.upstream_running
         if run is not None and (r.upstream_waiting > 0 or (r.slots is not None and run > r.slots)):
