@@ -10,8 +10,8 @@ about 1.3 to 5.8 requests/s, so the load varies within the run). Configurations:
 the default token budget of 512), ``forecast`` (``--batch-cap forecast``: the cap and the token budget set each
 period from a Holt-Winters forecast of arrivals, within 2-16), ``forecast-cap`` (the same, the cap only: the
 token budget stays 512) and ``forecast-knee`` (the forecast cap never below the engine's throughput knee, the smallest
-cap whose request throughput is within 5% of the best: on a continuous-batching engine a cap below the knee only
-queues requests that the engine could have served at no loss, so the forecast is left to widen the cap beyond it).
+cap whose modelled request throughput is within 5% of the best: the hypothesis that a cap below the knee only queues
+requests the engine could serve at no loss; measured, it does not hold on this replay: docs/techniques.md).
 
 The forecast plan needs this engine's throughput on this machine now: before the runs, the benchmark measures it
 with the same model, weights and thread count (prefill tokens/s of a 512-token prompt; aggregate decode tokens/s
