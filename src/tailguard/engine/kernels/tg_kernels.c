@@ -43,8 +43,8 @@ int tg_abi_version(void) { return 7; }
 
 /* 1: decode attention takes the generic path even where the AVX-512 one applies (a test and a benchmark compare
  * the two in one process). */
-static int slow_attention = 0;
-void tg_set_generic_attention(int on) { slow_attention = on != 0; }
+static int generic_attention = 0;
+void tg_set_generic_attention(int on) { generic_attention = on != 0; }
 
 /* 1 when this build has the int8-activation (VNNI) products; the loader lays matrices out for them only then. */
 #if !(defined(__AVX512F__) && defined(__AVX512VNNI__))
@@ -937,8 +937,8 @@ static float exp_shifted_sum(float *s, int n, float shift) {
 /* Decode attention is already sliced (flash-decoding): every (sequence, KV head) context is cut into SLICE-position
  * slices, each a task with its own max, sum of exp and unnormalised output, merged by log-sum-exp below. The score
  * buffer is one slice on the stack whatever the context; the only per-context memory is pm (hd + 2 floats per slice,
- * KV head and query head: ~76 KB for SmolLM2 at 8K tokens). No float copy of K/V is made (rows are read, and int8
- * rows dequantized, one at a time). So an 8K context needs nothing more here; the torch paths (model.py
+ * KV head and query head: ~76 KB for SmolLM2 at 8K tokens). No float copy of the cache is made (the generic path
+ * reads rows one at a time, the AVX-512 one converts 16 K rows at a time into a 4-8 KB tile on the stack). So an 8K context needs nothing more here; the torch paths (model.py
  * attention_sliced, EngineArgs.attention_slice_tokens) do the same for steps with prefill chunks. */
 #define SLICE 256   /* positions per attention slice: long contexts split across threads, merged by log-sum-exp */
 #define MAX_GROUP 16
@@ -1077,7 +1077,7 @@ static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D,
             const int32_t *table = tables + (size_t)d * max_blocks;
             float *res = pm + (size_t)task * group * (hd + 2);
 #if defined(__AVX512F__)
-            if (group <= FAST_MAX_GROUP && hd % 16 == 0 && hd <= 16 * FAST_MAX_NV && !slow_attention) {
+            if (group <= FAST_MAX_GROUP && hd % 16 == 0 && hd <= 16 * FAST_MAX_NV && !generic_attention) {
                 attend_slice_fast(c, layer_off + (size_t)g * rw, layer_off + v_off + (size_t)g * rw, table, bs, G * rw,
                                   p0, p1, q + (size_t)d * H * hd + (size_t)g * group * hd, group, hd / 16, scale,
                                   scores, res);
