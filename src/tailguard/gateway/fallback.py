@@ -40,6 +40,14 @@ class UpstreamRequest:
     affinity_key: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
 
+    def send(self, backend: UpstreamBackend, body: dict[str, Any] | None = None, est_tokens: int | None = None,
+             tried: list[str] | None = None, exclude: set[str] | None = None) -> AsyncIterator[UpstreamEvent]:
+        """The backend's event stream for this request (or for ``body``, a continuation of it)."""
+        return backend.generate_request(
+            self.body if body is None else body, self.chat, self.request_id, priority=self.priority,
+            est_tokens=self.est_tokens if est_tokens is None else est_tokens, affinity_key=self.affinity_key,
+            headers=self.headers, tried=tried, exclude=exclude)
+
 
 class FallbackReport(Protocol):
     def switched(self, stalled_on: str | None, sent_tokens: int, stalled: Stalled) -> None:
@@ -57,9 +65,7 @@ async def stall_fallback(backend: UpstreamBackend, request: UpstreamRequest,
     tried: list[str] = []
     texts: list[str] = []
     sent = 0
-    first = guard(backend.generate_request(
-        request.body, request.chat, request.request_id, priority=request.priority, est_tokens=request.est_tokens,
-        affinity_key=request.affinity_key, headers=request.headers, tried=tried))
+    first = guard(request.send(backend, tried=tried))
     try:
         async with aclosing(first):
             async for ev in first:
@@ -85,10 +91,8 @@ async def stall_fallback(backend: UpstreamBackend, request: UpstreamRequest,
         raise stalled
     report.switched(stalled_on, sent, stalled)
     again: list[str] = []
-    second = guard(backend.generate_request(
-        body, request.chat, request.request_id, priority=request.priority,
-        est_tokens=max(0, request.est_tokens - sent), affinity_key=request.affinity_key, headers=request.headers,
-        tried=again, exclude=set(tried)))
+    second = guard(request.send(backend, body, est_tokens=max(0, request.est_tokens - sent), tried=again,
+                                exclude=set(tried)))
     produced = False
     try:
         async with aclosing(second):

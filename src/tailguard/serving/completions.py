@@ -404,9 +404,7 @@ class CompletionEndpoint:
                                       wanted=lambda: ex.phase < Phase.ABANDONED)
                 guard = None
             else:
-                agen = engine.generate_request(  # type: ignore[attr-defined]
-                    up.body, self.chat, engine_id, priority=priority, est_tokens=up.est_tokens,
-                    affinity_key=up.affinity_key, headers=up.headers)
+                agen = up.send(engine)  # type: ignore[arg-type]
         else:
             agen = engine.generate(ids, prep.sampling, engine_id, priority=priority, arrival_time=tl.received)
         if guard is not None:
@@ -476,7 +474,7 @@ class CompletionEndpoint:
         st, tl = self.state, ex.tl
         assert st.lanes is not None
         gm = st.gateway_metrics
-        tenant = (tl.gateway or {}).get("tenant", "")
+        tenant = ex.tenant or ""
         try:
             waited = await st.lanes.acquire(tl.lane, tenant, tokens=tokens)
         except Overloaded as exc:
