@@ -62,3 +62,38 @@ def test_token_budget_through_the_gateway(tmp_path):
         assert big.status_code == 200 and record(gw, big)["output_tokens"] == 150
         settle(gw)
         assert batch.tokens == 0 and vip.tokens == 0
+
+
+@pytest.mark.skipif(not WIRED, reason="the request path does not pass its token estimate to the lanes")
+def test_auto_token_rate_is_measured_while_batch_queues(tmp_path):
+    """``tokens_per_s: auto``: no budget until work waits; a batch flood through a 4-sequence gateway then gives a
+    measured rate close to what the replica drained (estimated tokens per second over the flood), and the budget is
+    that rate x the horizon, in /metrics too."""
+    path, keys = keyfile(tmp_path)
+    capacity = {"tokens_per_s": "auto", "token_horizon_s": 4, "drain_window_s": 0.5, "upstream_queue_limit": None}
+    with replica(tmp_path, "a", ttft=0.01, itl=0.02) as a, \
+            gateway(tmp_path, [a.url], per_replica=4, keys_file=str(path), capacity=capacity) as gw:
+        lanes = gw.state.lanes
+        assert lanes.meter is not None and lanes.token_budget is None
+        assert chat(gw.url, keys["batch"], 4).status_code == 200  # alone: nothing waited, nothing measured
+        settle(gw)
+        assert lanes.meter.rate is None and lanes.token_budget is None
+        with httpx.Client(timeout=60) as c, ThreadPoolExecutor(24) as pool:
+            flood = [pool.submit(chat, gw.url, keys["batch"], 20, False, c) for _ in range(24)]
+            results = [f.result() for f in flood]
+        assert [r.status_code for r in results] == [200] * 24
+        settle(gw)
+        recs = [record(gw, r) for r in results]
+        # What each request held while admitted: the gateway's estimate (prompt + max_tokens), in the record.
+        held = [r["gateway"]["lane_tokens"] for r in recs]
+        assert all(h > 20 for h in held)
+        t0 = [r["timestamps"]["received_monotonic"] for r in recs]
+        span = max(t + r["timestamps"]["last_byte"] for t, r in zip(t0, recs)) - min(t0)
+        drained = sum(held) / span
+        rate = lanes.meter.rate
+        assert rate is not None and lanes.meter.samples >= 1
+        assert 0.5 * drained < rate < 2.0 * drained, (rate, drained)
+        assert lanes.token_budget == int(rate * 4)
+        assert wait_until(lambda: metric_value(httpx.get(gw.url + "/metrics").text, "tailguard_lane_token_rate") > 0,
+                          timeout=5)
+        assert all(s.tokens == 0 and s.in_use == 0 for s in lanes.lanes.values())

@@ -15,7 +15,9 @@ says it cannot make it, it is refused at once with a ``Retry-After`` (before it 
 waits past its deadline is refused then.
 
 Capacity in tokens (optional, ``CapacityConfig.tokens_per_s``): the backend may hold ``tokens_per_s x
-token_horizon_s`` tokens of outstanding work. Each admitted request holds its estimated cost (prompt tokens +
+token_horizon_s`` tokens of outstanding work. ``tokens_per_s: auto`` measures the rate instead: what the backend
+drains while work waits for it (``tailguard.gateway.token_rate``); until the first such window there is no token
+budget. Each admitted request holds its estimated cost (prompt tokens +
 max_tokens, passed to ``acquire`` and given back to ``release``) until it finishes. The token budget is cut like the
 sequences (reserved, burst, general; borrowing the reserve only while its lane is idle) and a request must fit both.
 A request larger than its lane's whole token share is admitted alone: a reserved-lane request when no reserved
@@ -35,7 +37,7 @@ in-flight counts: a slot is a lease in Redis, taken atomically, and the reserve 
 fairness stay per gateway; waiters are admitted by a pump that retries the fleet every ``FLEET_POLL_S`` (and at once
 when this gateway releases a slot). Redis unreachable: the gateway falls back to its own counts (fail open). The
 token budget and the upstream queue gate are this gateway's own in a fleet (checked before a fleet slot is taken):
-give each gateway its share of ``tokens_per_s``.
+give each gateway its share of ``tokens_per_s``, or let ``auto`` measure the share its own requests drain at.
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from tailguard.gateway.token_rate import TokenRateMeter
 
 if TYPE_CHECKING:
     from tailguard.gateway.shared import RedisState
@@ -99,9 +103,11 @@ class CapacityConfig(BaseModel):
                                                                 "embedded engine's max_num_seqs, or 64 per replica")
     reserved_share: float = Field(0.2, ge=0, lt=1)
     burst_share: float = Field(0.05, ge=0, lt=1)
-    drain_window_s: float = Field(10.0, gt=0, description="window of the drain rate behind Retry-After")
-    tokens_per_s: float | None = Field(None, gt=0, description="the backend's token rate; with token_horizon_s it "
-                                                               "bounds the tokens of outstanding work; None: off")
+    drain_window_s: float = Field(10.0, gt=0, description="window of the drain rate behind Retry-After, and of "
+                                                          "saturated time per sample of tokens_per_s: auto")
+    tokens_per_s: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(
+        None, description="the backend's token rate; with token_horizon_s it bounds the tokens of outstanding work; "
+                          "auto: measured while work waits for the backend; None: off")
     token_horizon_s: float = Field(10.0, gt=0, description="seconds of work the backend may hold: the token budget "
                                                            "is tokens_per_s x token_horizon_s")
     upstream_queue_limit: float | None = Field(2.0, ge=0, description="upstream replicas: while the replicas that "
@@ -110,7 +116,12 @@ class CapacityConfig(BaseModel):
 
     @property
     def token_budget(self) -> int | None:
-        return None if self.tokens_per_s is None else max(1, int(self.tokens_per_s * self.token_horizon_s))
+        """The configured budget (None: off, or measured at run time with ``auto``)."""
+        rate = self.tokens_per_s
+        return None if rate is None or rate == "auto" else self.budget_for(rate)
+
+    def budget_for(self, tokens_per_s: float) -> int:
+        return max(1, int(tokens_per_s * self.token_horizon_s))
 
 
 class Overloaded(Exception):
@@ -162,6 +173,9 @@ class Lanes:
         self._marked: set[str] = set()  # reserved lanes this gateway told the fleet it has waiters in
         self.lanes = {name: LaneState(name, lc) for name, lc in lanes.items()}
         self.order = sorted(self.lanes.values(), key=lambda s: s.cfg.priority)
+        # tokens_per_s: auto. The clock is the meter's alone (tests drive it).
+        self.meter = TokenRateMeter(self.cfg.drain_window_s) if self.cfg.tokens_per_s == "auto" else None
+        self.clock: Callable[[], float] = time.monotonic
         self.set_capacity(capacity)
 
     def set_capacity(self, capacity: int) -> None:
@@ -172,18 +186,37 @@ class Lanes:
             self.cfg.reserved_share > 0 and self.capacity > 1 else 0
         self.burst = round(self.capacity * self.cfg.burst_share)
         self.general = max(1, self.capacity - self.reserved - self.burst)
-        budget = self.cfg.token_budget
-        self.token_budget = budget
-        self.reserved_tokens = self.burst_tokens = self.general_tokens = 0
-        if budget is not None:  # the same split as the sequences
-            self.reserved_tokens = round(budget * self.cfg.reserved_share) if has_reserved else 0
-            self.burst_tokens = round(budget * self.cfg.burst_share)
-            self.general_tokens = max(1, budget - self.reserved_tokens - self.burst_tokens)
+        self._split_tokens(has_reserved)
         if self.fleet is not None:
             from tailguard.gateway.shared import lane_rule
 
             self.rule = lane_rule(self.capacity, self.general, self.burst, self.reserved, self.lanes)
         self._dispatch()
+
+    def _split_tokens(self, has_reserved: bool) -> None:
+        """The token budget (configured, or measured) cut the way the sequences are."""
+        budget = self.cfg.token_budget
+        if self.meter is not None and self.meter.rate is not None:
+            budget = self.cfg.budget_for(self.meter.rate)
+        self.token_budget = budget
+        self.reserved_tokens = self.burst_tokens = self.general_tokens = 0
+        if budget is not None:
+            self.reserved_tokens = round(budget * self.cfg.reserved_share) if has_reserved else 0
+            self.burst_tokens = round(budget * self.cfg.burst_share)
+            self.general_tokens = max(1, budget - self.reserved_tokens - self.burst_tokens)
+
+    def saturated(self) -> bool:
+        """Work waits for the backend: requests queue in a lane, or the upstreams queue past their limit."""
+        return any(s.waiting for s in self.order) or self.gate_closed()
+
+    def tick(self, finished_tokens: int = 0) -> None:
+        """Feed the token-rate meter (``auto``): at each admission decision, release and sample. A closed window
+        sets the new budget and admits whoever fits it."""
+        if self.meter is None or not self.meter.observe(self.clock(), self.saturated(), finished_tokens):
+            return
+        self._split_tokens(any(s.cfg.reserved for s in self.lanes.values()))
+        if any(s.waiting for s in self.order):
+            self.poke()
 
     # --- the rule ---------------------------------------------------------------------------------------------------
     def _reserved_busy(self) -> bool:
@@ -289,6 +322,7 @@ class Lanes:
         w = _Waiter(asyncio.get_running_loop().create_future(), tenant, now, tokens)
         lane.queues.setdefault(tenant, deque()).append(w)
         lane.waiting += 1
+        self.tick()  # saturated from now on
         if self.fleet is not None:
             self._kick()
         try:
@@ -312,10 +346,13 @@ class Lanes:
         """Give back a slot of lane ``name`` and the ``tokens`` it was acquired with."""
         lane = self.lanes[name]
         lane.in_use = max(0, lane.in_use - 1)
-        lane.tokens = max(0, lane.tokens - max(0, int(tokens)))
+        tokens = max(0, int(tokens))
+        lane.tokens = max(0, lane.tokens - tokens)
         if self.fleet is None:
             self._dispatch()
+            self.tick(tokens)
             return
+        self.tick(tokens)
         lease = lane.leases.pop() if lane.leases else ""
         if lease:
             self.fleet.give_slot(name, lease, then=self._kick)  # the pump tries again once Redis has it back

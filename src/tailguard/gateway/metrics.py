@@ -32,6 +32,9 @@ class GatewayMetrics:
         self.lane_token_capacity = Gauge("tailguard_lane_capacity_tokens", "Token budget split: total, reserved, "
                                          "burst and general tokens (with a token budget).", ["model", "part"],
                                          registry=r)
+        self.token_rate = Gauge("tailguard_lane_token_rate", "The backend's token rate measured while work waits "
+                                "for it (capacity.tokens_per_s: auto; estimated tokens a second).", ["model"],
+                                registry=r)
         self.upstream_gate = Gauge("tailguard_upstream_queue_gate_closed", "1 while the upstream replicas queue "
                                    "more than the limit and only the reserved lane is admitted.", ["model"],
                                    registry=r)
@@ -92,9 +95,12 @@ class GatewayMetrics:
             for part, v in (("total", lanes.capacity), ("reserved", lanes.reserved), ("burst", lanes.burst),
                             ("general", lanes.general)):
                 self.lane_capacity.labels(m, part).set(v)
-            if lanes.token_budget is not None:
+            if lanes.token_budget is not None or lanes.meter is not None:
                 for name, s in lanes.lanes.items():
                     self.lane_tokens.labels(m, name).set(s.tokens)
+            if lanes.meter is not None and lanes.meter.rate is not None:
+                self.token_rate.labels(m).set(lanes.meter.rate)
+            if lanes.token_budget is not None:
                 for part, v in (("total", lanes.token_budget), ("reserved", lanes.reserved_tokens),
                                 ("burst", lanes.burst_tokens), ("general", lanes.general_tokens)):
                     self.lane_token_capacity.labels(m, part).set(v)

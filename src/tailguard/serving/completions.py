@@ -483,7 +483,7 @@ class CompletionEndpoint:
             raise APIError(429, f"{exc}; retry in {exc.retry_after} s", type="rate_limit_error",
                            code="lane_overloaded", headers={"Retry-After": str(exc.retry_after)}) from None
         ex.lane_slot, ex.lane_tokens = tl.lane, tokens
-        tl.gateway = {**(tl.gateway or {}), "lane_wait": round(waited, 6)}
+        tl.gateway = {**(tl.gateway or {}), "lane_wait": round(waited, 6), "lane_tokens": tokens}
         if gm is not None:
             gm.lane_wait.labels(gm.model, tl.lane).observe(waited)
 

@@ -145,6 +145,7 @@ class ServerState:
             self.snapshot["machine"] = self.machine.export()
         if self.lanes is not None:
             self.capacity_changed()
+            self.lanes.tick()  # tokens_per_s: auto closes its windows of saturated time here too
             self.snapshot["lanes"] = self.lanes.snapshot()
         if self.gateway_metrics is not None:
             self.gateway_metrics.sample(self.lanes, pool)
