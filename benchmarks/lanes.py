@@ -14,7 +14,11 @@ Phases 2 and 3 alternate ``--repeats`` times.
 
 ``--engine llamacpp``: the same in front of a real third-party engine, llama.cpp's OpenAI server (llama-cpp-python's
 ``llama_cpp.server``, the same GGUF): *lanes on* is the gateway (``tailguard serve --upstream``, ``--replica-concurrency``
-requests at a time at the replica, VIP first); *lanes off* is the clients calling llama.cpp's server directly. Reported: VIP TTFT and E2E P50/P99 (client-side, streaming), batch
+requests at a time at the replica, VIP first); *lanes off* is the clients calling llama.cpp's server directly.
+``--engine llama-server``: llama.cpp's own C++ server (``--llama-server PATH``), ``--replicas`` of them with
+``--parallel`` slots each (continuous batching, ``--metrics``, ``--threads`` each): *lanes on* is the gateway over
+all of them (the upstream queue gate reads ``llamacpp:requests_deferred``); *lanes off* the same gateway with plain
+API keys (routing only, no lanes: what a router without admission does). Reported: VIP TTFT and E2E P50/P99 (client-side, streaming), batch
 output tokens/s, and the ratios the issue sets targets on (VIP P99 TTFT <= 200 ms; VIP P99 E2E <= 1.2x VIP alone;
 batch throughput >= 75% of lanes off).
 """
@@ -58,6 +62,12 @@ def pct(xs: list[float], q: float) -> float:
     return xs[k]
 
 
+def _has_text(line: bytes) -> bool:
+    """A chunk that carries text (llama-server's first chunk has only the role, with "content": null)."""
+    choices = json.loads(line[6:]).get("choices") or [{}]
+    return bool((choices[0].get("delta") or {}).get("content"))
+
+
 async def stream(session: aiohttp.ClientSession, url: str, key: str, prompt: str, max_tokens: int) -> dict:
     body = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "stream": True, "temperature": 0, "ignore_eos": True}
@@ -70,7 +80,7 @@ async def stream(session: aiohttp.ClientSession, url: str, key: str, prompt: str
         if resp.status != 200:
             return {"status": resp.status, "ttft": None, "e2e": time.perf_counter() - t0, "tokens": 0, "id": rid}
         async for line in resp.content:
-            if line.startswith(b"data: {") and b'"content"' in line:
+            if line.startswith(b"data: {") and b'"content"' in line and _has_text(line):
                 n += 1
                 if first is None:
                     first = time.perf_counter()
@@ -96,26 +106,28 @@ async def stages(session: aiohttp.ClientSession, url: str, results: list[dict]) 
 
 class Server:
     def __init__(self, tmp: Path, lanes: bool, keys: dict[str, str], args: argparse.Namespace,
-                 upstream: str | None = None) -> None:
+                 upstreams: list[str] | None = None, lend_reserve: bool | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
-        if upstream is not None and not lanes:
-            self.url = upstream  # lanes off in front of llama.cpp: the clients call it directly
+        if upstreams is not None and len(upstreams) == 1 and not lanes:
+            self.url = upstreams[0]  # lanes off in front of one llama.cpp server: the clients call it directly
             return
         cfg: dict = {"slo": {"enabled": False}, "admin_key": ADMIN_KEY}
         if lanes:
             cfg["keys_file"] = str(tmp / "keys.yaml")
+            if lend_reserve is not None:
+                cfg["capacity"] = {"lend_reserve": lend_reserve}
         else:
             cfg["api_keys"] = list(keys.values())
-        if upstream is not None:
-            cfg["upstreams"] = [{"url": upstream, "max_concurrent": args.replica_concurrency}]
+        if upstreams is not None:
+            cfg["upstreams"] = [{"url": u, "max_concurrent": args.replica_concurrency} for u in upstreams]
             cfg["served_model_names"] = ["smollm2"]
         (tmp / "serve.yaml").write_text(yaml.safe_dump(cfg))
         cmd = [sys.executable, "-m", "tailguard.cli", "serve", "--port", str(self.port), "--config",
                str(tmp / "serve.yaml"), "--store", str(tmp / f"r{self.port}.sqlite3"), "--no-access-log",
                "--log-level", "warning"]
-        if upstream is None:
+        if upstreams is None:
             cmd += ["--max-num-seqs", str(args.max_num_seqs)]
             if lanes and args.background_seqs >= 0:
                 cmd += ["--max-background-seqs", str(args.background_seqs)]
@@ -147,6 +159,21 @@ def start_llamacpp(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
            str(port), "--n_threads", str(args.threads), "--n_ctx", "4096"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, f"http://127.0.0.1:{port}"
+
+
+def start_llama_servers(args: argparse.Namespace) -> list[tuple[subprocess.Popen, str]]:
+    """``--replicas`` llama.cpp C++ servers on the same GGUF, continuous batching over ``--parallel`` slots."""
+    from tailguard.engine.model_store import resolve_model_path
+
+    out = []
+    for _ in range(args.replicas):
+        port = free_port()
+        cmd = [args.llama_server, "-m", str(resolve_model_path("smollm2")), "--host", "127.0.0.1", "--port",
+               str(port), "-t", str(args.threads), "--parallel", str(args.parallel), "-c",
+               str(1024 * args.parallel), "--metrics", "--no-webui"]
+        out.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+                    f"http://127.0.0.1:{port}"))
+    return out
 
 
 async def vip_alone(session, url, key, args) -> list[dict]:
@@ -200,24 +227,26 @@ async def main(args: argparse.Namespace) -> dict:
     keys = {"vip": kf.add_key("acme", "vip"), "batch": kf.add_key("crawler", "batch")}
     kf.save(tmp / "keys.yaml")
     timeout = aiohttp.ClientTimeout(total=600)
-    out: dict = {"config": vars(args), "alone": None, "on": [], "off": []}
-    upstream = None
-    llama = None
+    out: dict = {"config": vars(args), "alone": None, **{m: [] for m in args.modes}}
+    started: list[tuple[subprocess.Popen, str]] = []
     if args.engine == "llamacpp":
-        llama, upstream = start_llamacpp(args)
+        started = [start_llamacpp(args)]
+    elif args.engine == "llama-server":
+        started = start_llama_servers(args)
+    upstreams = [url for _, url in started] or None
     try:
-        return await _phases(args, tmp, keys, timeout, out, upstream)
+        return await _phases(args, tmp, keys, timeout, out, upstreams)
     finally:
-        if llama is not None:
-            llama.terminate()
-            llama.wait(30)
+        for proc, _ in started:
+            proc.terminate()
+            proc.wait(30)
 
 
-async def _phases(args, tmp, keys, timeout, out, upstream) -> dict:
+async def _phases(args, tmp, keys, timeout, out, upstreams) -> dict:
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        if upstream is not None:
-            await Server.ready(argparse.Namespace(url=upstream), session, "/v1/models")  # type: ignore[arg-type]
-        srv = Server(tmp, True, keys, args, upstream)
+        for u in upstreams or []:
+            await Server.ready(argparse.Namespace(url=u), session, "/v1/models")  # type: ignore[arg-type]
+        srv = Server(tmp, True, keys, args, upstreams)
         try:
             await srv.ready(session)
             await vip_alone(session, srv.url, keys["vip"], argparse.Namespace(**{**vars(args), "vip_requests": 3}))
@@ -227,8 +256,9 @@ async def _phases(args, tmp, keys, timeout, out, upstream) -> dict:
         finally:
             srv.stop()
         for rep in range(args.repeats):
-            for mode in ("on", "off"):
-                srv = Server(tmp, mode == "on", keys, args, upstream)
+            for mode in args.modes:
+                srv = Server(tmp, mode != "off", keys, args, upstreams,
+                             lend_reserve={"on-lend": True, "on-nolend": False}.get(mode))
                 try:
                     await srv.ready(session, "/v1/models" if srv.proc is None else "/ready")
                     vips, batch_rate, vip_stages = await loaded(session, srv.url, keys, args)
@@ -249,17 +279,19 @@ def report(res: dict) -> None:
     print("|---|---|---|---|---|---|")
     print(f"| VIP alone (idle) | {alone['ttft_p50'] * 1e3:.0f} ms | {alone['ttft_p99'] * 1e3:.0f} ms | "
           f"{alone['e2e_p50']:.2f} s | {alone['e2e_p99']:.2f} s | - |")
-    for mode in ("on", "off"):
+    for mode in res["config"]["modes"]:
         print(f"| lanes {mode} (batch saturating) | {med(mode, 'ttft_p50') * 1e3:.0f} ms | "
               f"{med(mode, 'ttft_p99') * 1e3:.0f} ms | {med(mode, 'e2e_p50'):.2f} s | {med(mode, 'e2e_p99'):.2f} s | "
               f"{med(mode, 'batch_tokens_per_s'):.0f} |")
-    ratios = {
-        "vip_ttft_p99_on_ms": med("on", "ttft_p99") * 1e3,
-        "vip_e2e_p99_on_over_alone": med("on", "e2e_p99") / alone["e2e_p99"],
-        "batch_throughput_on_over_off": (med("on", "batch_tokens_per_s") / med("off", "batch_tokens_per_s")
-                                         if med("off", "batch_tokens_per_s") else float("nan")),
-        "vip_ttft_p99_off_over_on": med("off", "ttft_p99") / med("on", "ttft_p99"),
-    }
+    ratios: dict[str, float] = {}
+    off = "off" in res["config"]["modes"]
+    for mode in (m for m in res["config"]["modes"] if m != "off"):
+        tag = "" if mode == "on" else "_" + mode.replace("-", "_")
+        ratios[f"vip_ttft_p99{tag}_ms"] = med(mode, "ttft_p99") * 1e3
+        ratios[f"vip_e2e_p99{tag}_over_alone"] = med(mode, "e2e_p99") / alone["e2e_p99"]
+        if off and med("off", "batch_tokens_per_s"):
+            ratios[f"batch_throughput{tag}_over_off"] = med(mode, "batch_tokens_per_s") / med("off", "batch_tokens_per_s")
+            ratios[f"vip_ttft_p99_off_over{tag or '_on'}"] = med("off", "ttft_p99") / med(mode, "ttft_p99")
     res["ratios"] = ratios
     print("\n" + "\n".join(f"{k}: {v:.2f}" for k, v in ratios.items()))
 
@@ -279,12 +311,18 @@ if __name__ == "__main__":
     p.add_argument("--background-seqs", type=int, default=2,
                    help="lanes on: the engine's --max-background-seqs (batch sequences per step while a VIP runs; "
                         "-1: no cap)")
-    p.add_argument("--engine", choices=["embedded", "llamacpp"], default="embedded")
+    p.add_argument("--engine", choices=["embedded", "llamacpp", "llama-server"], default="embedded")
     p.add_argument("--replica-concurrency", type=int, default=1,
-                   help="llamacpp: requests the gateway lets the replica run at once (its server runs one)")
-    p.add_argument("--out", default=None, help="default: benchmarks/results/lanes[_llamacpp].json")
+                   help="upstreams: requests the gateway lets each replica run at once (llama_cpp.server runs one)")
+    p.add_argument("--llama-server", default="llama-server", help="llama-server: the binary")
+    p.add_argument("--replicas", type=int, default=2, help="llama-server: replicas")
+    p.add_argument("--parallel", type=int, default=4, help="llama-server: slots per replica")
+    p.add_argument("--modes", default="on,off", type=lambda v: v.split(","),
+                   help="phases under load, alternating: on (lanes, the default reserve lending), on-lend / "
+                        "on-nolend (lanes, the reserve lent or not), off (no lanes)")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/lanes[_ENGINE].json")
     a = p.parse_args()
-    a.out = a.out or f"benchmarks/results/lanes{'_llamacpp' if a.engine == 'llamacpp' else ''}.json"
+    a.out = a.out or f"benchmarks/results/lanes{'' if a.engine == 'embedded' else '_' + a.engine.replace('-', '_')}.json"
     result = asyncio.run(main(a))
     report(result)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from tailguard.gateway.tenants import KeyFile
@@ -217,17 +218,24 @@ def test_lanes_come_from_keys_and_a_header_cannot_claim_vip(tmp_path):
         assert "tailguard_lane_header_ignored_requests_total" in httpx.get(gw.url + "/metrics").text
 
 
-def test_vip_admitted_while_batch_saturates_and_overload_gets_429(tmp_path):
+@pytest.mark.parametrize("lend", [True, None])
+def test_vip_admitted_while_batch_saturates_and_overload_gets_429(tmp_path, lend):
+    """``lend``: True, batch borrows the idle reserve (an upstream that preempts, as tailguard's own engine does);
+    None, the default over upstreams, it does not (the upstream could not give it back before a borrowed stream
+    ends), so batch stops at the general part."""
     path, keys = keyfile(tmp_path)
     lanes = {"vip": {"priority": 0, "reserved": True, "sheddable": False},
              "standard": {"priority": 1},
              "batch": {"priority": 2, "burst": False, "max_queue": 6, "max_queue_wait_s": 20}}
+    capacity = {"max_concurrent": 10, "lend_reserve": lend}
     with replica(tmp_path, "a", ttft=0.01, itl=0.02) as a, \
-            gateway(tmp_path, [a.url], keys_file=str(path), lanes=lanes, capacity={"max_concurrent": 10}) as gw:
+            gateway(tmp_path, [a.url], keys_file=str(path), lanes=lanes, capacity=capacity) as gw:
         lanes_state = gw.state.lanes
+        held = 10 if lend else 8  # 8 general (+ 2 borrowed)
         with httpx.Client(timeout=60) as c, ThreadPoolExecutor(24) as pool:
             flood = [pool.submit(chat, gw.url, keys["batch"], 60, False, c) for _ in range(24)]
-            assert wait_until(lambda: lanes_state.lanes["batch"].in_use == 10, timeout=10)  # 8 general + 2 borrowed
+            assert wait_until(lambda: lanes_state.lanes["batch"].waiting > 0, timeout=10)
+            assert lanes_state.lanes["batch"].in_use == held
             t0 = time.perf_counter()
             vip = chat(gw.url, keys["vip"], 2, False, c)
             vip_took = time.perf_counter() - t0

@@ -32,7 +32,8 @@ def gauge(url: str, sample: str) -> float:
 def test_token_budget_through_the_gateway(tmp_path):
     path, keys = keyfile(tmp_path)
     # 100 tokens of work: 20 reserved, 5 burst, 75 general. Sequences (40) never bind here.
-    capacity = {"tokens_per_s": 10, "token_horizon_s": 10, "upstream_queue_limit": None}
+    # The fake replica stands in for an engine that preempts: batch may borrow the idle reserve.
+    capacity = {"tokens_per_s": 10, "token_horizon_s": 10, "upstream_queue_limit": None, "lend_reserve": True}
     with replica(tmp_path, "a", ttft=0.01, itl=0.02) as a, \
             gateway(tmp_path, [a.url], per_replica=40, keys_file=str(path), capacity=capacity) as gw:
         lanes = gw.state.lanes

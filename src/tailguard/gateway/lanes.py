@@ -5,7 +5,11 @@ Capacity is a number of concurrent sequences ``C``. It is cut into three parts:
 - the reserved share ``R`` (default 20%) belongs to the reserved lane (``vip``). Other lanes may borrow it only while
   that lane is idle (nothing in flight, nothing waiting); when a VIP request arrives it is admitted at once against its
   own share, so for a moment the backend holds more than ``C`` and gives the borrowed room back by priority (the
-  embedded engine preempts the lowest-priority running sequence) and by admission order (VIP waiters go first);
+  embedded engine preempts the lowest-priority running sequence) and by admission order (VIP waiters go first).
+  A backend that cannot preempt (an upstream engine: llama.cpp's server has no priorities, vLLM preempts only when
+  started with ``--scheduling-policy priority``) can only give it back when a borrowed sequence ends, and the VIP
+  request waits in the upstream's queue meanwhile; so by default the reserve is lent only on the embedded engine
+  (``CapacityConfig.lend_reserve``);
 - the burst pool ``B`` (default 5%) is used only when the general part is full, by lanes allowed to burst;
 - the general part ``G = C - R - B`` is shared; batch gets what the lanes above leave.
 
@@ -110,6 +114,8 @@ class CapacityConfig(BaseModel):
                           "auto: measured while work waits for the backend; None: off")
     token_horizon_s: float = Field(10.0, gt=0, description="seconds of work the backend may hold: the token budget "
                                                            "is tokens_per_s x token_horizon_s")
+    lend_reserve: bool | None = Field(None, description="other lanes may borrow the reserve while its lane is idle; "
+                                      "None: on the embedded engine (it preempts), not over upstreams (they may not)")
     upstream_queue_limit: float | None = Field(2.0, ge=0, description="upstream replicas: while the replicas that "
                                                "report a waiting queue hold more than this many per replica, only "
                                                "the reserved lane is admitted (others wait here); None: off")
@@ -160,7 +166,8 @@ class Lanes:
     general parts, gated by the upstream queue when a hook says it is too long."""
 
     def __init__(self, lanes: dict[str, LaneConfig], capacity: int, cfg: CapacityConfig | None = None,
-                 fleet: RedisState | None = None, upstream_full: Callable[[int], bool] | None = None) -> None:
+                 fleet: RedisState | None = None, upstream_full: Callable[[int], bool] | None = None,
+                 lend_reserve: bool = True) -> None:
         if not lanes:
             raise ValueError("at least one lane is needed")
         self.cfg = cfg or CapacityConfig()
@@ -168,6 +175,7 @@ class Lanes:
         # Asked with this gateway's admitted requests in flight (some perhaps not yet sent upstream); True: the
         # upstreams queue too much, only the reserve is admitted.
         self.upstream_full = upstream_full
+        self.lend_reserve = lend_reserve if self.cfg.lend_reserve is None else self.cfg.lend_reserve
         self._pump: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._marked: set[str] = set()  # reserved lanes this gateway told the fleet it has waiters in
@@ -190,7 +198,8 @@ class Lanes:
         if self.fleet is not None:
             from tailguard.gateway.shared import lane_rule
 
-            self.rule = lane_rule(self.capacity, self.general, self.burst, self.reserved, self.lanes)
+            self.rule = lane_rule(self.capacity, self.general, self.burst,
+                                  self.reserved if self.lend_reserve else 0, self.lanes)
         self._dispatch()
 
     def _split_tokens(self, has_reserved: bool) -> None:
@@ -240,7 +249,7 @@ class Lanes:
             # Others count only up to what they may hold without the reserve: what they borrowed is given back.
             return mine + min(others, self.general + self.burst) < self.capacity
         limit = self.general + (self.burst if lane.cfg.burst else 0)
-        if not self._reserved_busy():
+        if self.lend_reserve and not self._reserved_busy():
             limit += self.reserved  # borrow the reserve while its owner is idle
         total = others + sum(s.in_use for s in self.lanes.values() if s.cfg.reserved)
         return others < limit and total < self.capacity
@@ -255,7 +264,7 @@ class Lanes:
         if lane.cfg.reserved:
             return mine == 0 or mine + min(others, self.general_tokens + self.burst_tokens) + tokens <= budget
         limit = self.general_tokens + (self.burst_tokens if lane.cfg.burst else 0)
-        if not self._reserved_busy():
+        if self.lend_reserve and not self._reserved_busy():
             limit += self.reserved_tokens
         if others + tokens <= limit and mine + others + tokens <= budget:
             return True

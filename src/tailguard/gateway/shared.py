@@ -47,7 +47,7 @@ class LaneRule:
     capacity: int
     general: int
     burst: int
-    reserved: int
+    lendable: int  # what other lanes may borrow of the reserve while it is idle (0: the reserve is not lent)
     lanes: tuple[tuple[str, bool, bool], ...]  # (name, holds the reserve, may burst), every lane
 
 
@@ -126,13 +126,13 @@ return 1
 
 # The lanes' admission rule (tailguard.gateway.lanes.Lanes._fits) over the fleet's leases.
 # KEYS: per lane, its lease set then its waiter set (reserved lanes: gateways with VIP requests waiting).
-# ARGV: wanted lane's index (1-based), lease id, lease TTL ms, capacity, general, burst, reserved, then per lane
+# ARGV: wanted lane's index (1-based), lease id, lease TTL ms, capacity, general, burst, lendable, then per lane
 # "reserved burst" flags as two strings "0"/"1". Returns 1 (lease taken) or 0.
 _TAKE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local want, lease, ttl = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
-local cap, general, burst, reserved = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local cap, general, burst, lendable = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local mine, others, busy = 0, 0, false
 local want_res, want_burst = false, false
 local n_lanes = #KEYS / 2
@@ -156,7 +156,7 @@ if want_res then
 else
   local limit = general
   if want_burst then limit = limit + burst end
-  if not busy then limit = limit + reserved end
+  if not busy then limit = limit + lendable end
   fits = others < limit and others + mine < cap
 end
 if not fits then return 0 end
@@ -319,7 +319,7 @@ class RedisState:
         flags: list[str] = []
         for _, res, burst in rule.lanes:
             flags += ["1" if res else "0", "1" if burst else "0"]
-        args = [want, lease, self.lease_ttl_ms, rule.capacity, rule.general, rule.burst, rule.reserved, *flags]
+        args = [want, lease, self.lease_ttl_ms, rule.capacity, rule.general, rule.burst, rule.lendable, *flags]
         got = await self._call("lane", lambda: self._take(keys=self._lane_keys(rule), args=args))
         if int(got) != 1:
             return None
@@ -416,7 +416,7 @@ def open_shared(url: str | None, registry: CollectorRegistry | None = None, **kw
     return RedisState(url, registry=registry, **kw) if url else LocalState()
 
 
-def lane_rule(capacity: int, general: int, burst: int, reserved: int,
+def lane_rule(capacity: int, general: int, burst: int, lendable: int,
               lanes: Mapping[str, Any]) -> LaneRule:
-    return LaneRule(capacity, general, burst, reserved,
+    return LaneRule(capacity, general, burst, lendable,
                     tuple((name, bool(s.cfg.reserved), bool(s.cfg.burst)) for name, s in lanes.items()))

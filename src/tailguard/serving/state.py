@@ -80,7 +80,7 @@ class ServerState:
                 else None
             self.lanes = Lanes(self.config.lane_configs(), cap.max_concurrent or backend_capacity(engine), cap,
                                fleet=self.shared if self.shared.fleet else None,  # type: ignore[arg-type]
-                               upstream_full=gate)
+                               upstream_full=gate, lend_reserve=pool is None)
             if gate is not None:  # a new read of the upstream queues may open the gate: admit who fits
                 pool.on_queue = self.lanes.poke
             if self.metrics is not None:
