@@ -14,7 +14,9 @@ client in this process, with a fresh connection pool per round; repeats rotate o
 through each ``--compare-src`` gateway (the same upstream behind each). The gateway's CPU time per token
 relayed is read from /proc. Reported per path: client-side TTFT P50/P99 and the gaps between tokens
 P50/P99; the difference is the gateway's cost (issue 9's target: +1 ms P99 TTFT and +50 us per token at 256 streams).
-All three processes share this machine's cores, so the figure includes the gateway's CPU taking time from the others.
+All three processes share this machine's cores, so the figure includes the gateway's CPU taking time from the others;
+``--pin`` gives the gateway a core of its own (the last one) and the upstream and the client the others, so that what
+is measured is the gateway's own added time, not its competition with the load generator for a core.
 """
 
 from __future__ import annotations
@@ -107,16 +109,24 @@ async def one(session: aiohttp.ClientSession, url: str, tokens: int) -> tuple[fl
     return times[0] - t0, gaps
 
 
-async def round_(session, url: str, streams: int, tokens: int, seconds: float = 0.0) -> dict:
-    """``streams`` closed-loop clients for ``seconds`` (0: one request each)."""
+async def round_(session, url: str, streams: int, tokens: int, seconds: float = 0.0, warmup: float = 0.0) -> dict:
+    """``streams`` closed-loop clients for ``seconds`` (0: one request each); requests started in the first
+    ``warmup`` seconds are not timed (every client starts at once: the first wave is a thundering herd that no
+    steady load has)."""
     res: list[tuple[float, list[float]]] = []
     errors: list[str] = []
-    stop = time.perf_counter() + seconds
+    t0 = time.perf_counter()
+    stop = t0 + seconds
+    relayed = 0  # tokens of every request, timed or not (the gateway's CPU is read over the whole round)
 
     async def client() -> None:
         while True:
+            started = time.perf_counter()
             out = await one(session, url, tokens)
-            (errors if isinstance(out, str) else res).append(out)  # type: ignore[arg-type]
+            nonlocal relayed
+            relayed += 0 if isinstance(out, str) else len(out[1]) + 1
+            if started >= t0 + warmup or isinstance(out, str):
+                (errors if isinstance(out, str) else res).append(out)  # type: ignore[arg-type]
             if time.perf_counter() >= stop:
                 return
 
@@ -127,7 +137,7 @@ async def round_(session, url: str, streams: int, tokens: int, seconds: float = 
     gaps = [g for r in res for g in r[1]]
     return {"ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(gaps, 50),
             "itl_p99": pct(gaps, 99), "itl_mean": statistics.fmean(gaps), "requests": len(res),
-            "tokens": len(gaps) + len(res), "errors": len(errors)}
+            "tokens": len(gaps) + len(res), "tokens_relayed": relayed, "errors": len(errors)}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -145,6 +155,14 @@ async def main(a: argparse.Namespace) -> dict:
     gateways = {"gateway": start(["--upstream", up_url, "--max-queue", "4096"], tmp, gw_cfg)}
     for i, src in enumerate(a.compare_src or []):  # the gateway from other source trees, in the same run
         gateways[f"gateway_compare{i + 1}"] = start(["--upstream", up_url, "--max-queue", "4096"], tmp, gw_cfg, src)
+    if a.pin:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            raise SystemExit("--pin needs at least 2 cores")
+        for proc, _ in gateways.values():
+            os.sched_setaffinity(proc.pid, {cores[-1]})
+        os.sched_setaffinity(up.pid, set(cores[:-1]))
+        os.sched_setaffinity(0, set(cores[:-1]))
     out: dict = {"config": vars(a), "direct": [], **{name: [] for name in gateways}}
     paths = [("direct", up_url, None)] + [(name, url, proc) for name, (proc, url) in gateways.items()]
     try:
@@ -164,9 +182,9 @@ async def main(a: argparse.Namespace) -> dict:
             for name, url, proc in order:
                 async with client() as session:
                     cpu0 = cpu_seconds(proc.pid) if proc is not None else 0.0
-                    r = await round_(session, url, a.streams, a.tokens, a.seconds)
+                    r = await round_(session, url, a.streams, a.tokens, a.seconds, a.warmup)
                     if proc is not None:
-                        r["gateway_cpu_us_per_token"] = (cpu_seconds(proc.pid) - cpu0) / r["tokens"] * 1e6
+                        r["gateway_cpu_us_per_token"] = (cpu_seconds(proc.pid) - cpu0) / r["tokens_relayed"] * 1e6
                 out[name].append(r)
                 print(f"repeat {rep + 1} {name}: " + ", ".join(
                     f"{k}={v * 1e3:.2f} ms" if k.startswith(("ttft", "itl")) else f"{k}={v:.0f}"
@@ -209,6 +227,8 @@ if __name__ == "__main__":
                    help="also run a gateway from this source folder (e.g. `git archive BASE src | tar -x -C DIR`, "
                         "then DIR/src), interleaved with the others: before and after a change in one run "
                         "(repeatable)")
+    p.add_argument("--warmup", type=float, default=0.0, help="seconds of each round not timed (the start's herd)")
+    p.add_argument("--pin", action="store_true", help="the gateway on a core of its own, upstream and client on the rest")
     p.add_argument("--out", default="benchmarks/results/gateway_overhead.json")
     args = p.parse_args()
     result = asyncio.run(main(args))
