@@ -14,7 +14,6 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
@@ -22,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.net import free_port
 
 USER = "tailguard"
 
@@ -40,11 +41,6 @@ def _bindir() -> Path:
     return Path(candidates[-1]).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class PgCluster:
     def __init__(self, fsync: bool = False) -> None:
@@ -62,7 +58,7 @@ class PgCluster:
             os.chown(self.root, nobody.pw_uid, nobody.pw_gid)
             self.runas = [runuser, "-u", "nobody", "--"]
         self.data = self.root / "data"
-        self.port = _free_port()
+        self.port = free_port()
         self._run("initdb", "-D", str(self.data), "-U", USER, "--auth=trust", "-E", "UTF8", "--locale=C",
                   "--no-sync")
         self.start()

@@ -17,15 +17,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.net import free_port
+
 
 class RedisUnavailable(RuntimeError):
     """No redis-server binary on this machine."""
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

@@ -15,6 +15,7 @@ from typing import Any
 from tailguard.engine.fake import FakeEngine, FakeTiming
 from tailguard.serving.config import ServerConfig
 from tailguard.serving.server import ThreadedServer
+from tests.net import free_port
 
 # The test servers' admin key (records, alerts and SLO data are admin surfaces: closed without one).
 ADMIN_KEY = "test-admin-key"
@@ -79,11 +80,6 @@ def wait_until(pred, timeout: float = 20.0, interval: float = 0.01) -> bool:
         time.sleep(interval)
     return pred()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_serve(*args: str, port: int | None = None, timeout: float = 60.0) -> tuple[Any, str]:

@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,13 +26,8 @@ import yaml
 from tailguard.gateway.tenants import KeyFile
 from tailguard.serving.backend import build_backend
 from tailguard.serving.server import ThreadedServer
+from tests.net import free_port
 from tests.serving_helpers import ADMIN, make_config, settle, wait_until
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -50,7 +44,7 @@ class Replica:
 @contextlib.contextmanager
 def replica(tmp: Path, name: str, model: str = "fake", **fake: Any) -> Iterator[Replica]:
     """A real ``tailguard serve`` process on a free loopback port."""
-    port = _free_port()
+    port = free_port()
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump({"fake": fake, "slo": {"enabled": False}}))
     cmd = [sys.executable, "-m", "tailguard.cli", "serve", "--model", model, "--port", str(port), "--config",
@@ -145,7 +139,7 @@ def test_routing_spreads_load_and_reports_replicas(tmp_path):
 
 
 def test_failure_before_first_token_is_retried_elsewhere_and_opens_the_breaker(tmp_path):
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with replica(tmp_path, "a", ttft=0.01, itl=0.001) as a, \
             gateway(tmp_path, [dead, a.url], routing={"health_interval_s": 60, "breaker_failures": 2}) as gw:
         pool = gw.state.engine.pool
@@ -362,7 +356,7 @@ def scripted_upstream(stream: bytes, cut: int, pause_s: float = 0.003) -> Iterat
     app.router.add_post("/v1/chat/completions", completions)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app)
-    port = _free_port()
+    port = free_port()
 
     def run() -> None:
         asyncio.set_event_loop(loop)

@@ -283,9 +283,9 @@ def test_continuation_bodies():
 
 
 def test_a_fallback_that_fails_before_its_first_token_ends_with_the_template(tmp_path: Path):
-    from tests.test_gateway import _free_port
+    from tests.net import free_port
 
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     lanes = {"standard": {"priority": 1, "itl_deadline_s": 0.1, "ttft_deadline_s": 5.0}}
     with replica(tmp_path, "slow", ttft=0.01, itl=1.0, output_text=SLOW) as slow, \
             gateway(tmp_path, [slow.url, dead], lanes=lanes,

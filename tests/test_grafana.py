@@ -8,7 +8,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -30,6 +29,7 @@ from tailguard.slo.grafana import (
     panel_queries,
 )
 from tailguard.slo.profiles import builtin_profiles
+from tests.net import free_port
 from tests.serving_helpers import FailingEngine, fake_server
 
 PROMETHEUS = shutil.which("prometheus")
@@ -116,11 +116,6 @@ def _series_names(expr: str) -> set[str]:
 
 
 # --- against a real Prometheus ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _traffic(url: str, stop: threading.Event, worker: int, counts: dict[str, int]) -> None:
     kinds = [({}, False), ({}, True), ({"X-Lane": "vip"}, False), ({"X-Business-Type": "batch"}, False),
@@ -140,7 +135,7 @@ def _traffic(url: str, stop: threading.Event, worker: int, counts: dict[str, int
 
 
 def _start_prometheus(tmp_path: Path, target: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(
         "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n  evaluation_interval: 1s\n"

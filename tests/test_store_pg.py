@@ -17,7 +17,8 @@ from tailguard.observe import store_pg
 from tailguard.observe.store import SCHEMA_VERSION, SECRET_ENV, RequestStore, SchemaError, open_store
 from tailguard.observe.store_pg import PostgresStore, StoreUnavailableError, redact_url, to_postgres_sql
 from tailguard.serving.config import ServerConfig
-from tests.pg_cluster import _free_port, shared_cluster
+from tests.net import free_port
+from tests.pg_cluster import shared_cluster
 from tests.serving_helpers import ADMIN, fake_server, settle, start_serve, stop_serve
 from tests.test_store import _tl
 
@@ -59,7 +60,7 @@ def test_a_table_tailguard_did_not_create_is_refused(url):
 
 
 def test_an_unreachable_database_is_a_clear_error_without_the_password():
-    bad = f"postgresql://tailguard:hunter2@127.0.0.1:{_free_port()}/nowhere?connect_timeout=3"
+    bad = f"postgresql://tailguard:hunter2@127.0.0.1:{free_port()}/nowhere?connect_timeout=3"
     with pytest.raises(StoreUnavailableError, match="cannot connect") as err:
         RequestStore(bad)
     assert "hunter2" not in str(err.value) and "***" in str(err.value)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
-import socket
 import threading
 import time
 import zlib
@@ -29,6 +28,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status  # noqa: E402
 from tailguard.engine.fake import FakeEngine, FakeTiming  # noqa: E402
 from tailguard.observe.tracing import upstream_call, upstream_headers  # noqa: E402
 from tailguard.serving.config import ServerConfig  # noqa: E402
+from tests.net import free_port
 from tests.serving_helpers import FailingEngine, fake_server, settle, start_serve, stop_serve  # noqa: E402
 
 STAGES = ["tokenize", "queue", "prefill", "decode", "stream"]
@@ -277,7 +277,7 @@ class ForwardingEngine(FakeEngine):
     def __init__(self, upstream: str) -> None:
         super().__init__(FakeTiming(ttft=0.005, itl=0.001))
         self.upstream = upstream
-        self.dead = f"http://127.0.0.1:{_free_port()}/v1/completions"  # nothing listens there
+        self.dead = f"http://127.0.0.1:{free_port()}/v1/completions"  # nothing listens there
         self.sent: list[dict[str, str]] = []
 
     async def generate(self, prompt_token_ids, sampling, request_id, priority=0,
@@ -373,11 +373,6 @@ def test_endpoint_from_settings_flag_and_environment(monkeypatch, tmp_path):
         ServerConfig.load(model="fake", tracing={"otlp_endpoint": "http://x", "sample_ratio": 1.5})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_serve_subprocess_exports_on_shutdown(tmp_path, receiver):
     """``tailguard serve --model fake --otlp-endpoint URL``: the flag reaches the exporter, and what is still queued
@@ -396,7 +391,7 @@ def test_serve_subprocess_exports_on_shutdown(tmp_path, receiver):
 
 
 def test_an_unreachable_collector_never_fails_or_holds_a_request(tmp_path):
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with fake_server(tmp_path, tracing={"otlp_endpoint": dead, "export_timeout_s": 1}) as server:
         for i in range(40):
             r = _chat(server.url, {"X-Request-ID": f"lost-{i}"})

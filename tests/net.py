@@ -1,0 +1,11 @@
+"""A free loopback port for the servers the tests start (Redis, PostgreSQL, ``tailguard serve``) or leave dead."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
