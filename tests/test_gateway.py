@@ -75,8 +75,8 @@ def replica(tmp: Path, name: str, model: str = "fake", **fake: Any) -> Iterator[
 
 @contextlib.contextmanager
 def gateway(tmp: Path, urls: list[str], **cfg: Any) -> Iterator[ThreadedServer]:
-    config = make_config(tmp, upstreams=[{"url": u, "max_concurrent": cfg.pop("per_replica", 64)} for u in urls],
-                         **cfg)
+    replica_cfg = {"max_concurrent": cfg.pop("per_replica", 64), "send_priority": cfg.pop("send_priority", False)}
+    config = make_config(tmp, upstreams=[{"url": u, **replica_cfg} for u in urls], **cfg)
     with ThreadedServer(config, engine_factory=lambda: build_backend(config)) as server:
         assert wait_until(lambda: server.state.ready, timeout=30)
         yield server
@@ -212,20 +212,21 @@ def test_lanes_come_from_keys_and_a_header_cannot_claim_vip(tmp_path):
         assert "tailguard_lane_header_ignored_requests_total" in httpx.get(gw.url + "/metrics").text
 
 
-@pytest.mark.parametrize("lend", [True, None])
-def test_vip_admitted_while_batch_saturates_and_overload_gets_429(tmp_path, lend):
-    """``lend``: True, batch borrows the idle reserve (an upstream that preempts, as tailguard's own engine does);
-    None, the default over upstreams, it does not (the upstream could not give it back before a borrowed stream
-    ends), so batch stops at the general part."""
+@pytest.mark.parametrize(("lend", "send_priority"), [(True, False), (None, False), (None, True)])
+def test_vip_admitted_while_batch_saturates_and_overload_gets_429(tmp_path, lend, send_priority):
+    """``lend``: True, batch borrows the idle reserve; None (the default), it borrows only over replicas that take
+    the lane's priority (``send_priority``: they preempt for VIP, as tailguard's own engine does); over others it
+    does not (they could not give it back before a borrowed stream ends), so batch stops at the general part."""
     path, keys = keyfile(tmp_path)
     lanes = {"vip": {"priority": 0, "reserved": True, "sheddable": False},
              "standard": {"priority": 1},
              "batch": {"priority": 2, "burst": False, "max_queue": 6, "max_queue_wait_s": 20}}
     capacity = {"max_concurrent": 10, "lend_reserve": lend}
     with replica(tmp_path, "a", ttft=0.01, itl=0.02) as a, \
-            gateway(tmp_path, [a.url], keys_file=str(path), lanes=lanes, capacity=capacity) as gw:
+            gateway(tmp_path, [a.url], keys_file=str(path), lanes=lanes, capacity=capacity,
+                    send_priority=send_priority) as gw:
         lanes_state = gw.state.lanes
-        held = 10 if lend else 8  # 8 general (+ 2 borrowed)
+        held = 10 if lend or send_priority else 8  # 8 general (+ 2 borrowed)
         with httpx.Client(timeout=60) as c, ThreadPoolExecutor(24) as pool:
             flood = [pool.submit(chat, gw.url, keys["batch"], 60, False, c) for _ in range(24)]
             assert wait_until(lambda: lanes_state.lanes["batch"].waiting > 0, timeout=10)
@@ -329,9 +330,11 @@ def test_tenant_rate_limits_on_the_embedded_engine(tmp_path):
 
 
 @contextlib.contextmanager
-def scripted_upstream(stream: bytes, cut: int, pause_s: float = 0.003) -> Iterator[str]:
+def scripted_upstream(stream: bytes, cut: int, pause_s: float = 0.003, bodies: list[dict] | None = None
+                      ) -> Iterator[str]:
     """An OpenAI-compatible upstream that answers every completion with ``stream``, written ``cut`` bytes at a time
-    with a pause in between (so that the gateway's reads see events cut anywhere, and several in one read)."""
+    with a pause in between (so that the gateway's reads see events cut anywhere, and several in one read).
+    ``bodies``: the request bodies it received are appended there."""
     import asyncio
     import threading
 
@@ -341,7 +344,9 @@ def scripted_upstream(stream: bytes, cut: int, pause_s: float = 0.003) -> Iterat
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        await request.read()
+        raw = await request.read()
+        if bodies is not None:
+            bodies.append(json.loads(raw))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         with contextlib.suppress(ConnectionError):  # the gateway may hang up once it has read [DONE]
@@ -421,3 +426,22 @@ def test_upstream_tokens_relayed_exactly_whatever_the_reads_cut(tmp_path):
             full = chat(gw.url, max_tokens=6).json()
             assert full["choices"][0]["message"]["content"] == "".join(texts)
             assert full["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("send_priority", [False, True])
+def test_a_clients_priority_claim_is_ignored_and_never_forwarded(tmp_path, send_priority):
+    """vLLM's ``priority`` field from a client is not a way around the lanes: the gateway records the claim and sends
+    the upstream its lane's priority (where the replica takes one), never the client's."""
+    events = [_upstream_chunk({"role": "assistant", "content": ""}), _upstream_chunk({"content": "ok"}, "stop")]
+    stream = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+    path, keys = keyfile(tmp_path)
+    bodies: list[dict] = []
+    with scripted_upstream(stream, len(stream), bodies=bodies) as up, \
+            gateway(tmp_path, [up], keys_file=str(path), send_priority=send_priority) as gw:
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, headers={"Authorization": f"Bearer {keys['batch']}"},
+                       json={"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                             "priority": -5})
+        assert r.status_code == 200, r.text
+        assert record(gw, r)["gateway"]["priority_ignored"] == -5
+    batch_priority = 2  # the default lanes: vip 0, standard 1, batch 2
+    assert bodies[-1].get("priority") == (batch_priority if send_priority else None)

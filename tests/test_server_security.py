@@ -7,6 +7,7 @@ import sqlite3
 import httpx
 import pytest
 
+from tailguard.engine.fake import FakeEngine, FakeTiming
 from tailguard.serving.config import ServerConfig
 from tests.serving_helpers import ADMIN_KEY, fake_server, settle
 
@@ -98,3 +99,36 @@ def test_serve_takes_the_admin_key_flag(capsys):
     assert main(["serve", "--model", "fake", "--api-key", "same", "--admin-key", "same"]) == 2
     err = capsys.readouterr().err
     assert "admin_key must differ" in err and "same" not in err.replace("admin_key must differ", "")
+
+
+class _PriorityEngine(FakeEngine):
+    """The fake engine, remembering the priority each request was handed to it with."""
+
+    def __init__(self) -> None:
+        super().__init__(FakeTiming(ttft=0.001, itl=0.001))
+        self.priorities: list[int] = []
+
+    async def generate(self, prompt_token_ids, sampling, request_id, priority=0, arrival_time=None):
+        self.priorities.append(priority)
+        async for ev in super().generate(prompt_token_ids, sampling, request_id, priority, arrival_time):
+            yield ev
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+def test_body_priority_is_honoured_only_from_a_trusted_proxy(tmp_path, trusted):
+    """vLLM's ``priority`` field: a tailguard gateway in front (``send_priority``) passes its lane's priority this
+    way, so a replica told to trust its proxy takes it; from anyone else it is ignored and recorded, as a claimed
+    lane is."""
+    engine = _PriorityEngine()
+    with fake_server(tmp_path, engine=engine, trust_lane_header=trusted) as srv:
+        url = srv.url
+        r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 2,
+                                                      "priority": -3})
+        assert r.status_code == 200, r.text
+        bad = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "hi", "priority": "high"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+        settle(srv)
+        rec = httpx.get(url + f"/v1/requests/{r.headers['x-request-id']}",
+                        headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+    assert engine.priorities == ([-3] if trusted else [0])
+    assert (rec.get("gateway") or {}).get("priority_ignored") == (None if trusted else -3)

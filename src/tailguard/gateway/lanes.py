@@ -8,8 +8,8 @@ Capacity is a number of concurrent sequences ``C``. It is cut into three parts:
   embedded engine preempts the lowest-priority running sequence) and by admission order (VIP waiters go first).
   A backend that cannot preempt (an upstream engine: llama.cpp's server has no priorities, vLLM preempts only when
   started with ``--scheduling-policy priority``) can only give it back when a borrowed sequence ends, and the VIP
-  request waits in the upstream's queue meanwhile; so by default the reserve is lent only on the embedded engine
-  (``CapacityConfig.lend_reserve``);
+  request waits in the upstream's queue meanwhile; so by default the reserve is lent only on the embedded engine and
+  over replicas that all take the lane's priority (``CapacityConfig.lend_reserve``, ``UpstreamConfig.send_priority``);
 - the burst pool ``B`` (default 5%) is used only when the general part is full, by lanes allowed to burst;
 - the general part ``G = C - R - B`` is shared; batch gets what the lanes above leave.
 
@@ -115,7 +115,8 @@ class CapacityConfig(BaseModel):
     token_horizon_s: float = Field(10.0, gt=0, description="seconds of work the backend may hold: the token budget "
                                                            "is tokens_per_s x token_horizon_s")
     lend_reserve: bool | None = Field(None, description="other lanes may borrow the reserve while its lane is idle; "
-                                      "None: on the embedded engine (it preempts), not over upstreams (they may not)")
+                                      "None: where the backend preempts for priority (the embedded engine, replicas "
+                                      "that all have send_priority), not over other upstreams")
     upstream_queue_limit: float | None = Field(2.0, ge=0, description="upstream replicas: while the replicas that "
                                                "report a waiting queue hold more than this many per replica, only "
                                                "the reserved lane is admitted (others wait here); None: off")

@@ -155,6 +155,7 @@ class UpstreamBackend:
             out["stream_options"] = {"include_usage": True}
             if r.model:
                 out["model"] = r.model
+            out.pop("priority", None)  # a client's own claim never travels on: the lane's, where the replica takes it
             if r.cfg.send_priority:
                 out["priority"] = priority
             hdrs = {"Content-Type": "application/json", **r.headers(), **(headers or {})}

@@ -383,7 +383,7 @@ class CompletionEndpoint:
             engine_id = f"{engine_id}#{self._seq}"
         st.active_ids.add(engine_id)
         tl.queued = perf_counter()
-        priority = ex.lane.priority if ex.lane is not None else 0
+        priority = self._priority(ex, p.priority)
         lane = ex.lane
         guard: Callable[[AsyncIterator[Any]], AsyncIterator[Any]] | None = None
         if lane is not None and lane.watches:
@@ -458,6 +458,17 @@ class CompletionEndpoint:
                 gm.lane_claims_ignored.labels(gm.model).inc()
         tl.lane = name
         ex.lane = st.lanes.lanes[name].cfg
+
+    def _priority(self, ex: Exchange, claimed: int | None) -> int:
+        """The engine priority: the body's ``priority`` from a trusted proxy (a gateway in front sends its lane's),
+        else the lane's (0 without lanes). A claim from anyone else is ignored and recorded."""
+        own = ex.lane.priority if ex.lane is not None else 0
+        if claimed is None or claimed == own:
+            return own
+        if self.state.config.trust_lane_header:
+            return claimed
+        ex.tl.gateway = {**(ex.tl.gateway or {}), "priority_ignored": claimed}
+        return own
 
     async def _charge(self, tl: Timeline, tenant: Any, prep: _Prepared) -> bool:
         """Charge the tenant's rate limits (this gateway's, or the fleet's in Redis); True if charged in Redis."""

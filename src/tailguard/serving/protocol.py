@@ -3,7 +3,8 @@
 A parameter we do not implement is never silently ignored: it is accepted only at its neutral value (``n=1``,
 ``presence_penalty=0``, ...) and refused otherwise, with a message naming it. vLLM's common extensions ``top_k``,
 ``min_tokens`` and ``ignore_eos`` are accepted (load generators send ``ignore_eos``), and tailguard's own
-``speculative: false`` opts a request out of speculative decoding.
+``speculative: false`` opts a request out of speculative decoding. vLLM's ``priority`` is accepted and honoured only
+from a trusted proxy (``trust_lane_header``: a tailguard gateway in front, with ``send_priority``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class _Common(BaseModel):
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     stop: str | list[str] | None = None
     user: str | None = Field(None, max_length=256)
+    # vLLM's field (lower is served first): honoured only from a trusted proxy (trust_lane_header), such as a tailguard
+    # gateway with send_priority; otherwise ignored and recorded, as a claimed lane is.
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -118,6 +122,7 @@ class Parsed:
     prompt_token_ids: list[int] | None = None  # completions, pre-tokenized prompt
     add_generation_prompt: bool = True  # chat: open a new assistant turn after the messages
     continue_final_message: bool = False  # chat: the last message (an assistant's) stays open and is continued
+    priority: int | None = None  # claimed by the body (vLLM's field); honoured only from a trusted proxy
     raw: dict[str, Any] = field(default_factory=dict)
 
     def sampling_record(self) -> dict[str, Any]:
@@ -184,6 +189,7 @@ def _common(req: _Common, logprobs: int | None) -> dict[str, Any]:
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         user=req.user,
+        priority=req.priority,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(0, req.top_k or 0),

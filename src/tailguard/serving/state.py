@@ -80,7 +80,7 @@ class ServerState:
                 else None
             self.lanes = Lanes(self.config.lane_configs(), cap.max_concurrent or backend_capacity(engine), cap,
                                fleet=self.shared if self.shared.fleet else None,  # type: ignore[arg-type]
-                               upstream_full=gate, lend_reserve=pool is None)
+                               upstream_full=gate, lend_reserve=self._backend_preempts())
             if gate is not None:  # a new read of the upstream queues may open the gate: admit who fits
                 pool.on_queue = self.lanes.poke
             if self.metrics is not None:
@@ -112,11 +112,23 @@ class ServerState:
             self.store.put_alert(rec.to_dict())
 
     def capacity_changed(self) -> None:
-        """Replicas came or went: the lanes' capacity follows (unless it is configured)."""
-        if self.lanes is not None and self.engine is not None and self.config.capacity.max_concurrent is None:
+        """Replicas came or went: the lanes' capacity and reserve lending follow (unless they are configured)."""
+        if self.lanes is None or self.engine is None:
+            return
+        cap = self.lanes.capacity
+        if self.config.capacity.max_concurrent is None:
             cap = backend_capacity(self.engine)
-            if cap != self.lanes.capacity:
-                self.lanes.set_capacity(cap)
+        lend = self.lanes.lend_reserve if self.config.capacity.lend_reserve is not None else self._backend_preempts()
+        if cap != self.lanes.capacity or lend != self.lanes.lend_reserve:
+            self.lanes.lend_reserve = lend
+            self.lanes.set_capacity(cap)
+
+    def _backend_preempts(self) -> bool:
+        """The backend can take lent reserve back at once: the embedded engine, or replicas that all take the lane's
+        priority (``send_priority``: vLLM with priority scheduling, another tailguard), which schedule by it and
+        preempt lower priorities when short of room. llama.cpp's server, or vLLM without it, cannot."""
+        pool = getattr(self.engine, "pool", None)
+        return pool is None or (bool(pool.replicas) and all(r.cfg.send_priority for r in pool.replicas))
 
     def engine_error(self) -> BaseException | None:
         """The engine's fatal error, when it has died (the embedded engine keeps it on ``error``)."""
