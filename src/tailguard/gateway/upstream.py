@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 if TYPE_CHECKING:
     import aiohttp
@@ -60,6 +60,11 @@ class UpstreamConfig(BaseModel):
     max_concurrent: int = Field(64, ge=1, description="this replica's share of the gateway's capacity")
     send_priority: bool = Field(False, description="send the lane's priority in the body (vLLM started with "
                                                    "--scheduling-policy priority accepts it; others may refuse it)")
+    preempts: bool = Field(False, description="the replica starts a higher-priority arrival at once, preempting "
+                                              "lower-priority work when its sequence slots are full (another "
+                                              "tailguard serve). vLLM schedules by priority but preempts only when "
+                                              "its KV cache runs out: a VIP arrival waits for a free slot there. "
+                                              "Needs send_priority")
     request_id: str = Field("uuid", pattern="^(uuid|same|off)$",
                             description="X-Request-ID sent upstream: a UUID derived from the gateway's request id "
                                         "(llama-cpp-python's server refuses ids that are not UUIDs), the same id, "
@@ -72,6 +77,13 @@ class UpstreamConfig(BaseModel):
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"upstream url must start with http:// or https:// (got {v!r})")
         return v.removesuffix("/v1")
+
+    @model_validator(mode="after")
+    def _preempts_needs_priority(self) -> UpstreamConfig:
+        if self.preempts and not self.send_priority:
+            raise ValueError("preempts: true needs send_priority: true (the replica preempts by the priority it is "
+                             "sent)")
+        return self
 
 
 class RoutingConfig(BaseModel):

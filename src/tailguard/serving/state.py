@@ -124,11 +124,12 @@ class ServerState:
             self.lanes.set_capacity(cap)
 
     def _backend_preempts(self) -> bool:
-        """The backend can take lent reserve back at once: the embedded engine, or replicas that all take the lane's
-        priority (``send_priority``: vLLM with priority scheduling, another tailguard), which schedule by it and
-        preempt lower priorities when short of room. llama.cpp's server, or vLLM without it, cannot."""
+        """The backend can take lent reserve back at once: the embedded engine, or replicas that all start a
+        higher-priority arrival by preempting (``preempts``: another tailguard). llama.cpp's server has no priorities;
+        vLLM's priority scheduling orders its waiting queue and preempts only when its KV cache runs out, so a VIP
+        request sent there waits for a batch stream to end (measured: benchmarks/lanes.py --engine vllm)."""
         pool = getattr(self.engine, "pool", None)
-        return pool is None or (bool(pool.replicas) and all(r.cfg.send_priority for r in pool.replicas))
+        return pool is None or (bool(pool.replicas) and all(r.cfg.preempts for r in pool.replicas))
 
     def engine_error(self) -> BaseException | None:
         """The engine's fatal error, when it has died (the embedded engine keeps it on ``error``)."""
