@@ -414,8 +414,8 @@ def tiny_pair(tiny_quantized_gguf):
 
 def teacher_forced_decode(engine, texts: list[list[int]], steps: int) -> tuple[list[torch.Tensor], int]:
     """Prefill each text but its last ``steps`` tokens, then ``steps`` decode steps with every sequence in the batch,
-    feeding the text's own next token. Returns the logits [D, vocab] of each decode step and how many of those steps
-    went through the native whole-step kernel."""
+    feeding the text's own next token. Returns the logits [D, vocab] of each decode step and how many steps (the
+    prefills included) went through the native whole-step kernel."""
     from tailguard.engine.blocks import BlockTable
     from tailguard.engine.request import SamplingParams, Sequence
     from tailguard.engine.scheduler import ScheduledChunk
@@ -465,7 +465,8 @@ def test_native_decode_step_matches_float32(tiny_pair, batch):
     texts = random_texts(BATCHES[batch], seed=len(BATCHES[batch]))
     ours, native_calls = teacher_forced_decode(native, texts, DECODE_STEPS)
     theirs, reference_calls = teacher_forced_decode(reference, texts, DECODE_STEPS)
-    assert native_calls == DECODE_STEPS and reference_calls == 0, "the native engine must decode in the C kernel"
+    assert native_calls == len(texts) + DECODE_STEPS and reference_calls == 0, \
+        "the native engine must prefill and decode in the C kernel"
     for step, (a, b) in enumerate(zip(ours, theirs)):
         assert a.shape == b.shape == (len(texts), native.config.vocab_size)
         scale = float(b.abs().max())
@@ -558,7 +559,7 @@ def test_int8_kv_decode_step_matches_the_torch_path(variant, tiny_pair_int8, bat
     texts = random_texts(BATCHES[batch], seed=11)
     ours, native_calls = teacher_forced_decode(native, texts, DECODE_STEPS)
     theirs, reference_calls = teacher_forced_decode(reference, texts, DECODE_STEPS)
-    assert native_calls == DECODE_STEPS and reference_calls == 0
+    assert native_calls == len(texts) + DECODE_STEPS and reference_calls == 0
     for step, (a, b) in enumerate(zip(ours, theirs)):
         scale = float(b.abs().max())
         diff = float((a - b).abs().max())
@@ -584,7 +585,7 @@ def test_fast_decode_attention_equals_the_generic_path(tiny_quantized_gguf, kv_d
         generic, _ = teacher_forced_decode(engine, texts, DECODE_STEPS)
     finally:
         kernels.set_generic_attention(False)
-    assert calls == DECODE_STEPS
+    assert calls == len(texts) + DECODE_STEPS
     for a, b in zip(fast, generic):
         scale = float(b.abs().max())
         assert float((a - b).abs().max()) <= 1e-5 * scale
@@ -641,7 +642,7 @@ def test_int8_activation_decode_step_matches_float32(tiny_native_int8, tiny_pair
     texts = random_texts(BATCHES[batch], seed=13)
     ours, native_calls = teacher_forced_decode(tiny_native_int8, texts, DECODE_STEPS)
     theirs, _ = teacher_forced_decode(reference, texts, DECODE_STEPS)
-    assert native_calls == DECODE_STEPS
+    assert native_calls == len(texts) + DECODE_STEPS
     for step, (a, b) in enumerate(zip(ours, theirs)):
         scale = float(b.abs().max())
         diff = float((a - b).abs().max())
@@ -657,3 +658,57 @@ def test_int8_activation_decode_does_not_depend_on_the_batch(tiny_native_int8):
         alone, _ = teacher_forced_decode(tiny_native_int8, [texts[i]], DECODE_STEPS)
         for step in range(DECODE_STEPS):
             assert torch.equal(alone[step][0], batched[step][i])
+
+
+def prompt_logits_whole_and_chunked(engine) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of a 300-token prompt's last token, prefilled (a) in one chunk, alone, and (b) in three chunks
+    beside another sequence's prefill and decodes."""
+    from tailguard.engine.blocks import BlockTable
+    from tailguard.engine.request import SamplingParams, Sequence
+    from tailguard.engine.scheduler import ScheduledChunk
+
+    runner, model = engine.runner, engine.runner.model
+    prompt, other = random_texts([300, 40], seed=21)
+    tables: dict[str, BlockTable] = {}
+
+    def sequence(rid: str, tokens: list[int]) -> Sequence:
+        tables[rid] = BlockTable(engine.pool, rid)
+        assert tables[rid].ensure(len(tokens) + 8)
+        return Sequence(request_id=rid, prompt_token_ids=list(tokens), sampling=SamplingParams())
+
+    def step(chunks: list[ScheduledChunk]) -> torch.Tensor:
+        ids, meta, idx = runner._build(chunks, tables)
+        assert meta.num_decodes == ids.shape[0], "every token of the step must be a row of the C step"
+        return model.forward(ids, meta, runner.kv_cache, idx)
+
+    try:
+        alone = sequence("alone", prompt)
+        whole = step([ScheduledChunk(alone, 0, alone.num_tokens)])[0]
+        chunked, mate = sequence("chunked", prompt), sequence("mate", other)
+        assert step([ScheduledChunk(chunked, 0, 100), ScheduledChunk(mate, 0, mate.num_tokens)]).shape[0] == 1
+        mate.output_token_ids.append(7)
+        step([ScheduledChunk(mate, mate.num_tokens - 1, 1), ScheduledChunk(chunked, 100, 100)])
+        mate.output_token_ids.append(9)
+        last = step([ScheduledChunk(mate, mate.num_tokens - 1, 1),
+                     ScheduledChunk(chunked, 200, chunked.num_tokens - 200)])
+        assert last.shape[0] == 2
+    finally:
+        for table in tables.values():
+            table.release()
+    assert engine.pool.num_used == 0
+    return whole, last[1]
+
+
+def test_int8_activation_prompt_rows_do_not_depend_on_chunking_or_step_mates(tiny_native_int8):
+    """In the C step each prompt token is a row of its own, and with int8 activations (per-row scales, exact integer
+    sums, attention per row) its numbers are bitwise the same however its prompt is chunked and whoever shares the
+    step."""
+    whole, chunked = prompt_logits_whole_and_chunked(tiny_native_int8)
+    assert torch.equal(chunked, whole)
+
+
+def test_float_activation_prompt_rows_do_not_depend_on_chunking_or_step_mates(tiny_pair):
+    """The same with float activations, up to float32 summation order (the single-row and multi-row products add in
+    different orders): measured 1.4e-7 of the logits' scale."""
+    whole, chunked = prompt_logits_whole_and_chunked(tiny_pair[0])
+    assert float((chunked - whole).abs().max()) <= 1e-5 * float(whole.abs().max())

@@ -3,8 +3,9 @@
 The model works on a flat batch of tokens from many sequences (decodes and prefill chunks mixed). Linear layers run
 once over all tokens; attention runs once for all decode tokens (keys gathered from the paged cache into a padded
 batch) and once per prefill chunk. Logits are computed only at the positions that are sampled: on this CPU the LM head
-(49152 x 576) costs more than a whole layer. With native weights a decode-only step (most steps) runs whole in
-tg_kernels.c, one call for every layer; steps with prefill chunks run here in torch.
+(49152 x 576) costs more than a whole layer. With native weights every step runs whole in tg_kernels.c, one call
+for every layer, each token of a prefill chunk a row that attends causally to its sequence; the other formats, and
+a step whose internals are sampled, run here in torch.
 """
 
 from __future__ import annotations
@@ -205,8 +206,9 @@ class LlamaModel:
                 total += lin.packed.nbytes if lin.packed is not None else _dense_bytes(lin)
         return total + (self.lm_head.packed.nbytes if self.lm_head.packed is not None else _dense_bytes(self.lm_head))
 
-    def _native_decode(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        """A decode-only step in one call of the C kernels (every layer, paged attention, the LM head)."""
+    def _native_decode(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                       logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """A step in one call of the C kernels (every layer, paged attention, the LM head at ``logits_indices``)."""
         if self._decode_step is None or self._decode_step_cache is not kv_cache:
             self._decode_step = kernels.DecodeStep(
                 config=self.config,
@@ -215,7 +217,8 @@ class LlamaModel:
                 kv_cache=kv_cache)
             self._decode_step_cache = kv_cache
         assert meta.decode_gather is not None and meta.decode_lens is not None
-        return self._decode_step(input_ids, meta.positions, meta.slot_mapping, meta.decode_gather, meta.decode_lens)
+        return self._decode_step(input_ids, meta.positions, meta.slot_mapping, meta.decode_gather, meta.decode_lens,
+                                 logits_indices)
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
         cfg = self.config
@@ -308,10 +311,11 @@ class LlamaModel:
         n_tok = input_ids.shape[0]
         d = meta.num_decodes
         native = self.weight_format == "native"
-        if probe is None and self.uses_decode_kernel and d == n_tok and logits_indices.shape[0] == d:
-            # A decode-only step (most steps): one C call. Steps with prefill chunks stay in torch as a whole: a
-            # token's numbers then depend only on how its own prompt was chunked, not on who else shares the step.
-            return self._native_decode(input_ids, meta, kv_cache)
+        if probe is None and self.uses_decode_kernel and d == n_tok:
+            # Every token a row (the runner builds prefill chunks as rows too): one C call for the step, whatever it
+            # mixes. A row's numbers depend on its own sequence only, so they are the same however its prompt was
+            # chunked and whoever shares the step.
+            return self._native_decode(input_ids, meta, kv_cache, logits_indices)
         n_heads, n_kv, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim
         cos = self.cos[meta.positions].unsqueeze(1)

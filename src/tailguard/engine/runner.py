@@ -47,6 +47,8 @@ class ModelRunner:
         prefills: list[PrefillSpan] = []
         dev = self.device
         bs = self.block_size
+        # With the one-call C step every token is a row of its own (prefill chunks included): see forward.
+        native = self.model.uses_decode_kernel and not in_torch
         for chunk in chunks:
             table = tables[chunk.seq.request_id]
             start_tok = len(ids)
@@ -58,10 +60,11 @@ class ModelRunner:
             elif chunk.samples:
                 logits_indices.append(len(ids) - 1)
             used_blocks = table.blocks[: -(-chunk.end // bs)]
-            if chunk.is_decode or chunk.draft:
+            if chunk.is_decode or chunk.draft or native:
                 # A verifying chunk is K+1 decode rows over one block table, row i attending to its own position and
                 # those before it: every row's K/V is written before attention runs (in C and in torch), so this is
-                # exact causal attention, and a verification step stays in the one-call C decode step.
+                # exact causal attention, and a verification step stays in the one-call C decode step. In the C step
+                # a prefill chunk is rows the same way.
                 for position in range(chunk.start, chunk.end):
                     decode_tables.append(used_blocks)
                     decode_lens.append(position + 1)
@@ -75,7 +78,7 @@ class ModelRunner:
         decode_gather = decode_mask = lengths = None
         if decode_tables:
             decode_gather, decode_mask, lengths = self._decode_tables(
-                decode_tables, decode_lens, self.model.uses_decode_kernel and not prefills and not in_torch)
+                decode_tables, decode_lens, native)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),

@@ -25,7 +25,7 @@ import torch  # noqa: F401 - load torch's OpenMP runtime before ours
 from tailguard.engine.model_store import cache_dir
 
 SOURCE = Path(__file__).with_name("tg_kernels.c")
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 # ggml type ids (GGUF's own numbering) of the formats the kernels read directly, and Q4_1R: Q4_1 repacked at load
 # (each row's nibbles together, then its scales and mins as float32), which the single-row kernel reads faster.
@@ -110,7 +110,7 @@ def lib() -> ctypes.CDLL:
             handle.tg_int8_dot.restype = ctypes.c_int
             handle.tg_set_activation_passes.argtypes = [i]
             handle.tg_set_generic_attention.argtypes = [i]
-            handle.tg_decode.argtypes = [p, p, i, p, p, p, p, i, p, p]
+            handle.tg_decode.argtypes = [p, p, i, p, p, p, p, i, p, i, p, p]
             handle.tg_profile.argtypes = [i]
             handle.tg_profile_read.argtypes = [p]
             _lib = handle
@@ -347,16 +347,21 @@ class DecodeStep:
         self._kv = _KV(kv_cache.data_ptr(), fmt, num_blocks, block_size, 0)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                 ctx_lens: torch.Tensor) -> torch.Tensor:
+                 ctx_lens: torch.Tensor, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(out_rows), vocab] of the rows ``out_rows`` names (None: every row)."""
         d = tokens.shape[0]
         if not (tokens.dtype == positions.dtype == slots.dtype == torch.int64
                 and tables.dtype == ctx_lens.dtype == torch.int32 and tables.is_contiguous()
                 and positions.shape[0] == slots.shape[0] == tables.shape[0] == ctx_lens.shape[0] == d):
             raise ValueError("decode step: int64 tokens/positions/slots and int32 [D, blocks] tables and lengths")
-        logits = torch.empty(d, self.vocab, dtype=torch.float32)
+        rows_ptr, n_out = None, d
+        if out_rows is not None:
+            out_rows = out_rows.to(torch.int32).contiguous()
+            rows_ptr, n_out = (out_rows.data_ptr() or None), out_rows.shape[0]
+        logits = torch.empty(n_out, self.vocab, dtype=torch.float32)
         _check(lib().tg_decode(ctypes.byref(self._model), ctypes.byref(self._kv), d, tokens.data_ptr(),
                                positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                               ctx_lens.data_ptr(), logits.data_ptr()))
+                               ctx_lens.data_ptr(), n_out, rows_ptr, logits.data_ptr()))
         return logits
 
 

@@ -39,7 +39,7 @@ enum { TG_F32 = 0, TG_F16 = 1, TG_Q4_0 = 2, TG_Q4_1 = 3, TG_Q8_0 = 8, TG_Q4_1R =
 #define XG 16
 static inline int is_interleaved(int fmt) { return fmt == TG_Q4_1X || fmt == TG_Q8_0X; }
 
-int tg_abi_version(void) { return 7; }
+int tg_abi_version(void) { return 8; }
 
 /* 1: decode attention takes the generic path even where the AVX-512 one applies (a test and a benchmark compare
  * the two in one process). */
@@ -1191,10 +1191,15 @@ void tg_profile_read(double *out) { memcpy(out, tg_prof, sizeof(tg_prof)); }
         if (tg_profiling) tg_prof[k] += omp_get_wtime() - t0_;                                                   \
     } while (0)
 
-/* One token per sequence through every layer; writes each token's K/V at its slot and logits[D, vocab].
+/* D rows through every layer; writes each row's K/V at its slot, then logits[n_out, vocab] for the rows out_rows
+ * names (NULL: rows 0 .. n_out - 1; n_out = 0: none, a step of prefill chunks that sample nothing). A row is one token at one position of one sequence: a decode, or one token of a
+ * prefill chunk or a verification, whose earlier tokens are rows of the same step. Every row's K/V is written before
+ * attention reads the cache, so each row attends exactly to its positions 0..position (causal), and its numbers
+ * depend on its own sequence only, not on who shares the step.
  * tables: [D, max_blocks] block ids; ctx_lens[d] = position + 1 (the keys the token attends to, itself included). */
 int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, const int64_t *positions,
-              const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *ctx_lens, float *logits) {
+              const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *ctx_lens, int n_out,
+              const int32_t *out_rows, float *logits) {
     const int Hd = m->hidden, I = m->inter, H = m->n_heads, G = m->n_kv, hd = m->head_dim;
     const int qd = H * hd, kvd = G * hd, qkv_w = qd + 2 * kvd;
     if (hd > 512 || H / G > MAX_GROUP || H % G) return -1;
@@ -1202,6 +1207,9 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
         if (positions[d] < 0 || positions[d] >= m->max_pos || ctx_lens[d] != positions[d] + 1) return -2;
         if (tokens[d] < 0 || tokens[d] >= m->embed.N) return -3;
     }
+    if (n_out < 0 || n_out > D) return -5;
+    for (int o = 0; out_rows != NULL && o < n_out; o++)
+        if (out_rows[o] < 0 || out_rows[o] >= D) return -5;
     float *x = (float *)malloc(sizeof(float) * (size_t)D * Hd);
     float *h = (float *)malloc(sizeof(float) * (size_t)D * Hd);
     float *qkv = (float *)malloc(sizeof(float) * (size_t)D * qkv_w);
@@ -1237,8 +1245,12 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
         PHASE(P_SILU, silu_mul(gu, D, I, act));
         PHASE(P_DOWN, linear(act, D, I, L->down.data, L->down.fmt, Hd, x, Hd, 1));
     }
-    for (int d = 0; d < D; d++) rms_norm(x + (size_t)d * Hd, m->final_norm, Hd, m->eps, h + (size_t)d * Hd);
-    PHASE(P_HEAD, linear(h, D, Hd, m->lm_head.data, m->lm_head.fmt, m->vocab, logits, m->vocab, 0));
+    /* the LM head costs more than a layer: only the rows that are sampled */
+    for (int o = 0; o < n_out; o++) {
+        const int d = out_rows != NULL ? out_rows[o] : o;
+        rms_norm(x + (size_t)d * Hd, m->final_norm, Hd, m->eps, h + (size_t)o * Hd);
+    }
+    if (n_out > 0) PHASE(P_HEAD, linear(h, n_out, Hd, m->lm_head.data, m->lm_head.fmt, m->vocab, logits, m->vocab, 0));
     free(x); free(h); free(qkv); free(q); free(attn); free(gu); free(act);
     return 0;
 }
