@@ -712,3 +712,32 @@ def test_float_activation_prompt_rows_do_not_depend_on_chunking_or_step_mates(ti
     different orders): measured 1.4e-7 of the logits' scale."""
     whole, chunked = prompt_logits_whole_and_chunked(tiny_pair[0])
     assert float((chunked - whole).abs().max()) <= 1e-5 * float(whole.abs().max())
+
+
+def test_a_step_with_a_long_prefill_chunk_runs_in_torch(tiny_pair):
+    """Prefill chunks run as C rows only while they end within native_prefill_max_context positions (beyond, the C
+    step's attention, one key read per query row, is slower than torch's): a step with a longer one, decodes beside
+    it included, is built for torch."""
+    from tailguard.engine.blocks import BlockTable
+    from tailguard.engine.request import SamplingParams, Sequence
+    from tailguard.engine.scheduler import ScheduledChunk
+
+    engine = tiny_pair[0]
+    runner = engine.runner
+    prompt, other = random_texts([300, 40], seed=4)
+    tables = {rid: BlockTable(engine.pool, rid) for rid in ("long", "short")}
+    try:
+        for rid, text in (("long", prompt), ("short", other)):
+            assert tables[rid].ensure(len(text) + 8)
+        long_seq = Sequence(request_id="long", prompt_token_ids=list(prompt), sampling=SamplingParams())
+        short_seq = Sequence(request_id="short", prompt_token_ids=list(other), sampling=SamplingParams())
+        step = [ScheduledChunk(long_seq, 200, long_seq.num_tokens - 200), ScheduledChunk(short_seq, 0, 40)]
+        _, meta, _ = runner._build(step, tables)
+        assert meta.num_decodes == long_seq.num_tokens - 200 + 40 and not meta.prefills
+        runner.native_prefill_max_context = 256
+        _, meta, _ = runner._build(step, tables)
+        assert meta.num_decodes == 0 and len(meta.prefills) == 2
+    finally:
+        del runner.native_prefill_max_context
+        for table in tables.values():
+            table.release()

@@ -3,9 +3,10 @@
 The model works on a flat batch of tokens from many sequences (decodes and prefill chunks mixed). Linear layers run
 once over all tokens; attention runs once for all decode tokens (keys gathered from the paged cache into a padded
 batch) and once per prefill chunk. Logits are computed only at the positions that are sampled: on this CPU the LM head
-(49152 x 576) costs more than a whole layer. With native weights every step runs whole in tg_kernels.c, one call
-for every layer, each token of a prefill chunk a row that attends causally to its sequence; the other formats, and
-a step whose internals are sampled, run here in torch.
+(49152 x 576) costs more than a whole layer. With native weights a step runs whole in tg_kernels.c, one call for
+every layer, each token of a prefill chunk a row that attends causally to its sequence, unless a prefill chunk
+reaches past NATIVE_PREFILL_MAX_CONTEXT positions; those steps, the other formats and a step whose internals are
+sampled run here in torch.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ WEIGHT_FORMATS = ("native", "float32", "bfloat16", "int8")
 # Above this many tokens a product dequantizes its weight once and lets the BLAS sgemm run (prefill); below it the
 # kernels read the blocks directly (decode). Measured crossover on this machine class: benchmarks/native_kernels.py.
 NATIVE_GEMM_MIN_TOKENS = 192
+
+# A step whose prefill chunks all end within this many positions runs as rows of the one-call C step (faster at short
+# contexts: 2.5x at 256 tokens, 1.3x at 2K); beyond it the step runs in torch, whose flash attention reuses each key
+# across a chunk's query rows where the C step reads it once per row. Measured, TTFT of one prompt, C vs torch, same
+# process: 256 tokens 0.34 vs 0.87 s, 1K 2.1 vs 3.8 s, 2K 6.2 vs 8.0 s, 4K 20.5 vs 18.1 s (docs/benchmarks.md).
+NATIVE_PREFILL_MAX_CONTEXT = 2048
 
 # int8 KV rows: head_dim int8 values, then the row's float16 scale (2 bytes): one scale per (position, kv head) for K
 # and for V. Per token and head, because each new token's K/V is quantized alone as it is written (no block-wide

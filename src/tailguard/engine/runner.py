@@ -8,7 +8,7 @@ import torch
 
 from tailguard.engine.blocks import BlockTable
 from tailguard.engine.internals import StepProbe
-from tailguard.engine.model import AttentionMetadata, LlamaModel, PrefillSpan
+from tailguard.engine.model import NATIVE_PREFILL_MAX_CONTEXT, AttentionMetadata, LlamaModel, PrefillSpan
 from tailguard.engine.request import SamplingParams, Sequence
 from tailguard.engine.scheduler import ScheduledChunk
 
@@ -27,6 +27,9 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 class ModelRunner:
+    # Prefill chunks ending within this many positions run as rows of the C step (model.NATIVE_PREFILL_MAX_CONTEXT).
+    native_prefill_max_context: int = NATIVE_PREFILL_MAX_CONTEXT
+
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
                  kv_cache: torch.Tensor | None = None) -> None:
         """``kv_cache``: run over an existing cache instead of allocating one (the self-draft reads the target's)."""
@@ -47,8 +50,10 @@ class ModelRunner:
         prefills: list[PrefillSpan] = []
         dev = self.device
         bs = self.block_size
-        # With the one-call C step every token is a row of its own (prefill chunks included): see forward.
-        native = self.model.uses_decode_kernel and not in_torch
+        # With the one-call C step every token is a row of its own, prefill chunks included, while every prefill
+        # chunk ends within native_prefill_max_context positions (beyond, torch's attention is faster): see forward.
+        native = self.model.uses_decode_kernel and not in_torch and all(
+            c.is_decode or c.draft or c.end <= self.native_prefill_max_context for c in chunks)
         for chunk in chunks:
             table = tables[chunk.seq.request_id]
             start_tok = len(ids)
