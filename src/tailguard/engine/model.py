@@ -35,9 +35,10 @@ WEIGHT_FORMATS = ("native", "float32", "bfloat16", "int8")
 NATIVE_GEMM_MIN_TOKENS = 192
 
 # A step whose prefill chunks all end within this many positions runs as rows of the one-call C step (faster at short
-# contexts: 2.5x at 256 tokens, 1.3x at 2K); beyond it the step runs in torch, whose flash attention reuses each key
-# across a chunk's query rows where the C step reads it once per row. Measured, TTFT of one prompt, C vs torch, same
-# process: 256 tokens 0.34 vs 0.87 s, 1K 2.1 vs 3.8 s, 2K 6.2 vs 8.0 s, 4K 20.5 vs 18.1 s (docs/benchmarks.md).
+# contexts: 2.4x at 256 tokens, 1.3x at 2K); beyond it the step runs in torch, whose flash attention reuses each key
+# across a chunk's query rows where the C step reads it once per row. Measured (benchmarks/prefill_paths.py, TTFT of
+# one prompt, every chunk in C vs torch, same process): 256 tokens 0.34 vs 0.82 s, 1K 1.95 vs 3.54 s, 2K 5.47 vs
+# 7.21 s, 4K 18.32 vs 18.11 s.
 NATIVE_PREFILL_MAX_CONTEXT = 2048
 
 # int8 KV rows: head_dim int8 values, then the row's float16 scale (2 bytes): one scale per (position, kv head) for K

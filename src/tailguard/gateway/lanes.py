@@ -169,7 +169,7 @@ class Lanes:
 
     def __init__(self, lanes: dict[str, LaneConfig], capacity: int, cfg: CapacityConfig | None = None,
                  fleet: RedisState | None = None, upstream_full: Callable[[int], bool] | None = None,
-                 lend_reserve: bool = True) -> None:
+                 backend_preempts: bool = True) -> None:
         if not lanes:
             raise ValueError("at least one lane is needed")
         self.cfg = cfg or CapacityConfig()
@@ -177,7 +177,9 @@ class Lanes:
         # Asked with this gateway's admitted requests in flight (some perhaps not yet sent upstream); True: the
         # upstreams queue too much, only the reserve is admitted.
         self.upstream_full = upstream_full
-        self.lend_reserve = lend_reserve if self.cfg.lend_reserve is None else self.cfg.lend_reserve
+        # The backend takes lent reserve back at once (preempts for priority): where lend_reserve is not configured,
+        # the reserve is lent exactly then. The server updates it as replicas come and go.
+        self.backend_preempts = backend_preempts
         self._pump: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._marked: set[str] = set()  # reserved lanes this gateway told the fleet it has waiters in
@@ -187,6 +189,11 @@ class Lanes:
         self.meter = TokenRateMeter(self.cfg.drain_window_s) if self.cfg.tokens_per_s == "auto" else None
         self.clock: Callable[[], float] = time.monotonic
         self.set_capacity(capacity)
+
+    @property
+    def lend_reserve(self) -> bool:
+        """Other lanes may borrow the idle reserve: as configured, else where the backend preempts."""
+        return self.backend_preempts if self.cfg.lend_reserve is None else self.cfg.lend_reserve
 
     def set_capacity(self, capacity: int) -> None:
         """Total sequences (called again when replicas come and go)."""

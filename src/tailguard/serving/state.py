@@ -80,7 +80,7 @@ class ServerState:
                 else None
             self.lanes = Lanes(self.config.lane_configs(), cap.max_concurrent or backend_capacity(engine), cap,
                                fleet=self.shared if self.shared.fleet else None,  # type: ignore[arg-type]
-                               upstream_full=gate, lend_reserve=self._backend_preempts())
+                               upstream_full=gate, backend_preempts=self._backend_preempts())
             if gate is not None:  # a new read of the upstream queues may open the gate: admit who fits
                 pool.on_queue = self.lanes.poke
             if self.metrics is not None:
@@ -112,16 +112,16 @@ class ServerState:
             self.store.put_alert(rec.to_dict())
 
     def capacity_changed(self) -> None:
-        """Replicas came or went: the lanes' capacity and reserve lending follow (unless they are configured)."""
+        """Replicas came or went: the lanes' capacity (unless configured) and whether the backend preempts follow."""
         if self.lanes is None or self.engine is None:
             return
         cap = self.lanes.capacity
         if self.config.capacity.max_concurrent is None:
             cap = backend_capacity(self.engine)
-        lend = self.lanes.lend_reserve if self.config.capacity.lend_reserve is not None else self._backend_preempts()
-        if cap != self.lanes.capacity or lend != self.lanes.lend_reserve:
-            self.lanes.lend_reserve = lend
-            self.lanes.set_capacity(cap)
+        preempts = self._backend_preempts()
+        if cap != self.lanes.capacity or preempts != self.lanes.backend_preempts:
+            self.lanes.backend_preempts = preempts
+            self.lanes.set_capacity(cap)  # the fleet's rule carries what may be lent
 
     def _backend_preempts(self) -> bool:
         """The backend can take lent reserve back at once: the embedded engine, or replicas that all start a

@@ -1192,8 +1192,9 @@ void tg_profile_read(double *out) { memcpy(out, tg_prof, sizeof(tg_prof)); }
     } while (0)
 
 /* D rows through every layer; writes each row's K/V at its slot, then logits[n_out, vocab] for the rows out_rows
- * names (NULL: rows 0 .. n_out - 1; n_out = 0: none, a step of prefill chunks that sample nothing). A row is one token at one position of one sequence: a decode, or one token of a
- * prefill chunk or a verification, whose earlier tokens are rows of the same step. Every row's K/V is written before
+ * names (NULL: rows 0 .. n_out - 1; n_out = 0: none, a step of prefill chunks that sample nothing). A row is one
+ * token at one position of one sequence: a decode, or one token of a prefill chunk or a verification, whose earlier
+ * tokens are rows of the same step. Every row's K/V is written before
  * attention reads the cache, so each row attends exactly to its positions 0..position (causal), and its numbers
  * depend on its own sequence only, not on who shares the step.
  * tables: [D, max_blocks] block ids; ctx_lens[d] = position + 1 (the keys the token attends to, itself included). */
