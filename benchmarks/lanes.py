@@ -7,7 +7,8 @@ Three phases against a ``tailguard serve`` subprocess (the real model, default w
 1. *VIP alone*: VIP requests one after another on an idle server (the reference for E2E);
 2. *lanes on*: a key file puts tenant ``acme`` in the ``vip`` lane and ``crawler`` in ``batch``; ``--batch-clients``
    closed-loop batch clients saturate the engine while VIP requests arrive every ``--vip-interval`` seconds; the
-   engine runs with ``--max-background-seqs`` (``--background-seqs``: batch sequences per step while a VIP runs);
+   server's default pauses other lanes' sequences while a VIP request is in the engine (``capacity.
+   reserved_background_seqs``; ``--background-seqs N`` runs the engine with ``--max-background-seqs N`` instead);
 3. *lanes off*: the same load with no lanes (plain API keys; every request the same priority, first come first
    served, as an engine without lanes would run it).
 Phases 2 and 3 alternate ``--repeats`` times.
@@ -122,6 +123,8 @@ class Server:
             cfg["keys_file"] = str(tmp / "keys.yaml")
             if lend_reserve is not None:
                 cfg["capacity"] = {"lend_reserve": lend_reserve}
+            if upstreams is None and args.background_seqs == -1:  # no pause for the VIP lane
+                cfg.setdefault("capacity", {})["reserved_background_seqs"] = None
         else:
             cfg["api_keys"] = list(keys.values())
         if upstreams is not None:
@@ -135,7 +138,7 @@ class Server:
                "--log-level", "warning"]
         if upstreams is None:
             cmd += ["--max-num-seqs", str(args.max_num_seqs)]
-            if lanes and args.background_seqs >= 0:
+            if lanes and args.background_seqs is not None and args.background_seqs >= 0:
                 cmd += ["--max-background-seqs", str(args.background_seqs)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
@@ -336,9 +339,10 @@ if __name__ == "__main__":
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--background-seqs", type=int, default=2,
-                   help="lanes on: the engine's --max-background-seqs (batch sequences per step while a VIP runs; "
-                        "-1: no cap)")
+    p.add_argument("--background-seqs", type=int, default=None,
+                   help="lanes on: the engine's --max-background-seqs (sequences of other lanes per step while a VIP "
+                        "runs, behind any more important request); default: the server's own setting (capacity."
+                        "reserved_background_seqs: 0, only while a VIP request is in the engine); -1: no pause")
     p.add_argument("--engine", choices=["embedded", "llamacpp", "llama-server", "vllm"], default="embedded")
     p.add_argument("--replica-concurrency", type=int, default=1,
                    help="upstreams: requests the gateway lets each replica run at once (llama_cpp.server runs one)")

@@ -448,3 +448,29 @@ def test_a_clients_priority_claim_is_ignored_and_never_forwarded(tmp_path, send_
         assert record(gw, r)["gateway"]["priority_ignored"] == -5
     batch_priority = 2  # the default lanes: vip 0, standard 1, batch 2
     assert bodies[-1].get("priority") == (batch_priority if send_priority else None)
+
+
+@pytest.mark.parametrize("explicit", [None, 3])
+def test_reserved_lane_pauses_other_lanes_on_the_embedded_engine(tmp_path, explicit):
+    """With lanes on, the embedded engine pauses other lanes' sequences while a VIP request is in it (capacity.
+    reserved_background_seqs, default 0), unless --max-background-seqs was given."""
+    from tailguard.engine.engine import AsyncLLMEngine, EngineArgs
+
+    kf = KeyFile()
+    vip = kf.add_key("acme", "vip")
+    kf.save(tmp_path / "keys.yaml")
+    engine = AsyncLLMEngine.from_args(EngineArgs(model="tiny", kv_cache_tokens=1024, max_num_seqs=4,
+                                                 max_num_batched_tokens=64, num_threads=1,
+                                                 max_background_seqs=explicit))
+    try:
+        with ThreadedServer(make_config(tmp_path, model="tiny", keys_file=str(tmp_path / "keys.yaml")), engine) as s:
+            r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                           headers={"Authorization": f"Bearer {vip}"}, timeout=60)
+            assert r.status_code == 200  # a step has run: the policy set at start-up is applied
+            cfg = engine.engine.scheduler.config
+            if explicit is None:
+                assert (cfg.max_background_seqs, cfg.protected_priority) == (0, 0)
+            else:
+                assert (cfg.max_background_seqs, cfg.protected_priority) == (3, None)
+    finally:
+        engine.shutdown()

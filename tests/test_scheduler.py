@@ -428,3 +428,28 @@ def test_background_cap_pauses_less_important_work_while_a_vip_runs():
     assert len(out.chunks) == 4  # the VIP is done: everyone runs again (and the late one is admitted)
     run_to_completion(sched)
     assert all(len(s.output_token_ids) == 40 for s in batch) and sched.pool.num_used == 0
+
+
+def test_protected_priority_pauses_others_only_for_the_reserved_lane():
+    """Set at run time (as the server does for the VIP lane): standard work leaves batch alone, a VIP pauses both."""
+    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
+    sched.set_background(0, protected_priority=0)
+    batch = [make_seq(f"batch{i}", 6, max_tokens=30, priority=2) for i in range(2)]
+    standard = make_seq("std", 6, max_tokens=30, priority=1)
+    for s in [*batch, standard]:
+        sched.add(s)
+    step(sched)
+    out = step(sched)
+    assert {c.seq.request_id for c in out.chunks} == {"batch0", "batch1", "std"}, "no VIP: nobody pauses"
+    vip = make_seq("vip", 6, max_tokens=4, priority=0)
+    sched.add(vip)
+    while not vip.is_finished:
+        out = step(sched)
+        assert {c.seq.request_id for c in out.chunks} == {"vip"}, "with 0 background seqs the VIP runs alone"
+    out = step(sched)
+    assert {c.seq.request_id for c in out.chunks} == {"batch0", "batch1", "std"}
+    sched.set_background(None)
+    run_to_completion(sched)
+    assert all(len(s.output_token_ids) == 30 for s in [*batch, standard]) and sched.pool.num_used == 0
+    with pytest.raises(ValueError):
+        sched.set_background(-1)

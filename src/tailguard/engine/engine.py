@@ -257,6 +257,10 @@ class LLMEngine:
         """Running-sequence cap and per-step token budget, from any thread; applied at the next step (scheduler)."""
         self.scheduler.set_caps(max_num_seqs, max_num_batched_tokens)
 
+    def set_background(self, max_background_seqs: int | None, protected_priority: int | None = None) -> None:
+        """The background cap (SchedulerConfig.max_background_seqs) from any thread; applied at the next step."""
+        self.scheduler.set_background(max_background_seqs, protected_priority)
+
     def request_ids(self) -> list[str]:
         """The requests the engine still holds (waiting or running)."""
         return list(self._tracked)
@@ -509,6 +513,9 @@ class AsyncLLMEngine:
 
     def set_caps(self, max_num_seqs: int, max_num_batched_tokens: int | None = None) -> None:
         self.engine.set_caps(max_num_seqs, max_num_batched_tokens)  # thread-safe: applied at a step boundary
+
+    def set_background(self, max_background_seqs: int | None, protected_priority: int | None = None) -> None:
+        self.engine.set_background(max_background_seqs, protected_priority)
 
     def stats(self) -> EngineStats:
         return self._last_stats

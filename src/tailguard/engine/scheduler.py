@@ -40,6 +40,10 @@ class SchedulerConfig:
     # others pause (their KV kept) until it is done. On a CPU a step costs about in proportion to its batch, so this
     # is what keeps a VIP stream's pace near an idle server's while batch work shares the engine. None: no limit.
     max_background_seqs: int | None = None
+    # With it set, the cap holds only while a sequence of this priority or a more important one runs or waits, and
+    # pauses everything less important than it: the VIP lane pauses standard and batch work, while standard work
+    # leaves batch alone. None: any more important sequence pauses the less important ones.
+    protected_priority: int | None = None
     enable_prefix_caching: bool = True  # share the KV of identical leading blocks between requests
 
     def __post_init__(self) -> None:
@@ -47,6 +51,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every decode fits in a step")
         if self.max_prefill_chunk < 1 or self.max_model_len < 2:
             raise ValueError("max_prefill_chunk and max_model_len must be positive")
+        if self.max_background_seqs is not None and self.max_background_seqs < 0:
+            raise ValueError("max_background_seqs must be >= 0 (or None: no limit)")
 
 
 @dataclass
@@ -105,7 +111,7 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of which found there (not computed again)
         # Caps asked for at run time (a planner's thread): applied at the next step's start, never within a step.
         self._caps_lock = threading.Lock()
-        self._pending_caps: tuple[int, int] | None = None
+        self._pending: dict[str, int | None] = {}
 
     # --- run-time caps --------------------------------------------------------------------------------------------
     def set_caps(self, max_num_seqs: int, max_num_batched_tokens: int | None = None) -> None:
@@ -118,13 +124,20 @@ class Scheduler:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs}) so every "
                              "decode fits in a step")
         with self._caps_lock:
-            self._pending_caps = (max_num_seqs, budget)
+            self._pending.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+
+    def set_background(self, max_background_seqs: int | None, protected_priority: int | None = None) -> None:
+        """Change the background cap (see SchedulerConfig) from any thread; the next step applies it."""
+        if max_background_seqs is not None and (not isinstance(max_background_seqs, int) or max_background_seqs < 0):
+            raise ValueError(f"max_background_seqs must be an integer >= 0 or None, not {max_background_seqs!r}")
+        with self._caps_lock:
+            self._pending.update(max_background_seqs=max_background_seqs, protected_priority=protected_priority)
 
     def _apply_pending_caps(self) -> None:
         with self._caps_lock:
-            caps, self._pending_caps = self._pending_caps, None
-        if caps is not None:
-            self.config = dataclasses.replace(self.config, max_num_seqs=caps[0], max_num_batched_tokens=caps[1])
+            pending, self._pending = self._pending, {}
+        if pending:
+            self.config = dataclasses.replace(self.config, **pending)  # type: ignore[arg-type]
 
     # --- admission ------------------------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -193,6 +206,10 @@ class Scheduler:
 
         cap = self.config.max_background_seqs
         top = min([s.priority for s in self.running] + ([self._waiting[0][0]] if self._waiting else []), default=0)
+        protected = self.config.protected_priority
+        if protected is not None:  # the cap holds only while a protected sequence is present, above its priority
+            cap = cap if top <= protected else None
+            top = protected
         background = 0
 
         def paused(seq: Sequence) -> bool:

@@ -118,6 +118,11 @@ class CapacityConfig(BaseModel):
     lend_reserve: bool | None = Field(None, description="other lanes may borrow the reserve while its lane is idle; "
                                       "None: where the backend preempts for priority (the embedded engine, replicas "
                                       "that all have preempts: true), not over other upstreams")
+    reserved_background_seqs: int | None = Field(
+        0, ge=0, description="embedded engine: while a request of the reserved lane runs or waits, at most this many "
+                             "sequences of other lanes take each step (the rest pause, their KV kept); a CPU step "
+                             "costs in proportion to its batch, so this keeps VIP streams at an idle server's pace. "
+                             "None: no pause; an explicit --max-background-seqs replaces it")
     upstream_queue_limit: float | None = Field(2.0, ge=0, description="upstream replicas: while the replicas that "
                                                "report a waiting queue hold more than this many per replica, only "
                                                "the reserved lane is admitted (others wait here); None: off")

@@ -83,6 +83,7 @@ class ServerState:
                                upstream_full=gate, backend_preempts=self._backend_preempts())
             if gate is not None:  # a new read of the upstream queues may open the gate: admit who fits
                 pool.on_queue = self.lanes.poke
+            self._pause_for_reserved(engine)
             if self.metrics is not None:
                 self.gateway_metrics = GatewayMetrics(self.metrics.registry, self.metrics.model)
                 if hasattr(engine, "on_attempt"):  # over upstream replicas: count each attempt per replica
@@ -122,6 +123,18 @@ class ServerState:
         if cap != self.lanes.capacity or preempts != self.lanes.backend_preempts:
             self.lanes.backend_preempts = preempts
             self.lanes.set_capacity(cap)  # the fleet's rule carries what may be lent
+
+    def _pause_for_reserved(self, engine: Backend) -> None:
+        """Embedded engine with a reserved lane: other lanes' sequences pause while a reserved-lane request is in the
+        engine (``capacity.reserved_background_seqs``), unless ``--max-background-seqs`` was given."""
+        set_background = getattr(engine, "set_background", None)
+        args = getattr(getattr(engine, "engine", None), "args", None)
+        keep = self.config.capacity.reserved_background_seqs
+        reserved = [lane.priority for lane in self.config.lane_configs().values() if lane.reserved]
+        if set_background is None or keep is None or not reserved or getattr(args, "max_background_seqs", None) \
+                is not None:
+            return
+        set_background(keep, max(reserved))
 
     def _backend_preempts(self) -> bool:
         """The backend can take lent reserve back at once: the embedded engine, or replicas that all start a
