@@ -235,6 +235,7 @@ def main() -> int:
         table.append({"config": n, **med, "runs": runs})
     statics = [t for t in table if t["config"].startswith("static-") and t.get("e2e_p99") is not None]
     best = min(statics, key=lambda t: t["e2e_p99"]) if statics else None
+    worst = max(statics, key=lambda t: t["e2e_p99"]) if statics else None
     verdicts = {}
     for fc in (t for t in table if t["config"].startswith("forecast") and t.get("e2e_p99") is not None):
         if best is None:
@@ -244,7 +245,9 @@ def main() -> int:
         verdicts[fc["config"]] = {
             "best_static": best["config"], "best_static_e2e_p99": best["e2e_p99"], "forecast_e2e_p99": fc["e2e_p99"],
             "p99_change": fc["e2e_p99"] / best["e2e_p99"] - 1, "forecast_goodput_rps": fc.get("goodput_rps"),
-            "best_static_goodput_rps": best.get("goodput_rps"), "target_met": bool(lower_p99 and goodput_ok)}
+            "best_static_goodput_rps": best.get("goodput_rps"), "target_met": bool(lower_p99 and goodput_ok),
+            # the best static cap is known only after the fact; a cap fixed in advance may be any of them
+            "worst_static": worst["config"], "worst_static_e2e_p99": worst["e2e_p99"]}
     verdict = verdicts.get("forecast")
     print(f"\n{a.repeats} repeat(s), medians; OMP_NUM_THREADS={a.threads}, load average before "
           f"{load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
@@ -261,7 +264,8 @@ def main() -> int:
     for name, v in verdicts.items():
         print(f"best static: {v['best_static']} (E2E P99 {v['best_static_e2e_p99']:.2f} s); {name} "
               f"{v['forecast_e2e_p99']:.2f} s ({v['p99_change']:+.0%}); target (lower P99 at equal or "
-              f"higher goodput) {'met' if v['target_met'] else 'NOT met'}")
+              f"higher goodput) {'met' if v['target_met'] else 'NOT met'}; worst static: {v['worst_static']} "
+              f"({v['worst_static_e2e_p99']:.2f} s)")
     print("\nE2E P99 per round (s): " + "; ".join(
         f"{t['config']} " + "/".join(f"{r['e2e_p99']:.1f}" for r in t["runs"] if r.get("e2e_p99") is not None)
         for t in table))

@@ -6,8 +6,8 @@
     git archive BASE src | tar -x -C /tmp/base && .venv/bin/python benchmarks/gateway_overhead.py \
         --compare-src /tmp/base/src --repeats 5 --seconds 15
 
-The upstream is a ``tailguard serve --model fake`` process (scripted TTFT and inter-token gap, so the upstream's own
-time is the same in both paths); the gateway is a second process in front of it. ``--streams`` closed-loop clients
+The upstream is a ``tailguard serve --model fake`` process, or with ``--upstream raw`` benchmarks/sse_upstream.py
+(scripted TTFT and inter-token gap either way, so the upstream's own time is the same in both paths); the gateway is a second process in front of it. ``--streams`` closed-loop clients
 (each sends its next streaming chat request when the last one ends, so the streams stay concurrent in steady state
 and arrivals spread out), each request making ``--tokens`` tokens, run for ``--seconds`` and are read by an aiohttp
 client in this process, with a fresh connection pool per round; repeats rotate over direct, through the gateway and
@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -109,28 +110,45 @@ async def one(session: aiohttp.ClientSession, url: str, tokens: int) -> tuple[fl
     return times[0] - t0, gaps
 
 
-async def round_(session, url: str, streams: int, tokens: int, seconds: float = 0.0, warmup: float = 0.0) -> dict:
+async def round_(session, url: str, streams: int, tokens: int, seconds: float = 0.0, warmup: float = 0.0,
+                 poisson_rate: float | None = None, seed: int = 0) -> dict:
     """``streams`` closed-loop clients for ``seconds`` (0: one request each); requests started in the first
     ``warmup`` seconds are not timed (every client starts at once: the first wave is a thundering herd that no
-    steady load has)."""
+    steady load has). ``poisson_rate``: instead, requests arrive open-loop at this rate (exponential gaps, seeded),
+    for ``seconds``; with the rate at streams / request duration, about ``streams`` are in flight (Little's law)
+    without the waves that equal-length closed-loop requests keep."""
     res: list[tuple[float, list[float]]] = []
     errors: list[str] = []
     t0 = time.perf_counter()
     stop = t0 + seconds
     relayed = 0  # tokens of every request, timed or not (the gateway's CPU is read over the whole round)
 
+    async def request(started: float) -> None:
+        out = await one(session, url, tokens)
+        nonlocal relayed
+        relayed += 0 if isinstance(out, str) else len(out[1]) + 1
+        if started >= t0 + warmup or isinstance(out, str):
+            (errors if isinstance(out, str) else res).append(out)  # type: ignore[arg-type]
+
     async def client() -> None:
         while True:
-            started = time.perf_counter()
-            out = await one(session, url, tokens)
-            nonlocal relayed
-            relayed += 0 if isinstance(out, str) else len(out[1]) + 1
-            if started >= t0 + warmup or isinstance(out, str):
-                (errors if isinstance(out, str) else res).append(out)  # type: ignore[arg-type]
+            await request(time.perf_counter())
             if time.perf_counter() >= stop:
                 return
 
-    await asyncio.gather(*(client() for _ in range(streams)))
+    async def open_loop() -> None:
+        rng = random.Random(seed)
+        tasks, due = [], t0
+        while due < stop:
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            tasks.append(asyncio.create_task(request(due)))
+            due += rng.expovariate(poisson_rate)
+        await asyncio.gather(*tasks)
+
+    if poisson_rate:
+        await open_loop()
+    else:
+        await asyncio.gather(*(client() for _ in range(streams)))
     if errors:
         print(f"  {url}: {len(errors)} requests failed, e.g. {errors[0]}", flush=True)
     ttft = [r[0] for r in res]
@@ -147,8 +165,15 @@ def cpu_seconds(pid: int) -> float:
 
 async def main(a: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="tg-gw-"))
-    fake = {"ttft": a.ttft, "itl": a.itl, "max_num_seqs": 4096, "output_text": "word "}
-    up, up_url = start(["--model", "fake", "--max-queue", "4096"], tmp, {"fake": fake, "slo": {"enabled": False}})
+    if a.upstream == "raw":  # benchmarks/sse_upstream.py: next to no CPU per token, so the direct path does not queue
+        port = free_port()
+        up = subprocess.Popen([sys.executable, str(Path(__file__).with_name("sse_upstream.py")), "--port", str(port),
+                               "--ttft", str(a.ttft), "--itl", str(a.itl)],
+                              stdout=subprocess.DEVNULL, stderr=(tmp / "upstream.log").open("wb"))
+        up_url = f"http://127.0.0.1:{port}"
+    else:
+        fake = {"ttft": a.ttft, "itl": a.itl, "max_num_seqs": 4096, "output_text": "word "}
+        up, up_url = start(["--model", "fake", "--max-queue", "4096"], tmp, {"fake": fake, "slo": {"enabled": False}})
     async with aiohttp.ClientSession() as session:
         await ready(session, up_url)
     gw_cfg = {"slo": {"enabled": False}, "capacity": {"max_concurrent": 4096}, "lanes": {"standard": {"max_queue": 4096}}}
@@ -182,7 +207,8 @@ async def main(a: argparse.Namespace) -> dict:
             for name, url, proc in order:
                 async with client() as session:
                     cpu0 = cpu_seconds(proc.pid) if proc is not None else 0.0
-                    r = await round_(session, url, a.streams, a.tokens, a.seconds, a.warmup)
+                    rate = a.streams / (a.ttft + (a.tokens - 1) * a.itl) if a.arrivals == "poisson" else None
+                    r = await round_(session, url, a.streams, a.tokens, a.seconds, a.warmup, rate, seed=rep)
                     if proc is not None:
                         r["gateway_cpu_us_per_token"] = (cpu_seconds(proc.pid) - cpu0) / r["tokens_relayed"] * 1e6
                 out[name].append(r)
@@ -229,6 +255,12 @@ if __name__ == "__main__":
                         "(repeatable)")
     p.add_argument("--warmup", type=float, default=0.0, help="seconds of each round not timed (the start's herd)")
     p.add_argument("--pin", action="store_true", help="the gateway on a core of its own, upstream and client on the rest")
+    p.add_argument("--arrivals", choices=["closed", "poisson"], default="closed",
+                   help="closed: --streams clients, each sending its next request when the last ends; poisson: "
+                        "open-loop arrivals at the rate that keeps --streams in flight (the same seed for every path)")
+    p.add_argument("--upstream", choices=["tailguard", "raw"], default="tailguard",
+                   help="tailguard: a `tailguard serve --model fake` upstream; raw: benchmarks/sse_upstream.py, the "
+                        "same script at next to no CPU per token (the direct path then does not queue on 2 cores)")
     p.add_argument("--out", default="benchmarks/results/gateway_overhead.json")
     args = p.parse_args()
     result = asyncio.run(main(args))

@@ -56,3 +56,22 @@ def _imports(path: Path) -> set[str]:
 def test_demo_does_not_import_the_cli():
     assert "tailguard.cli" not in _imports(SRC / "demo.py")
     assert "tailguard.demo" in _imports(SRC / "cli.py")
+
+
+def test_gc_is_tuned_only_for_a_server_that_owns_its_process(tmp_path):
+    """tailguard serve freezes what exists at start-up and makes collections rarer (lifespan.tune_gc); a server
+    embedded in another process (a test's ThreadedServer here) leaves the process's collector alone."""
+    import gc
+
+    from tailguard.serving.lifespan import GC_THRESHOLDS, tune_gc
+    from tests.serving_helpers import fake_server
+
+    before = gc.get_threshold()
+    with fake_server(tmp_path):
+        assert gc.get_threshold() == before
+    try:
+        tune_gc()
+        assert gc.get_threshold() == GC_THRESHOLDS and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

@@ -34,8 +34,12 @@ def create_app(
     redactor: Any | None = None,
     own_engine: bool | None = None,
     slo_clock: Callable[[], float] | None = None,
+    own_process: bool = False,
 ) -> Starlette:
     """Build the app. Give a ready ``engine`` (tests, embedding) or an ``engine_factory`` to load in the background.
+
+    ``own_process``: the process runs this server and nothing else (``tailguard serve``), so process-wide settings
+    (the garbage collector's, lifespan.tune_gc) are the server's to make.
 
     ``slo_clock``: the SLO monitor's clock (unix seconds; tests pass a fake one and call ``state.slo.evaluate()``).
     """
@@ -76,7 +80,7 @@ def create_app(
     app = Starlette(
         routes=routes,
         middleware=middleware,
-        lifespan=Lifespan(state, engine, engine_factory, redactor, own),
+        lifespan=Lifespan(state, engine, engine_factory, redactor, own, own_process),
         exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Exception: on_server_error},
     )
     app.state.tailguard = state

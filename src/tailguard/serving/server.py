@@ -47,7 +47,7 @@ def serve(config: ServerConfig, engine_args: Any | None = None) -> int:
     """``tailguard serve``: blocks until SIGINT/SIGTERM."""
     logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(config, engine_factory=lambda: build_backend(config, engine_args))
+    app = create_app(config, engine_factory=lambda: build_backend(config, engine_args), own_process=True)
     server = uvicorn.Server(_uvicorn_config(app, config))
     log.info("tailguard serving %s on http://%s:%d (store: %s, text storage %s)", config.model, config.host,
              config.port, describe_store_target(config.store_path), "on, redacted" if config.store_text else "off")
