@@ -4,6 +4,8 @@ modules import in one direction (``cli`` -> ``demo``, never back)."""
 from __future__ import annotations
 
 import ast
+import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -58,20 +60,53 @@ def test_demo_does_not_import_the_cli():
     assert "tailguard.demo" in _imports(SRC / "cli.py")
 
 
-def test_gc_is_tuned_only_for_a_server_that_owns_its_process(tmp_path):
-    """tailguard serve freezes what exists at start-up and makes collections rarer (lifespan.tune_gc); a server
-    embedded in another process (a test's ThreadedServer here) leaves the process's collector alone."""
+def test_gc_is_scheduled_only_for_a_server_that_owns_its_process(tmp_path):
+    """A server embedded in another process (a test's ThreadedServer here) leaves the process's collector alone;
+    tailguard serve's own process freezes its start-up objects and collects on a timer (serving/gc_schedule.py)."""
     import gc
 
-    from tailguard.serving.lifespan import GC_THRESHOLDS, tune_gc
     from tests.serving_helpers import fake_server
 
-    before = gc.get_threshold()
+    enabled, frozen = gc.isenabled(), gc.get_freeze_count()
     with fake_server(tmp_path):
-        assert gc.get_threshold() == before
+        assert gc.isenabled() == enabled and gc.get_freeze_count() == frozen
+
+
+def test_scheduled_collector_collects_cycles_on_its_timer_not_on_allocation():
+    import gc
+    import weakref
+
+    from tailguard.serving.gc_schedule import ScheduledCollector
+
+    class Node:
+        pass
+
+    enabled = gc.isenabled()
+    c = ScheduledCollector(interval_s=3600, new_objects=5_000, check_s=0.005)
+    c.install()
     try:
-        tune_gc()
-        assert gc.get_threshold() == GC_THRESHOLDS and gc.get_freeze_count() > 0
+        assert not gc.isenabled() and gc.get_freeze_count() > 0
+        assert not c.due()
+        refs = []
+        for _ in range(50):
+            n = Node()
+            n.me = n  # a cycle: reference counting alone never frees it
+            refs.append(weakref.ref(n))
+            del n
+        keep = [[] for _ in range(6_000)]  # tracked allocations past the limit: a collection falls due...
+        assert all(r() is not None for r in refs)  # ...but none ran on allocation
+        assert c.due()
+
+        async def until_collected() -> None:
+            task = asyncio.create_task(c.run())
+            while c.stats.collections == 0:
+                await asyncio.sleep(0.005)
+            task.cancel()
+
+        asyncio.run(asyncio.wait_for(until_collected(), 10))
+        assert all(r() is None for r in refs) and c.stats.collected >= 50 and c.stats.max_pause_s > 0
+        assert not c.due() and len(keep) == 6_000
+        assert c.due(now=time.monotonic() + 3601)  # the interval alone makes one due
     finally:
-        gc.unfreeze()
-        gc.set_threshold(*before)
+        c.uninstall()
+    assert gc.isenabled() == enabled

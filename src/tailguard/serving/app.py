@@ -39,7 +39,7 @@ def create_app(
     """Build the app. Give a ready ``engine`` (tests, embedding) or an ``engine_factory`` to load in the background.
 
     ``own_process``: the process runs this server and nothing else (``tailguard serve``), so process-wide settings
-    (the garbage collector's, lifespan.tune_gc) are the server's to make.
+    (the garbage collector's schedule, serving/gc_schedule.py) are the server's to make.
 
     ``slo_clock``: the SLO monitor's clock (unix seconds; tests pass a fake one and call ``state.slo.evaluate()``).
     """

@@ -8,7 +8,6 @@ when requests can be served (what a load balancer or Kubernetes probe expects).
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -18,27 +17,10 @@ from starlette.applications import Starlette
 
 from tailguard.observe.store import RequestStore, open_store
 from tailguard.serving.backend import Backend
+from tailguard.serving.gc_schedule import ScheduledCollector
 from tailguard.serving.state import ServerState
 
 log = logging.getLogger("tailguard.server")
-
-
-# Python's cycle collector stops the event loop (and, holding the GIL, the engine thread) while it runs. Under a
-# serving load its default thresholds (700, 10, 10) gave the gateway 10-40 ms pauses about once a second (the live
-# objects of hundreds of in-flight streams, scanned again at every older-generation collection): measured with
-# gc.callbacks at 256 streams, 726 ms of collections in 35 s, and that was most of its added P99 TTFT
-# (benchmarks/gateway_overhead.py, docs/gateway.md). A young generation of 10,000 objects and rarer older ones cut it
-# to 148 ms and the added P99 TTFT 45 -> 7-11 ms (2,000 gave 15 ms in the same run); reference counting frees
-# everything else at once, so memory held for cycles stays small.
-GC_THRESHOLDS = (10_000, 50, 100)
-
-
-def tune_gc() -> None:
-    """What exists once the backend is attached (modules, the model, the app) lives as long as the server: take it
-    out of the collector's scans (gc.freeze), then make collections rarer (GC_THRESHOLDS)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
 
 
 class Lifespan:
@@ -51,6 +33,9 @@ class Lifespan:
         self.redactor = redactor
         self.own_engine = own_engine
         self.planning: asyncio.Task | None = None  # the forecast-driven batch cap's period timer
+        # tailguard serve's own process: the cycle collector on a timer (serving/gc_schedule.py)
+        self.collector: ScheduledCollector | None = None
+        self.collecting: asyncio.Task | None = None
 
     def attach(self, eng: Backend) -> None:
         if self.state.metrics is not None:
@@ -58,8 +43,10 @@ class Lifespan:
         self.state.attach(eng)
         if self.state.batch_cap is not None and self.planning is None:
             self.planning = asyncio.create_task(self.state.batch_cap.run())
-        if self.own_process:  # process-wide settings
-            tune_gc()
+        if self.own_process and self.collector is None:  # process-wide settings
+            self.collector = ScheduledCollector()
+            self.collector.install()
+            self.collecting = asyncio.get_running_loop().create_task(self.collector.run())
 
     async def load(self) -> None:
         assert self.engine_factory is not None
@@ -150,6 +137,8 @@ class Lifespan:
             yield
         finally:
             sampling.cancel()
+            if self.collecting is not None:
+                self.collecting.cancel()
             if self.planning is not None:
                 self.planning.cancel()
             if evaluating is not None:
