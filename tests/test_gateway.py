@@ -474,3 +474,42 @@ def test_reserved_lane_pauses_other_lanes_on_the_embedded_engine(tmp_path, expli
                 assert (cfg.max_background_seqs, cfg.protected_priority) == (3, None)
     finally:
         engine.shutdown()
+
+
+def test_upstream_connections_are_reused_across_streams(tmp_path, monkeypatch):
+    """A stream read to [DONE] is read to its end too, so its connection goes back to the pool: aiohttp closes a
+    connection whose body was left unread, which cost a new upstream connection for every request. The upstream is
+    benchmarks/sse_upstream.py (an aiohttp app that, as vLLM's server does, ends the chunked body in a write of its
+    own after [DONE]; tailguard's own replicas send the two together)."""
+    import aiohttp
+
+    made: list[int] = []
+    create = aiohttp.TCPConnector._create_connection
+
+    async def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        return await create(self, *args, **kwargs)
+
+    monkeypatch.setattr(aiohttp.TCPConnector, "_create_connection", counted)
+    port = free_port()
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sse_upstream.py"
+    proc = subprocess.Popen([sys.executable, str(script), "--port", str(port), "--ttft", "0.005", "--itl", "0.005"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(url + "/ready", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+        assert wait_until(up, timeout=30, interval=0.1)
+        with gateway(tmp_path, [url]) as gw:
+            assert chat(gw.url, None, 4, True).status_code == 200  # the first stream may open the connection
+            before = len(made)
+            for _ in range(5):
+                r = chat(gw.url, None, 4, True)
+                assert r.status_code == 200 and "[DONE]" in r.text
+            assert len(made) == before  # five more streams, no new connection
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -15,6 +15,7 @@ answer's marks) itself, so the upstream's bytes are never forwarded as they are:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -261,6 +262,14 @@ class UpstreamBackend:
                             raise failed
                         if ok:
                             break
+                    if ok and not content.is_eof():
+                        # Read the body to its end (the chunked terminator after [DONE]): aiohttp closes, instead of
+                        # pooling, a connection whose body was left unread, and a new upstream connection for every
+                        # request cost the gateway a connect (and the replica an accept) per request.
+                        with contextlib.suppress(TimeoutError, aiohttp.ClientError, ConnectionError):
+                            async with asyncio.timeout(1.0):
+                                while await content.readany():
+                                    pass
             except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
                 raise UpstreamError(502, f"upstream {r.name} connection failed: {type(exc).__name__}: {exc}"[:400],
                                     code="upstream_unreachable", before_first_token=first is None) from None

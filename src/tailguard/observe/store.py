@@ -649,6 +649,7 @@ class RequestStore:
             alerts: list[dict[str, Any]] = []
             nbytes = 0
             deadline = time.monotonic() + self._flush_interval
+            slept = False
             while kind is not None:
                 nbytes += cost
                 if kind == "request":
@@ -661,12 +662,21 @@ class RequestStore:
                     stopping = True
                 if len(timelines) >= self._batch_size or stopping:
                     break
+                # Gather what arrives within the flush interval into one transaction, sleeping it out rather than
+                # waiting on the queue: a waiting reader is woken by every put, and each wake-up takes the GIL from
+                # the event loop for a moment (at 66 records/s that was 66 forced switches a second; now 1 per batch).
                 try:
-                    # Gather what arrives within the flush interval into one transaction.
-                    left = deadline - time.monotonic()
-                    kind, item, cost = self._q.get(timeout=left) if left > 0 else self._q.get_nowait()
+                    kind, item, cost = self._q.get_nowait()
                 except queue.Empty:
-                    break
+                    left = deadline - time.monotonic()
+                    if slept or left <= 0:
+                        break
+                    time.sleep(left)
+                    slept = True
+                    try:
+                        kind, item, cost = self._q.get_nowait()
+                    except queue.Empty:
+                        break
             if timelines or samples or alerts:
                 try:
                     finished = self._write(conn, timelines, samples, alerts)
