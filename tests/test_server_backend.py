@@ -110,3 +110,31 @@ def test_scheduled_collector_collects_cycles_on_its_timer_not_on_allocation():
     finally:
         c.uninstall()
     assert gc.isenabled() == enabled
+
+
+def test_a_server_that_owns_its_process_puts_the_collector_on_its_timer():
+    """tailguard serve (own_process=True): attaching the backend freezes the start-up objects, turns automatic
+    collection off and starts the collector's timer."""
+    import gc
+    from types import SimpleNamespace
+
+    from tailguard.serving.lifespan import Lifespan
+
+    enabled = gc.isenabled()
+    state = SimpleNamespace(metrics=None, batch_cap=None, attach=lambda eng: None)
+    life = Lifespan(state, None, None, None, own_engine=False, own_process=True)  # type: ignore[arg-type]
+
+    async def attached() -> tuple[bool, bool]:
+        life.attach(FakeEngine())
+        await asyncio.sleep(0)
+        running = life.collecting is not None and not life.collecting.done()
+        life.collecting.cancel()
+        return gc.isenabled(), running
+
+    try:
+        now_enabled, running = asyncio.run(attached())
+        assert not now_enabled and running and gc.get_freeze_count() > 0
+    finally:
+        if life.collector is not None:
+            life.collector.uninstall()
+    assert gc.isenabled() == enabled
