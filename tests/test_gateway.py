@@ -513,3 +513,25 @@ def test_upstream_connections_are_reused_across_streams(tmp_path, monkeypatch):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_completed_upstream_request_counts_as_ok_and_closes_the_breaker(tmp_path):
+    """The attempt is settled before its last event goes up (the server may close the stream at that event): each
+    answered request counts as ``ok`` in the replica's metrics, resets its consecutive-failure count, and a trial
+    after the cooldown closes an open breaker."""
+    with replica(tmp_path, "a", ttft=0.005, itl=0.005) as a, gateway(tmp_path, [a.url]) as gw:
+        rep = gw.state.engine.pool.replicas[0]
+        rep.breaker.failures = rep.breaker.limit - 1  # one failure short of opening
+        for stream in (True, False, True, False):
+            assert chat(gw.url, None, 4, stream).status_code == 200
+        assert rep.breaker.failures == 0
+        text = httpx.get(gw.url + "/metrics").text
+        counts = {line.split('outcome="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                  for line in text.splitlines() if line.startswith("tailguard_upstream_requests_total{")}
+        assert counts == {"ok": 4}
+        # An open breaker whose cooldown has passed lets one trial through; its success closes the breaker.
+        rep.breaker.failures = rep.breaker.limit
+        rep.breaker.opened_at = time.monotonic() - rep.breaker.cooldown - 1
+        assert rep.breaker.state == "half_open"
+        assert chat(gw.url, None, 4, True).status_code == 200
+        assert rep.breaker.state == "closed"

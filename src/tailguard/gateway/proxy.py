@@ -276,6 +276,10 @@ class UpstreamBackend:
             if not ok:
                 raise UpstreamError(502, f"upstream {r.name} ended the stream without [DONE]",
                                     code="upstream_error", before_first_token=first is None)
+            # The stream is complete: settled before the last event goes up, as its consumer may close this
+            # generator at that yield (the lines after it would never run).
+            outcome = "ok"
+            r.breaker.success()
             now = perf_counter()
             yield [UpstreamEvent(
                 request_id, None, "", now, finished=True, finish_reason=finish or "stop",  # type: ignore[arg-type]
@@ -283,8 +287,6 @@ class UpstreamBackend:
                 num_output_tokens=int((usage or {}).get("completion_tokens") or n_out),
                 first_token=first, replica=r.name, attempts=attempt,
             )]
-            outcome = "ok"
-            r.breaker.success()
         except UpstreamError as exc:
             outcome = "error" if exc.status >= 500 else "refused"
             if exc.status >= 500:
