@@ -70,6 +70,24 @@ VARIANTS: dict[str, tuple[Rounding, Rounding]] = {  # (keys, values); None: the 
 }
 
 
+def text_perplexities(engine: LLMEngine) -> dict[str, float]:
+    """Teacher-forced perplexity on each shipped held-out text and on both pooled."""
+    out, nll_all = {}, []
+    for lang, path in TEXTS.items():
+        nll = score_text(engine, engine.tokenizer.encode(path.read_text(encoding="utf-8")), PREFIX).nll
+        out[lang] = math.exp(sum(nll) / len(nll))
+        nll_all += nll
+    out["both"] = math.exp(sum(nll_all) / len(nll_all))
+    return out
+
+
+def versus(ppl: dict[str, float], base: dict[str, float], label: str, digits: int = 2) -> dict[str, float]:
+    """Each perplexity's change against the reference in percent, printed on one line after ``label``."""
+    pct = {k: 100.0 * (ppl[k] / base[k] - 1.0) for k in ppl}
+    print(f"{label}: " + ", ".join(f"{k} {v:+.{digits}f}%" for k, v in pct.items()), flush=True)
+    return pct
+
+
 def pooled_perplexity(kv_dtype: str, keys: Rounding = None, values: Rounding = None) -> dict[str, float]:
     """Perplexity per text and pooled, float32 weights, with K and V rounded by ``keys`` / ``values`` as written."""
     store = model_module.quantize_kv
@@ -85,13 +103,7 @@ def pooled_perplexity(kv_dtype: str, keys: Rounding = None, values: Rounding = N
     try:
         engine = LLMEngine(EngineArgs(model="smollm2", weight_format="float32", kv_cache_dtype=kv_dtype,
                                       kv_cache_tokens=4096, enable_prefix_caching=False))
-        out, nll_all = {}, []
-        for lang, path in TEXTS.items():
-            nll = score_text(engine, engine.tokenizer.encode(path.read_text(encoding="utf-8")), PREFIX).nll
-            out[lang] = math.exp(sum(nll) / len(nll))
-            nll_all += nll
-        out["both"] = math.exp(sum(nll_all) / len(nll_all))
-        return out
+        return text_perplexities(engine)
     finally:
         model_module.quantize_kv = store
 
@@ -110,10 +122,8 @@ def main() -> None:
     for name in args.variants.split(","):
         keys, values = VARIANTS[name]
         ppl = pooled_perplexity("int8", keys, values)
-        row = {"variant": name, "row_bytes": ROW_BYTES[name], "perplexity": ppl,
-               "vs_float32_pct": {k: 100.0 * (ppl[k] / base[k] - 1.0) for k in ppl}}
-        rows.append(row)
-        print(f"{name}: " + ", ".join(f"{k} {v:+.2f}%" for k, v in row["vs_float32_pct"].items()), flush=True)
+        rows.append({"variant": name, "row_bytes": ROW_BYTES[name], "perplexity": ppl,
+                     "vs_float32_pct": versus(ppl, base, name)})
     print("\n| K/V format | bytes a row | KV for 32 x 2K | ppl en vs float32 | zh | both |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:

@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
+from kv_low_bit import PREFIX, text_perplexities, versus  # benchmarks/: the same texts, scored the same way
 
 from tailguard.engine.engine import EngineArgs, LLMEngine
 from tailguard.engine.scoring import score_text
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
-TEXTS = {"en": HERE / "data" / "heldout_en.txt", "zh": HERE / "data" / "heldout_zh.txt"}
-PREFIX = 16
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
@@ -79,16 +77,6 @@ class KeyRounding:
         return torch.cat([pair, pair], -1).clamp_min(1e-3)
 
 
-def perplexity(engine: LLMEngine) -> dict[str, float]:
-    out, every = {}, []
-    for lang, path in TEXTS.items():
-        nll = score_text(engine, engine.tokenizer.encode(path.read_text(encoding="utf-8")), PREFIX).nll
-        out[lang] = math.exp(sum(nll) / len(nll))
-        every += nll
-    out["both"] = math.exp(sum(every) / len(every))
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--alphas", default="0.5,1.0")
@@ -108,18 +96,15 @@ def main() -> None:
     outliers = float((pair.amax(-1) / pair.median(-1).values).mean())
     print(f"keys: a head's largest channel is {outliers:.1f}x its median channel (mean over layers and heads)")
     hook.mode = None
-    base = perplexity(engine)
+    base = text_perplexities(engine)
     print(f"float32 keys (reference): ppl en {base['en']:.4f} zh {base['zh']:.4f} both {base['both']:.4f}", flush=True)
     rows = []
     for name, alpha in [("int8 rows (today's int8 KV, keys only)", None)] + [
             (f"int8 rows of k / max|k|^{a}", float(a)) for a in args.alphas.split(",")]:
         hook.mode = "rows" if alpha is None else "smooth"
         hook.factors = None if alpha is None else pair ** alpha
-        ppl = perplexity(engine)
-        row = {"keys": name, "alpha": alpha, "perplexity": ppl,
-               "vs_float32_pct": {k: 100.0 * (ppl[k] / base[k] - 1.0) for k in ppl}}
-        rows.append(row)
-        print(f"{name}: " + ", ".join(f"{k} {v:+.3f}%" for k, v in row["vs_float32_pct"].items()), flush=True)
+        ppl = text_perplexities(engine)
+        rows.append({"keys": name, "alpha": alpha, "perplexity": ppl, "vs_float32_pct": versus(ppl, base, name, 3)})
     print("\n| keys rounded as | ppl en vs float32 | zh | both |")
     print("| --- | ---: | ---: | ---: |")
     for row in rows:
