@@ -114,14 +114,16 @@ def test_scheduled_collector_collects_cycles_on_its_timer_not_on_allocation():
 
 def test_a_server_that_owns_its_process_puts_the_collector_on_its_timer():
     """tailguard serve (own_process=True): attaching the backend freezes the start-up objects, turns automatic
-    collection off and starts the collector's timer."""
+    collection off and starts the collector's timer; its pauses are in /metrics."""
     import gc
     from types import SimpleNamespace
 
+    from tailguard.observe.metrics import ServerMetrics
     from tailguard.serving.lifespan import Lifespan
 
     enabled = gc.isenabled()
-    state = SimpleNamespace(metrics=None, batch_cap=None, attach=lambda eng: None)
+    metrics = ServerMetrics("m")
+    state = SimpleNamespace(metrics=metrics, batch_cap=None, attach=lambda eng: None)
     life = Lifespan(state, None, None, None, own_engine=False, own_process=True)  # type: ignore[arg-type]
 
     async def attached() -> tuple[bool, bool]:
@@ -134,6 +136,8 @@ def test_a_server_that_owns_its_process_puts_the_collector_on_its_timer():
     try:
         now_enabled, running = asyncio.run(attached())
         assert not now_enabled and running and gc.get_freeze_count() > 0
+        life.collector.collect()  # each pause goes to the server's histogram
+        assert metrics.registry.get_sample_value("tailguard_gc_pause_seconds_count", {"model": metrics.model}) == 1
     finally:
         if life.collector is not None:
             life.collector.uninstall()

@@ -95,6 +95,11 @@ class ServerMetrics:
         self.prompt_tokens = Counter("tailguard_prompt_tokens", "Prompt tokens of admitted requests.", req, registry=r)
         self.generation_tokens = Counter("tailguard_generation_tokens", "Output tokens produced.", req, registry=r)
         m = ["model"]
+        # The process's cycle collector stops the event loop while it runs (tailguard serve runs it on a timer:
+        # serving/gc_schedule.py); each full collection's pause, so that a tail it causes can be seen.
+        self.gc_pause = Histogram("tailguard_gc_pause_seconds", "Pauses of the server's scheduled full garbage "
+                                  "collections (the event loop and the engine's Python work stop meanwhile).", m,
+                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0), registry=r)
         self.running = Gauge("tailguard_num_requests_running", "Requests in the engine's running batch.", m,
                              registry=r)
         self.waiting = Gauge("tailguard_num_requests_waiting", "Requests waiting in the engine's queue.", m,

@@ -15,7 +15,7 @@ again), turns automatic collection off, and collects on a timer instead: a full 
 (60 s), or sooner once ``new_objects`` net new tracked objects have accumulated (a sign that cycles pile up, or of a
 much larger load). One pause a minute, of the order of the live objects (about 30-50 ms at 256 streams on this
 machine class), touches ~0.2% of requests at that load instead of one request in ten; the pauses are counted and
-timed (``stats``) and logged at debug level.
+timed (``stats``, and the server's ``tailguard_gc_pause_seconds``) and logged at debug level.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import asyncio
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("tailguard.server")
@@ -39,12 +40,14 @@ class CollectorStats:
 
 
 class ScheduledCollector:
-    def __init__(self, interval_s: float = 60.0, new_objects: int = 200_000, check_s: float = 1.0) -> None:
+    def __init__(self, interval_s: float = 60.0, new_objects: int = 200_000, check_s: float = 1.0,
+                 on_collect: Callable[[float, int], None] | None = None) -> None:
         if interval_s <= 0 or check_s <= 0 or new_objects <= 0:
             raise ValueError("interval_s, check_s and new_objects must be positive")
         self.interval_s = interval_s
         self.new_objects = new_objects
         self.check_s = check_s
+        self.on_collect = on_collect  # (pause seconds, objects found unreachable): the server's metrics
         self.stats = CollectorStats()
         self._last = time.monotonic()
         self._was_enabled: bool | None = None
@@ -83,6 +86,8 @@ class ScheduledCollector:
         s.max_pause_s = max(s.max_pause_s, pause)
         s.last_pause_s = pause
         log.debug("gc: %d unreachable objects collected in %.1f ms", found, pause * 1e3)
+        if self.on_collect is not None:
+            self.on_collect(pause, found)
         return found
 
     async def run(self) -> None:

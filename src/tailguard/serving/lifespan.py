@@ -44,7 +44,9 @@ class Lifespan:
         if self.state.batch_cap is not None and self.planning is None:
             self.planning = asyncio.create_task(self.state.batch_cap.run())
         if self.own_process and self.collector is None:  # process-wide settings
-            self.collector = ScheduledCollector()
+            metrics = self.state.metrics
+            self.collector = ScheduledCollector(on_collect=None if metrics is None else (
+                lambda pause, _found: metrics.gc_pause.labels(metrics.model).observe(pause)))
             self.collector.install()
             self.collecting = asyncio.get_running_loop().create_task(self.collector.run())
 
