@@ -42,6 +42,31 @@ class Replica:
 
 
 @contextlib.contextmanager
+def served(cmd: list[str], port: int, name: str, timeout: float = 90) -> Iterator[Replica]:
+    """A server process on a free loopback port, once its ``/ready`` answers 200; stopped on the way out."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    rep = Replica(f"http://127.0.0.1:{port}", proc)
+    try:
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                return httpx.get(rep.url + "/ready", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+        assert wait_until(ready, timeout=timeout, interval=0.1), f"{name} did not get ready"
+        yield rep
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@contextlib.contextmanager
 def replica(tmp: Path, name: str, model: str = "fake", **fake: Any) -> Iterator[Replica]:
     """A real ``tailguard serve`` process on a free loopback port."""
     port = free_port()
@@ -51,26 +76,8 @@ def replica(tmp: Path, name: str, model: str = "fake", **fake: Any) -> Iterator[
            str(cfg), "--store", str(tmp / f"{name}.sqlite3"), "--no-access-log", "--log-level", "warning"]
     if model != "fake":
         cmd += ["--threads", "1", "--max-num-seqs", "8", "--kv-cache-tokens", "2048"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    rep = Replica(f"http://127.0.0.1:{port}", proc)
-    try:
-        def ready() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"replica {name} exited: {proc.stderr.read().decode()[-2000:]}")
-            try:
-                return httpx.get(rep.url + "/ready", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-        assert wait_until(ready, timeout=90, interval=0.1), f"replica {name} did not get ready"
+    with served(cmd, port, f"replica {name}") as rep:
         yield rep
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 @contextlib.contextmanager
@@ -493,26 +500,14 @@ def test_upstream_connections_are_reused_across_streams(tmp_path, monkeypatch):
     monkeypatch.setattr(aiohttp.TCPConnector, "_create_connection", counted)
     port = free_port()
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "sse_upstream.py"
-    proc = subprocess.Popen([sys.executable, str(script), "--port", str(port), "--ttft", "0.005", "--itl", "0.005"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def up() -> bool:
-            try:
-                return httpx.get(url + "/ready", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-        assert wait_until(up, timeout=30, interval=0.1)
-        with gateway(tmp_path, [url]) as gw:
-            assert chat(gw.url, None, 4, True).status_code == 200  # the first stream may open the connection
-            before = len(made)
-            for _ in range(5):
-                r = chat(gw.url, None, 4, True)
-                assert r.status_code == 200 and "[DONE]" in r.text
-            assert len(made) == before  # five more streams, no new connection
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    cmd = [sys.executable, str(script), "--port", str(port), "--ttft", "0.005", "--itl", "0.005"]
+    with served(cmd, port, "sse_upstream", timeout=30) as up, gateway(tmp_path, [up.url]) as gw:
+        assert chat(gw.url, None, 4, True).status_code == 200  # the first stream may open the connection
+        before = len(made)
+        for _ in range(5):
+            r = chat(gw.url, None, 4, True)
+            assert r.status_code == 200 and "[DONE]" in r.text
+        assert len(made) == before  # five more streams, no new connection
 
 
 def test_a_completed_upstream_request_counts_as_ok_and_closes_the_breaker(tmp_path):

@@ -34,9 +34,7 @@ log = logging.getLogger("tailguard.server")
 class CollectorStats:
     collections: int = 0
     collected: int = 0  # objects found unreachable
-    total_pause_s: float = 0.0
     max_pause_s: float = 0.0
-    last_pause_s: float = 0.0
 
 
 class ScheduledCollector:
@@ -82,9 +80,7 @@ class ScheduledCollector:
         s = self.stats
         s.collections += 1
         s.collected += found
-        s.total_pause_s += pause
         s.max_pause_s = max(s.max_pause_s, pause)
-        s.last_pause_s = pause
         log.debug("gc: %d unreachable objects collected in %.1f ms", found, pause * 1e3)
         if self.on_collect is not None:
             self.on_collect(pause, found)
