@@ -17,6 +17,11 @@ P50/P99; the difference is the gateway's cost (issue 9's target: +1 ms P99 TTFT 
 All three processes share this machine's cores, so the figure includes the gateway's CPU taking time from the others;
 ``--pin`` gives the gateway a core of its own (the last one) and the upstream and the client the others, so that what
 is measured is the gateway's own added time, not its competition with the load generator for a core.
+
+``--nginx``: a fourth path through nginx (a C reverse proxy, unbuffered, pooled keep-alive connections to the
+upstream; ``apt-get install nginx-light``), on the gateway's core. Any proxy adds two hops, and on a 2-core machine the
+client and the upstream share a core, so each hop also waits for that core's loops: nginx's added time is what the
+hops alone cost in this rig, and the gateway's figure minus nginx's is what its own work adds.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -78,6 +84,44 @@ def start(args: list[str], tmp: Path, cfg: dict, src: str | None = None) -> tupl
     if src is not None:
         env["PYTHONPATH"] = str(Path(src).resolve())
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=(tmp / f"serve{port}.log").open("wb"), env=env)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+NGINX_CONF = """worker_processes 1;
+daemon off;
+master_process off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx.err warn;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp}/nginx_body;
+  proxy_temp_path {tmp}/nginx_proxy;
+  upstream up {{ server 127.0.0.1:{up_port}; keepalive 1024; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://up;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+def start_nginx(tmp: Path, up_url: str) -> tuple[subprocess.Popen, str]:
+    """nginx as a streaming reverse proxy in front of ``up_url`` (the hops' own cost, for comparison)."""
+    exe = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if exe is None:
+        raise SystemExit("--nginx: nginx is not installed (apt-get install nginx-light)")
+    port = free_port()
+    conf = tmp / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(tmp=tmp, up_port=up_url.rsplit(":", 1)[1], port=port))
+    proc = subprocess.Popen([exe, "-c", str(conf), "-p", str(tmp)], stdout=subprocess.DEVNULL,
+                            stderr=(tmp / "nginx.log").open("wb"))
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -180,16 +224,20 @@ async def main(a: argparse.Namespace) -> dict:
     gateways = {"gateway": start(["--upstream", up_url, "--max-queue", "4096"], tmp, gw_cfg)}
     for i, src in enumerate(a.compare_src or []):  # the gateway from other source trees, in the same run
         gateways[f"gateway_compare{i + 1}"] = start(["--upstream", up_url, "--max-queue", "4096"], tmp, gw_cfg, src)
+    proxies = {}
+    if a.nginx:
+        proxies["nginx"] = start_nginx(tmp, up_url)
     if a.pin:
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) < 2:
             raise SystemExit("--pin needs at least 2 cores")
-        for proc, _ in gateways.values():
+        for proc, _ in [*gateways.values(), *proxies.values()]:
             os.sched_setaffinity(proc.pid, {cores[-1]})
         os.sched_setaffinity(up.pid, set(cores[:-1]))
         os.sched_setaffinity(0, set(cores[:-1]))
-    out: dict = {"config": vars(a), "direct": [], **{name: [] for name in gateways}}
-    paths = [("direct", up_url, None)] + [(name, url, proc) for name, (proc, url) in gateways.items()]
+    out: dict = {"config": vars(a), "direct": [], **{name: [] for name in [*proxies, *gateways]}}
+    paths = [("direct", up_url, None)] + [(name, url, proc) for name, (proc, url) in [*proxies.items(),
+                                                                                     *gateways.items()]]
     try:
         def client() -> aiohttp.ClientSession:
             # A session per round: a pooled connection left idle while the other paths ran may have been closed by
@@ -216,7 +264,7 @@ async def main(a: argparse.Namespace) -> dict:
                     f"{k}={v * 1e3:.2f} ms" if k.startswith(("ttft", "itl")) else f"{k}={v:.0f}"
                     for k, v in r.items()), flush=True)
     finally:
-        for p in [proc for proc, _ in gateways.values()] + [up]:
+        for p in [proc for proc, _ in [*gateways.values(), *proxies.values()]] + [up]:
             p.terminate()
             p.wait(20)
     return out
@@ -227,8 +275,9 @@ def report(res: dict) -> None:
         return statistics.median(r[k] for r in res[path])
 
     gateways = [k for k in res if k.startswith("gateway") and isinstance(res[k], list)]
+    proxies = [k for k in ("nginx",) if isinstance(res.get(k), list) and res[k]]
     print("\n| path | TTFT P50 | TTFT P99 | ITL P50 | ITL P99 |\n|---|---|---|---|---|")
-    for path in ("direct", *gateways):
+    for path in ("direct", *proxies, *gateways):
         print(f"| {path} | {med(path, 'ttft_p50') * 1e3:.1f} ms | {med(path, 'ttft_p99') * 1e3:.1f} ms | "
               f"{med(path, 'itl_p50') * 1e3:.2f} ms | {med(path, 'itl_p99') * 1e3:.2f} ms |")
     for gw in gateways:
@@ -239,6 +288,14 @@ def report(res: dict) -> None:
         res["gateway_cpu_us_per_token" + suffix] = cpu
         print(f"\nadded by {gw}: " + ", ".join(f"{k} {v * 1e3:+.2f} ms" for k, v in added.items()))
         print(f"{gw} CPU per token relayed (request handling included): {cpu:.0f} us")
+    for px in proxies:
+        added = {k: med(px, k) - med("direct", k) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_mean")}
+        res["added_" + px] = added
+        print(f"\nadded by {px} (the hops alone): " + ", ".join(f"{k} {v * 1e3:+.2f} ms" for k, v in added.items()))
+        for gw in gateways:
+            over = {k: med(gw, k) - med(px, k) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_mean")}
+            res[f"{gw}_over_{px}"] = over
+            print(f"{gw} over {px}: " + ", ".join(f"{k} {v * 1e3:+.2f} ms" for k, v in over.items()))
 
 
 if __name__ == "__main__":
@@ -261,6 +318,8 @@ if __name__ == "__main__":
     p.add_argument("--upstream", choices=["tailguard", "raw"], default="tailguard",
                    help="tailguard: a `tailguard serve --model fake` upstream; raw: benchmarks/sse_upstream.py, the "
                         "same script at next to no CPU per token (the direct path then does not queue on 2 cores)")
+    p.add_argument("--nginx", action="store_true",
+                   help="also a path through nginx on the gateway's core: the two hops' own cost in this rig")
     p.add_argument("--out", default="benchmarks/results/gateway_overhead.json")
     args = p.parse_args()
     result = asyncio.run(main(args))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import sys
 import time
 from pathlib import Path
 
@@ -133,12 +134,44 @@ def test_a_server_that_owns_its_process_puts_the_collector_on_its_timer():
         life.collecting.cancel()
         return gc.isenabled(), running
 
+    interval = sys.getswitchinterval()
     try:
         now_enabled, running = asyncio.run(attached())
         assert not now_enabled and running and gc.get_freeze_count() > 0
         life.collector.collect()  # each pause goes to the server's histogram
         assert metrics.registry.get_sample_value("tailguard_gc_pause_seconds_count", {"model": metrics.model}) == 1
+        assert sys.getswitchinterval() == interval  # an engine's thread keeps the interpreter's switch interval
     finally:
-        if life.collector is not None:
-            life.collector.uninstall()
+        life.restore_process_settings()
     assert gc.isenabled() == enabled
+
+
+def test_a_gateway_that_owns_its_process_hands_the_gil_to_its_loop_sooner():
+    """A gateway (a backend that takes text: upstream replicas) in its own process shortens the interpreter's switch
+    interval, so that the loop waits less for the GIL held by the store's writer thread; handed back at the end."""
+    from types import SimpleNamespace
+
+    from tailguard.serving.lifespan import GATEWAY_SWITCH_INTERVAL_S, Lifespan
+
+    class TextBackend(FakeEngine):
+        takes_text = True
+
+    state = SimpleNamespace(metrics=None, batch_cap=None, attach=lambda eng: None)
+    interval = sys.getswitchinterval()
+    assert interval != GATEWAY_SWITCH_INTERVAL_S
+    embedded = Lifespan(state, None, None, None, own_engine=False, own_process=False)  # type: ignore[arg-type]
+    life = Lifespan(state, None, None, None, own_engine=False, own_process=True)  # type: ignore[arg-type]
+
+    async def attach() -> float:
+        embedded.attach(TextBackend())
+        assert sys.getswitchinterval() == interval  # not the process's owner: its settings are not the server's
+        life.attach(TextBackend())
+        if life.collecting is not None:
+            life.collecting.cancel()
+        return sys.getswitchinterval()
+
+    try:
+        assert asyncio.run(attach()) == pytest.approx(GATEWAY_SWITCH_INTERVAL_S)
+    finally:
+        life.restore_process_settings()
+    assert sys.getswitchinterval() == interval

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -31,6 +32,21 @@ def clean_label(value: str | None, default: str = "default", max_len: int = 32) 
     if not value:
         return default
     return _LABEL_RE.sub("_", value.strip())[:max_len] or default
+
+
+class _Series(dict):
+    """One business type's metric children by attribute name, each looked up once, when first used (a series appears
+    in /metrics only once it has something to say)."""
+
+    def __init__(self, metrics: ServerMetrics, business_type: str) -> None:
+        super().__init__()
+        self.metrics, self.labels = metrics, (metrics.model, business_type)
+        self.requests: dict[tuple, Any] = {}  # (outcome, status) -> child
+        self.success: dict[str, Any] = {}  # finish reason -> child
+
+    def __missing__(self, name: str) -> Any:
+        child = self[name] = getattr(self.metrics, name).labels(*self.labels)
+        return child
 
 
 class ServerMetrics:
@@ -123,6 +139,7 @@ class ServerMetrics:
                                      "closed, or its close deadline passed.", m, registry=r)
         self._last_preemptions = 0
         self.admission_limit.labels(model).set(0)
+        self._series: dict[str, _Series] = {}
 
     def business_type(self, raw: str | None) -> str:
         bt = clean_label(raw)
@@ -134,47 +151,64 @@ class ServerMetrics:
             self._seen.add(bt)
         return bt
 
+    def _series_of(self, business_type: str) -> _Series:
+        """The children of one (model, business type): ``labels()`` validates and locks at every call, and a request
+        makes about 15 of them (business types are capped, so this cache is too)."""
+        ser = self._series.get(business_type)
+        if ser is None:
+            ser = self._series[business_type] = _Series(self, business_type)
+        return ser
+
     def observe(self, tl: Timeline) -> None:
         """Feed one finished request (called once, by the server, when the record is closed)."""
         s = tl.summary()
-        labels = (self.model, tl.business_type)
+        ser = self._series_of(tl.business_type)
         outcome = tl.outcome.value if tl.outcome else "unknown"
-        self.requests.labels(*labels, outcome, str(tl.status)).inc()
+        key = (outcome, tl.status)
+        child = ser.requests.get(key)
+        if child is None:
+            child = ser.requests[key] = self.requests.labels(self.model, tl.business_type, outcome, str(tl.status))
+        child.inc()
         if tl.outcome is Outcome.SUCCESS:
-            self.success.labels(*labels, tl.finish_reason or "unknown").inc()
+            reason = tl.finish_reason or "unknown"
+            child = ser.success.get(reason)
+            if child is None:
+                child = ser.success[reason] = self.success.labels(self.model, tl.business_type, reason)
+            child.inc()
         if tl.outcome in (Outcome.INVALID, Outcome.REJECTED) or tl.synthetic:
             # Never reached the engine (refused, or a degradation template): their latencies would dilute the
             # served distribution.
             return
         # Stage times, TTFT and token gaps are real for every request that reached the engine, aborted ones included
         # (a client that gave up in the queue did wait there); E2E and TPOT describe complete answers only.
-        for name, hist in (("tokenize", self.tokenize), ("queue", self.queue), ("prefill", self.prefill),
-                           ("decode", self.decode), ("stream", self.stream)):
-            hist.labels(*labels).observe(s.stages[name])
+        c = ser
+        stages = s.stages
+        for name in ("tokenize", "queue", "prefill", "decode", "stream"):
+            c[name].observe(stages[name])
         if s.ttft is not None:
-            self.ttft.labels(*labels).observe(s.ttft)
+            c["ttft"].observe(s.ttft)
         if s.itl:
-            child = self.itl.labels(*labels)
+            itl = c["itl"]
             for gap in s.itl:
-                child.observe(gap)
+                itl.observe(gap)
         if tl.outcome is Outcome.SUCCESS:
-            self.e2e.labels(*labels).observe(s.e2e)
+            c["e2e"].observe(s.e2e)
             if s.tpot is not None:
-                self.tpot.labels(*labels).observe(s.tpot)
+                c["tpot"].observe(s.tpot)
         if tl.num_prompt_tokens:
-            self.prompt_tokens.labels(*labels).inc(tl.num_prompt_tokens)
-            self.prompt_len.labels(*labels).observe(tl.num_prompt_tokens)
+            c["prompt_tokens"].inc(tl.num_prompt_tokens)
+            c["prompt_len"].observe(tl.num_prompt_tokens)
         if tl.num_output_tokens:
-            self.generation_tokens.labels(*labels).inc(tl.num_output_tokens)
-        self.output_len.labels(*labels).observe(tl.num_output_tokens)
+            c["generation_tokens"].inc(tl.num_output_tokens)
+        c["output_len"].observe(tl.num_output_tokens)
         if tl.num_prompt_tokens and tl.scheduled is not None:
-            self.prefix_queries.labels(*labels).inc(tl.num_prompt_tokens)
-            self.prefix_hits.labels(*labels).inc(tl.cached_prompt_tokens)
+            c["prefix_queries"].inc(tl.num_prompt_tokens)
+            c["prefix_hits"].inc(tl.cached_prompt_tokens)
         if tl.spec_proposed:
-            self.spec_acceptance.labels(*labels).observe(tl.spec_accepted / tl.spec_proposed)
-            self.spec_accepted.labels(*labels).observe(tl.spec_accepted)
-            self.spec_proposed_total.labels(*labels).inc(tl.spec_proposed)
-            self.spec_accepted_total.labels(*labels).inc(tl.spec_accepted)
+            c["spec_acceptance"].observe(tl.spec_accepted / tl.spec_proposed)
+            c["spec_accepted"].observe(tl.spec_accepted)
+            c["spec_proposed_total"].inc(tl.spec_proposed)
+            c["spec_accepted_total"].inc(tl.spec_accepted)
 
     def sample(self, running: int, waiting: int, kv_total: int, kv_used: int, preemptions: int,
                admission_queue: int, in_flight: int, admission_limit: int) -> None:

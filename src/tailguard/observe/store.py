@@ -24,6 +24,7 @@ not reversed by guessing and hashing.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -340,6 +341,9 @@ class RequestStore:
         self._close_called = False
         self.written = 0
         self.failed = 0
+        # (request id, received_unix) of each record the writer is done with (committed, or failed and counted), for
+        # the server's recent-records cache to let go of; bounded in case nothing reads it.
+        self.settled: collections.deque[tuple[str, float]] = collections.deque(maxlen=65536)
         self.dropped = 0
         self.dropped_samples = 0
         self._drop_logged: dict[str, float] = {}
@@ -686,6 +690,7 @@ class RequestStore:
                     finished = True
                 if not finished:
                     break  # abandoned at the close deadline: close() counts the batch in hand with the rest
+                self.settled.extend((tl.request_id, tl.received_unix) for tl in timelines)
                 self._done(len(timelines) + len(alerts), nbytes)
             if time.monotonic() >= next_sweep and not stopping:
                 self._sweep(conn)

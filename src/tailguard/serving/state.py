@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -211,10 +211,24 @@ class ServerState:
                 log.exception("tracing: could not trace request %s", tl.request_id)
         if self.store is not None:
             self.store.put(tl)
+            settled = getattr(self.store, "settled", None)
+            if settled:
+                self._forget_settled(settled)
         self.recent[tl.request_id] = tl
         self.recent.move_to_end(tl.request_id)
         while len(self.recent) > self.recent_capacity:
             self.recent.popitem(last=False)
+
+    def _forget_settled(self, settled: deque[tuple[str, float]]) -> None:
+        """Drop from the recent cache the records the store has written: from then on the store answers for them.
+        The cache only bridges the writer's lag; kept whole (4,096 finished timelines, ~80,000 objects) it made each
+        of the collector's full collections in tailguard serve scan them all: 100-280 ms pauses at 256 streams."""
+        recent = self.recent
+        while settled:
+            rid, received = settled.popleft()  # appended by the store's writer thread: deque ends are thread-safe
+            tl = recent.get(rid)
+            if tl is not None and tl.received_unix == received:  # not a newer request that reused the id
+                del recent[rid]
 
 
 def _speculates(engine: Any) -> bool:
