@@ -181,34 +181,33 @@ class ServerMetrics:
             return
         # Stage times, TTFT and token gaps are real for every request that reached the engine, aborted ones included
         # (a client that gave up in the queue did wait there); E2E and TPOT describe complete answers only.
-        c = ser
         stages = s.stages
         for name in ("tokenize", "queue", "prefill", "decode", "stream"):
-            c[name].observe(stages[name])
+            ser[name].observe(stages[name])
         if s.ttft is not None:
-            c["ttft"].observe(s.ttft)
+            ser["ttft"].observe(s.ttft)
         if s.itl:
-            itl = c["itl"]
+            itl = ser["itl"]
             for gap in s.itl:
                 itl.observe(gap)
         if tl.outcome is Outcome.SUCCESS:
-            c["e2e"].observe(s.e2e)
+            ser["e2e"].observe(s.e2e)
             if s.tpot is not None:
-                c["tpot"].observe(s.tpot)
+                ser["tpot"].observe(s.tpot)
         if tl.num_prompt_tokens:
-            c["prompt_tokens"].inc(tl.num_prompt_tokens)
-            c["prompt_len"].observe(tl.num_prompt_tokens)
+            ser["prompt_tokens"].inc(tl.num_prompt_tokens)
+            ser["prompt_len"].observe(tl.num_prompt_tokens)
         if tl.num_output_tokens:
-            c["generation_tokens"].inc(tl.num_output_tokens)
-        c["output_len"].observe(tl.num_output_tokens)
+            ser["generation_tokens"].inc(tl.num_output_tokens)
+        ser["output_len"].observe(tl.num_output_tokens)
         if tl.num_prompt_tokens and tl.scheduled is not None:
-            c["prefix_queries"].inc(tl.num_prompt_tokens)
-            c["prefix_hits"].inc(tl.cached_prompt_tokens)
+            ser["prefix_queries"].inc(tl.num_prompt_tokens)
+            ser["prefix_hits"].inc(tl.cached_prompt_tokens)
         if tl.spec_proposed:
-            c["spec_acceptance"].observe(tl.spec_accepted / tl.spec_proposed)
-            c["spec_accepted"].observe(tl.spec_accepted)
-            c["spec_proposed_total"].inc(tl.spec_proposed)
-            c["spec_accepted_total"].inc(tl.spec_accepted)
+            ser["spec_acceptance"].observe(tl.spec_accepted / tl.spec_proposed)
+            ser["spec_accepted"].observe(tl.spec_accepted)
+            ser["spec_proposed_total"].inc(tl.spec_proposed)
+            ser["spec_accepted_total"].inc(tl.spec_accepted)
 
     def sample(self, running: int, waiting: int, kv_total: int, kv_used: int, preemptions: int,
                admission_queue: int, in_flight: int, admission_limit: int) -> None:
