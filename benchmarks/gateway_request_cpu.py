@@ -1,0 +1,109 @@
+"""The gateway's CPU time a request: sequential streaming requests through gateways of one or more source trees.
+
+    .venv/bin/python benchmarks/gateway_request_cpu.py                       # this tree alone, ~1 min
+    git archive BASE src | tar -x -C /tmp/base && \
+        .venv/bin/python benchmarks/gateway_request_cpu.py --compare-src /tmp/base/src    # before/after, one run
+
+One request at a time (no queueing, no competition between requests), each ``--tokens`` tokens from
+``benchmarks/sse_upstream.py`` with no scripted wait, through ``tailguard serve --upstream`` pinned to the last core
+(the upstream and this client on the others). Rounds of ``--requests`` rotate over the gateways; a round's figure is
+the gateway process's CPU time (user + system, from /proc) over its requests. Reported: the median of the rounds per
+gateway, and the client's TTFT median. What the 256-stream benchmark (``gateway_overhead.py``) measures as latency
+comes from this cost plus queueing; this one isolates the cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gateway_overhead import cpu_seconds, free_port, ready, start  # noqa: E402
+
+
+async def one(session: aiohttp.ClientSession, url: str, tokens: int) -> float:
+    """One streamed chat request; its TTFT at the client."""
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": True}
+    t0 = time.perf_counter()
+    first = None
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if first is None and line.startswith(b"data: {") and b'"content"' in line:
+                first = time.perf_counter()
+    if first is None:
+        raise RuntimeError("no token came back")
+    return first - t0
+
+
+async def main(a: argparse.Namespace) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="tg-gwcpu-"))
+    port = free_port()
+    up = subprocess.Popen([sys.executable, str(Path(__file__).with_name("sse_upstream.py")), "--port", str(port),
+                           "--ttft", "0", "--itl", "0"], stdout=subprocess.DEVNULL,
+                          stderr=(tmp / "upstream.log").open("wb"))
+    up_url = f"http://127.0.0.1:{port}"
+    cfg = {"slo": {"enabled": False}, "capacity": {"max_concurrent": 4096}, "lanes": {"standard": {"max_queue": 4096}}}
+    trees = {"gateway": None, **{f"gateway_compare{i + 1}": src for i, src in enumerate(a.compare_src or [])}}
+    gateways = {name: start(["--upstream", up_url, "--max-queue", "4096"], tmp, cfg, src) for name, src in trees.items()}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        for proc, _ in gateways.values():
+            os.sched_setaffinity(proc.pid, {cores[-1]})
+        os.sched_setaffinity(up.pid, set(cores[:-1]))
+        os.sched_setaffinity(0, set(cores[:-1]))
+    out: dict = {"config": vars(a), **{name: {"cpu_us_per_request": [], "ttft": []} for name in gateways}}
+    try:
+        async with aiohttp.ClientSession() as session:
+            await ready(session, up_url)
+            for _, url in gateways.values():
+                await ready(session, url)
+                for _ in range(a.warmup):
+                    await one(session, url, a.tokens)
+            for rnd in range(a.rounds):
+                order = list(gateways.items())
+                order = order[rnd % len(order):] + order[:rnd % len(order)]
+                for name, (proc, url) in order:
+                    cpu0 = cpu_seconds(proc.pid)
+                    ttfts = [await one(session, url, a.tokens) for _ in range(a.requests)]
+                    cpu = (cpu_seconds(proc.pid) - cpu0) / a.requests * 1e6
+                    out[name]["cpu_us_per_request"].append(cpu)
+                    out[name]["ttft"].extend(ttfts)
+                    print(f"round {rnd + 1} {name}: {cpu:.0f} us CPU a request", flush=True)
+    finally:
+        for p in [proc for proc, _ in gateways.values()] + [up]:
+            p.terminate()
+            p.wait(20)
+    print("\n| gateway | CPU a request (median of rounds) | rounds | client TTFT P50 |\n|---|---|---|---|")
+    for name in gateways:
+        r = out[name]
+        r["cpu_us_per_request_median"] = statistics.median(r["cpu_us_per_request"])
+        r["ttft_p50_ms"] = statistics.median(r.pop("ttft")) * 1e3
+        print(f"| {name} | {r['cpu_us_per_request_median']:.0f} us | "
+              f"{' / '.join(f'{x:.0f}' for x in r['cpu_us_per_request'])} | {r['ttft_p50_ms']:.3f} ms |")
+    return out
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=20)
+    p.add_argument("--requests", type=int, default=500, help="requests a round (the CPU clock ticks at 10 ms)")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--compare-src", action="append", metavar="SRC", help="also a gateway from this source folder")
+    p.add_argument("--out", default="benchmarks/results/gateway_request_cpu.json")
+    args = p.parse_args()
+    result = asyncio.run(main(args))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
