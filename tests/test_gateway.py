@@ -164,6 +164,18 @@ def test_failure_before_first_token_is_retried_elsewhere_and_opens_the_breaker(t
         assert dead_rep.breaker.state in ("open", "half_open") and dead_rep.errors >= 2
 
 
+def test_the_record_splits_the_ttft_between_the_gateway_and_the_replica(tmp_path):
+    """gateway.upstream_sent: arrival to the upstream request leaving; gateway.upstream_ttft: from then to the first
+    token read back. A replica scripted to 0.3 s TTFT shows in the second, the gateway's own time in the first."""
+    with replica(tmp_path, "a", ttft=0.3, itl=0.001) as a, gateway(tmp_path, [a.url]) as gw:
+        r = chat(gw.url, stream=True)
+        assert r.status_code == 200
+        rec = record(gw, r)
+        g = rec["gateway"]
+        assert 0 <= g["upstream_sent"] < 0.25 and 0.3 <= g["upstream_ttft"] < 2.0
+        assert g["upstream_sent"] + g["upstream_ttft"] <= rec["ttft"] + 1e-5
+
+
 def test_replica_killed_mid_stream_gives_a_clean_error_event(tmp_path):
     with replica(tmp_path, "a", ttft=0.01, itl=0.05) as a, gateway(tmp_path, [a.url]) as gw:
         with httpx.Client(timeout=30) as c, c.stream(

@@ -40,6 +40,7 @@ UNKNOWN_TOKEN = -1  # an upstream chunk's token id is not known to the gateway
 class UpstreamEvent(TokenEvent):
     replica: str | None = None  # on the final event: the replica that answered, after how many attempts
     attempts: int = 1
+    sent: float | None = None  # on the final event: when the answering attempt's request left for the replica
 
 
 class UpstreamError(Exception):
@@ -285,7 +286,7 @@ class UpstreamBackend:
                 request_id, None, "", now, finished=True, finish_reason=finish or "stop",  # type: ignore[arg-type]
                 num_prompt_tokens=int((usage or {}).get("prompt_tokens") or 0),
                 num_output_tokens=int((usage or {}).get("completion_tokens") or n_out),
-                first_token=first, replica=r.name, attempts=attempt,
+                first_token=first, replica=r.name, attempts=attempt, sent=sent,
             )]
         except UpstreamError as exc:
             outcome = "error" if exc.status >= 500 else "refused"

@@ -710,6 +710,11 @@ class CompletionEndpoint:
             g = tl.gateway = tl.gateway or {}
             g["replica"] = replica
             g["attempts"] = getattr(ev, "attempts", 1)
+            sent = getattr(ev, "sent", None)
+            if sent is not None:  # the TTFT split: the gateway's own time before the replica, then the replica's
+                g["upstream_sent"] = round(sent - tl.received, 6)
+                if ev.first_token is not None:
+                    g["upstream_ttft"] = round(ev.first_token - sent, 6)
             if reason in _UPSTREAM_REASONS:
                 tl.finish_reason = reason
                 return reason
