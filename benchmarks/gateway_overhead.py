@@ -207,34 +207,50 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def start_raw_upstream(tmp: Path, ttft: float, itl: float) -> tuple[subprocess.Popen, str]:
+    """benchmarks/sse_upstream.py on a free port: scripted timings at next to no CPU a token."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("sse_upstream.py")), "--port", str(port),
+                             "--ttft", str(ttft), "--itl", str(itl)],
+                            stdout=subprocess.DEVNULL, stderr=(tmp / "upstream.log").open("wb"))
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def start_gateways(tmp: Path, up_url: str, compare_src: list[str] | None) -> dict[str, tuple[subprocess.Popen, str]]:
+    """``tailguard serve --upstream`` from this tree ("gateway") and from each other source tree
+    ("gateway_compare1", ...), all in front of ``up_url``."""
+    cfg = {"slo": {"enabled": False}, "capacity": {"max_concurrent": 4096}, "lanes": {"standard": {"max_queue": 4096}}}
+    trees = {"gateway": None, **{f"gateway_compare{i + 1}": src for i, src in enumerate(compare_src or [])}}
+    return {name: start(["--upstream", up_url, "--max-queue", "4096"], tmp, cfg, src) for name, src in trees.items()}
+
+
+def pin(proxies: list[subprocess.Popen], others: list[subprocess.Popen]) -> None:
+    """The proxies on the last core, the others (and this process) on the rest."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("pinning needs at least 2 cores")
+    for proc in proxies:
+        os.sched_setaffinity(proc.pid, {cores[-1]})
+    for proc in others:
+        os.sched_setaffinity(proc.pid, set(cores[:-1]))
+    os.sched_setaffinity(0, set(cores[:-1]))
+
+
 async def main(a: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="tg-gw-"))
     if a.upstream == "raw":  # benchmarks/sse_upstream.py: next to no CPU per token, so the direct path does not queue
-        port = free_port()
-        up = subprocess.Popen([sys.executable, str(Path(__file__).with_name("sse_upstream.py")), "--port", str(port),
-                               "--ttft", str(a.ttft), "--itl", str(a.itl)],
-                              stdout=subprocess.DEVNULL, stderr=(tmp / "upstream.log").open("wb"))
-        up_url = f"http://127.0.0.1:{port}"
+        up, up_url = start_raw_upstream(tmp, a.ttft, a.itl)
     else:
         fake = {"ttft": a.ttft, "itl": a.itl, "max_num_seqs": 4096, "output_text": "word "}
         up, up_url = start(["--model", "fake", "--max-queue", "4096"], tmp, {"fake": fake, "slo": {"enabled": False}})
     async with aiohttp.ClientSession() as session:
         await ready(session, up_url)
-    gw_cfg = {"slo": {"enabled": False}, "capacity": {"max_concurrent": 4096}, "lanes": {"standard": {"max_queue": 4096}}}
-    gateways = {"gateway": start(["--upstream", up_url, "--max-queue", "4096"], tmp, gw_cfg)}
-    for i, src in enumerate(a.compare_src or []):  # the gateway from other source trees, in the same run
-        gateways[f"gateway_compare{i + 1}"] = start(["--upstream", up_url, "--max-queue", "4096"], tmp, gw_cfg, src)
+    gateways = start_gateways(tmp, up_url, a.compare_src)  # and the gateway of other source trees, in the same run
     proxies = {}
     if a.nginx:
         proxies["nginx"] = start_nginx(tmp, up_url)
     if a.pin:
-        cores = sorted(os.sched_getaffinity(0))
-        if len(cores) < 2:
-            raise SystemExit("--pin needs at least 2 cores")
-        for proc, _ in [*gateways.values(), *proxies.values()]:
-            os.sched_setaffinity(proc.pid, {cores[-1]})
-        os.sched_setaffinity(up.pid, set(cores[:-1]))
-        os.sched_setaffinity(0, set(cores[:-1]))
+        pin([proc for proc, _ in [*gateways.values(), *proxies.values()]], [up])
     out: dict = {"config": vars(a), "direct": [], **{name: [] for name in [*proxies, *gateways]}}
     paths = [("direct", up_url, None)] + [(name, url, proc) for name, (proc, url) in [*proxies.items(),
                                                                                      *gateways.items()]]

@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gateway_overhead import cpu_seconds, free_port, ready, start  # noqa: E402
+from gateway_overhead import cpu_seconds, pin, ready, start_gateways, start_raw_upstream  # noqa: E402
 
 
 async def one(session: aiohttp.ClientSession, url: str, tokens: int) -> float:
@@ -48,20 +47,10 @@ async def one(session: aiohttp.ClientSession, url: str, tokens: int) -> float:
 
 async def main(a: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="tg-gwcpu-"))
-    port = free_port()
-    up = subprocess.Popen([sys.executable, str(Path(__file__).with_name("sse_upstream.py")), "--port", str(port),
-                           "--ttft", "0", "--itl", "0"], stdout=subprocess.DEVNULL,
-                          stderr=(tmp / "upstream.log").open("wb"))
-    up_url = f"http://127.0.0.1:{port}"
-    cfg = {"slo": {"enabled": False}, "capacity": {"max_concurrent": 4096}, "lanes": {"standard": {"max_queue": 4096}}}
-    trees = {"gateway": None, **{f"gateway_compare{i + 1}": src for i, src in enumerate(a.compare_src or [])}}
-    gateways = {name: start(["--upstream", up_url, "--max-queue", "4096"], tmp, cfg, src) for name, src in trees.items()}
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= 2:
-        for proc, _ in gateways.values():
-            os.sched_setaffinity(proc.pid, {cores[-1]})
-        os.sched_setaffinity(up.pid, set(cores[:-1]))
-        os.sched_setaffinity(0, set(cores[:-1]))
+    up, up_url = start_raw_upstream(tmp, 0.0, 0.0)
+    gateways = start_gateways(tmp, up_url, a.compare_src)
+    if len(os.sched_getaffinity(0)) >= 2:
+        pin([proc for proc, _ in gateways.values()], [up])
     out: dict = {"config": vars(a), **{name: {"cpu_us_per_request": [], "ttft": []} for name in gateways}}
     try:
         async with aiohttp.ClientSession() as session:

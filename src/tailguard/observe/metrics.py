@@ -35,17 +35,17 @@ def clean_label(value: str | None, default: str = "default", max_len: int = 32) 
 
 
 class _Series(dict):
-    """One business type's metric children by attribute name, each looked up once, when first used (a series appears
-    in /metrics only once it has something to say)."""
+    """One business type's metric children, each looked up once, when first used (a series appears in /metrics only
+    once it has something to say): ``ser["ttft"]``, or with the metric's further label values,
+    ``ser["requests", outcome, status]``."""
 
     def __init__(self, metrics: ServerMetrics, business_type: str) -> None:
         super().__init__()
         self.metrics, self.labels = metrics, (metrics.model, business_type)
-        self.requests: dict[tuple, Any] = {}  # (outcome, status) -> child
-        self.success: dict[str, Any] = {}  # finish reason -> child
 
-    def __missing__(self, name: str) -> Any:
-        child = self[name] = getattr(self.metrics, name).labels(*self.labels)
+    def __missing__(self, key: str | tuple[str, ...]) -> Any:
+        name, *extra = (key,) if isinstance(key, str) else key
+        child = self[key] = getattr(self.metrics, name).labels(*self.labels, *extra)
         return child
 
 
@@ -164,17 +164,9 @@ class ServerMetrics:
         s = tl.summary()
         ser = self._series_of(tl.business_type)
         outcome = tl.outcome.value if tl.outcome else "unknown"
-        key = (outcome, tl.status)
-        child = ser.requests.get(key)
-        if child is None:
-            child = ser.requests[key] = self.requests.labels(self.model, tl.business_type, outcome, str(tl.status))
-        child.inc()
+        ser["requests", outcome, str(tl.status)].inc()
         if tl.outcome is Outcome.SUCCESS:
-            reason = tl.finish_reason or "unknown"
-            child = ser.success.get(reason)
-            if child is None:
-                child = ser.success[reason] = self.success.labels(self.model, tl.business_type, reason)
-            child.inc()
+            ser["success", tl.finish_reason or "unknown"].inc()
         if tl.outcome in (Outcome.INVALID, Outcome.REJECTED) or tl.synthetic:
             # Never reached the engine (refused, or a degradation template): their latencies would dilute the
             # served distribution.
