@@ -429,3 +429,13 @@ def test_a_replica_that_preempts_must_be_sent_the_priority_it_preempts_by():
     cfg = UpstreamConfig(url="http://127.0.0.1:9", send_priority=True, preempts=True)
     assert cfg.preempts and cfg.send_priority
     assert not UpstreamConfig(url="http://127.0.0.1:9", send_priority=True).preempts  # vLLM's case: the default
+
+
+def test_the_upstream_request_id_is_uuid5_of_ours() -> None:
+    import uuid
+
+    from tailguard.gateway.proxy import _upstream_request_id
+
+    for rid in ("chatcmpl-0123abcd", "x", "é漢字-1"):
+        assert _upstream_request_id("uuid", rid) == str(uuid.uuid5(uuid.NAMESPACE_URL, "tailguard:" + rid))
+    assert _upstream_request_id("same", "x") == "x" and _upstream_request_id("off", "x") is None

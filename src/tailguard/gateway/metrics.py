@@ -1,5 +1,5 @@
 """The gateway's Prometheus metrics: lanes (queue depth, admitted, refused, lane wait), tenants (rate limited),
-streams (stalls, interruptions, degraded, stall fallbacks) and upstream replicas (requests, errors, outstanding tokens, TTFT)."""
+streams (stalls, interruptions, degraded, stall fallbacks) and upstream replicas (requests, errors, outstanding tokens, TTFT, connections)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,16 @@ class GatewayMetrics:
                                                               "breaker is closed.", rep, registry=r)
         self.up_breaker_open = Counter("tailguard_upstream_breaker_opened", "Times a replica's breaker opened.", rep,
                                        registry=r)
+        self.up_conns_opened = Counter("tailguard_upstream_connections_opened",
+                                       "Connections opened to a replica for streams: ahead of need (spares) or on "
+                                       "demand (a request waited for the connect).", [*rep, "kind"], registry=r)
+        self.up_conns_idle = Gauge("tailguard_upstream_connections_idle", "Idle connections open to a replica.",
+                                   rep, registry=r)
+        self.up_resent = Counter("tailguard_upstream_resent_requests",
+                                 "Requests sent again on a new connection because the reused one had been closed "
+                                 "by the replica before it saw the request.", rep, registry=r)
         self._opened: dict[str, int] = {}
+        self._counted: dict[tuple[str, str], int] = {}  # connection counters already added, per (replica, counter)
 
     def attempt(self, replica: str, outcome: str, ttft: float | None) -> None:
         """One request sent to a replica (``UpstreamBackend.on_attempt``)."""
@@ -116,3 +125,14 @@ class GatewayMetrics:
                 if opened > 0:
                     self.up_breaker_open.labels(m, rep.name).inc(opened)
                     self._opened[rep.name] = rep.breaker.opened_total
+                c = rep.conns
+                if c is not None:
+                    self.up_conns_idle.labels(m, rep.name).set(len(c.idle))
+                    for key, total, child in (
+                            ("ahead", c.opened - c.opened_on_demand, self.up_conns_opened.labels(m, rep.name, "ahead")),
+                            ("on_demand", c.opened_on_demand, self.up_conns_opened.labels(m, rep.name, "on_demand")),
+                            ("resent", c.reconnects, self.up_resent.labels(m, rep.name))):
+                        done = self._counted.get((rep.name, key), 0)
+                        if total > done:
+                            child.inc(total - done)
+                            self._counted[rep.name, key] = total

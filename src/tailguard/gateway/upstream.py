@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from tailguard.gateway.http1 import ConnectionPool
+
 if TYPE_CHECKING:
     import aiohttp
 
@@ -97,6 +99,12 @@ class RoutingConfig(BaseModel):
                                                           "non-zero, its /metrics is read this often (between "
                                                           "health checks)")
     connect_timeout_s: float = Field(5.0, gt=0)
+    keepalive_s: float = Field(4.0, gt=0, description="an idle upstream connection is closed after this long, before "
+                                                      "the upstream's own keep-alive timeout (uvicorn's: 5 s) can "
+                                                      "close it under a request")
+    spare_connections: int = Field(2, ge=0, description="idle connections kept open per replica ahead of need, so "
+                                                         "that a request does not wait for a connect")
+    spare_ratio: float = Field(0.1, ge=0, description="... plus this share of the replica's connections in use")
     breaker_failures: int = Field(3, ge=1, description="consecutive failures that open a replica's breaker")
     breaker_cooldown_s: float = Field(10.0, gt=0, description="open breaker: time before one trial request")
 
@@ -159,6 +167,7 @@ class Replica:
     last_error: str | None = None
     ttft_ewma: float | None = None
     extra: dict = field(default_factory=dict)
+    conns: ConnectionPool | None = None  # the streams' connections (health checks and scrapes use aiohttp's)
 
     @property
     def url(self) -> str:
@@ -213,14 +222,17 @@ class UpstreamPool:
         self.session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task | None = None
         self._queue_watch: asyncio.Task | None = None
+        self._conn_sweep: asyncio.Task | None = None
         self.on_queue: Callable[[], None] | None = None  # called after each read of a replica's queue (Lanes.poke)
 
     def _new(self, u: UpstreamConfig) -> Replica:
         name = u.name or u.url.split("://", 1)[1]
         if any(r.name == name for r in self.replicas):
             name = f"{name}#{len(self.replicas)}"
-        rep = Replica(u, CircuitBreaker(self.routing.breaker_failures, self.routing.breaker_cooldown_s), name=name,
-                      model=u.model)
+        rt = self.routing
+        rep = Replica(u, CircuitBreaker(rt.breaker_failures, rt.breaker_cooldown_s), name=name, model=u.model,
+                      conns=ConnectionPool(u.url, rt.connect_timeout_s, rt.keepalive_s, rt.spare_connections,
+                                           rt.spare_ratio))
         self.replicas.append(rep)
         return rep
 
@@ -240,6 +252,8 @@ class UpstreamPool:
             if r.name == name:
                 if len(self.replicas) == 1:
                     raise ValueError("the last replica cannot be removed")
+                if r.conns is not None:
+                    r.conns.close()  # its idle connections; those of its requests in flight close as they end
                 return self.replicas.pop(i)
         raise KeyError(name)
 
@@ -263,13 +277,26 @@ class UpstreamPool:
         await self.check_all()
         self._health = asyncio.create_task(self._health_loop())
         self._queue_watch = asyncio.create_task(self._queue_loop())
+        self._conn_sweep = asyncio.create_task(self._sweep_loop())
 
     async def close(self) -> None:
-        for task in (self._health, self._queue_watch):
+        for task in (self._health, self._queue_watch, self._conn_sweep):
             if task is not None:
                 task.cancel()
+        for r in self.replicas:
+            if r.conns is not None:
+                r.conns.close()
         if self.session is not None:
             await self.session.close()
+
+    async def _sweep_loop(self) -> None:
+        """Renew the replicas' spare connections often enough that one is always fresh (a lull must not leave the
+        next request only connections past their keep-alive)."""
+        while True:
+            await asyncio.sleep(self.routing.keepalive_s / 4)
+            for r in self.replicas:
+                if r.conns is not None and r.available:
+                    r.conns.sweep()
 
     @property
     def capacity(self) -> int:

@@ -1,0 +1,243 @@
+"""The gateway's upstream HTTP/1.1 client (gateway/http1.py) against a scripted server on a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from tailguard.gateway.http1 import ConnectionPool, UpstreamProtocolError
+
+
+def sync(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+    @functools.wraps(test)
+    def run() -> None:
+        asyncio.run(test())
+    return run
+
+
+Handler = Callable[[int, int, bytes, asyncio.StreamWriter], Awaitable[bool]]
+
+
+class ScriptedServer:
+    """Reads each request on each connection and hands (connection no., request no. on it, body, writer) to
+    ``handler``, which answers and says whether the connection stays open."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.eof_seen = asyncio.Event()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        conn_no, n = self.connections, 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                body = await reader.readexactly(length)
+                self.requests.append(head + body)
+                n += 1
+                if not await self.handler(conn_no, n, body, writer):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.eof_seen.set()
+        writer.close()
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+
+
+def chunked(*parts: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts)
+
+
+HEAD_CHUNKED = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+async def stream_answer(_c: int, _n: int, body: bytes, w: asyncio.StreamWriter) -> bool:
+    w.write(HEAD_CHUNKED + chunked(b"data: one\n\n"))
+    await w.drain()
+    await asyncio.sleep(0.02)
+    w.write(chunked(b"data: two\n\n", b"data: " + body + b"\n\n") + b"0\r\n\r\n")
+    await w.drain()
+    return True
+
+
+async def read_body(pool: ConnectionPool, body: bytes = b"x") -> tuple[int, list[bytes]]:
+    async with pool.request("POST", "/v1/completions", body, {"Content-Type": "application/json"}) as resp:
+        parts = []
+        while data := await resp.read():
+            parts.append(data)
+        return resp.status, parts
+
+
+@sync
+async def test_streams_a_chunked_body_and_reuses_the_connection() -> None:
+    srv = ScriptedServer(stream_answer)
+    async with srv as url:
+        pool = ConnectionPool(url, spare=0)
+        status, parts = await read_body(pool, b"first")
+        assert status == 200
+        assert parts[0] == b"data: one\n\n"  # the first piece came on its own, before the rest was sent
+        assert b"".join(parts) == b"data: one\n\ndata: two\n\ndata: first\n\n"
+        _, parts = await read_body(pool, b"second")
+        assert b"".join(parts).endswith(b"data: second\n\n")
+        assert srv.connections == 1 and pool.opened == 1 and len(pool.idle) == 1
+        assert srv.requests[0].startswith(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:")
+        assert b"Content-Length: 5\r\n" in srv.requests[0] and srv.requests[0].endswith(b"\r\n\r\nfirst")
+        pool.close()
+
+
+@sync
+async def test_an_error_answer_and_its_headers() -> None:
+    async def refuse(_c: int, _n: int, _b: bytes, w: asyncio.StreamWriter) -> bool:
+        msg = b'{"error": {"message": "busy"}}'
+        w.write(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 7\r\nContent-Length: %d\r\n\r\n%s" % (len(msg), msg))
+        return True
+
+    async with ScriptedServer(refuse) as url:
+        pool = ConnectionPool(url, spare=0)
+        async with pool.request("POST", "/v1/completions", b"{}", {}) as resp:
+            assert resp.status == 503 and resp.headers["retry-after"] == "7"
+            assert await resp.read_all() == b'{"error": {"message": "busy"}}'
+        assert len(pool.idle) == 1  # read to its end: pooled
+        pool.close()
+
+
+@sync
+async def test_a_reused_connection_closed_under_the_request_is_retried_once_on_a_new_one() -> None:
+    async def close_second(_c: int, n: int, body: bytes, w: asyncio.StreamWriter) -> bool:
+        if n == 2:
+            return False  # closes without an answer, as a keep-alive timeout does when the request crosses it
+        return await stream_answer(_c, n, body, w)
+
+    srv = ScriptedServer(close_second)
+    async with srv as url:
+        pool = ConnectionPool(url, spare=0)
+        await read_body(pool)
+        status, parts = await read_body(pool, b"again")
+        assert status == 200 and b"".join(parts).endswith(b"data: again\n\n")
+        assert pool.reconnects == 1 and srv.connections == 2
+        pool.close()
+
+
+@sync
+async def test_a_new_connection_that_fails_is_not_retried() -> None:
+    async def close_at_once(*_: object) -> bool:
+        return False
+
+    srv = ScriptedServer(close_at_once)
+    async with srv as url:
+        pool = ConnectionPool(url, spare=0)
+        with pytest.raises(UpstreamProtocolError):
+            await read_body(pool)
+        assert srv.connections == 1 and pool.reconnects == 0 and pool.in_use == 0
+
+
+@sync
+async def test_a_broken_stream_raises_and_an_abandoned_one_closes_the_connection() -> None:
+    async def cut(_c: int, _n: int, _b: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(HEAD_CHUNKED + chunked(b"data: one\n\n"))
+        await w.drain()
+        await asyncio.sleep(0.05)
+        return False  # no terminating chunk
+
+    async with ScriptedServer(cut) as url:
+        pool = ConnectionPool(url, spare=0)
+        with pytest.raises(UpstreamProtocolError, match="before its answer ended"):
+            await read_body(pool)
+
+    async def slow(_c: int, _n: int, _b: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(HEAD_CHUNKED + chunked(b"data: one\n\n"))
+        await w.drain()
+        await asyncio.sleep(0.3)
+        return True
+
+    srv = ScriptedServer(slow)
+    async with srv as url:
+        pool = ConnectionPool(url, spare=0)
+        with pytest.raises(RuntimeError):
+            async with pool.request("POST", "/", b"", {}) as resp:
+                assert await resp.read() == b"data: one\n\n"
+                raise RuntimeError("the client went away")
+        assert pool.in_use == 0 and not pool.idle
+        # Closed, not pooled: the upstream sees the request abandoned (its reader gets the end of the stream).
+        assert resp.closed and resp.transport is not None and resp.transport.is_closing()
+        await asyncio.wait_for(srv.eof_seen.wait(), 6)
+
+
+@sync
+async def test_garbage_is_a_protocol_error_and_an_unframed_body_ends_with_the_connection() -> None:
+    async def garbage(_c: int, _n: int, _b: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(b"SPDY/9 what\r\n\r\n")
+        return True
+
+    async with ScriptedServer(garbage) as url:
+        pool = ConnectionPool(url, spare=0)
+        with pytest.raises(UpstreamProtocolError, match="not valid HTTP"):
+            await read_body(pool)
+
+    async def until_close(_c: int, _n: int, _b: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: a\n\n")
+        await w.drain()
+        return False
+
+    async with ScriptedServer(until_close) as url:
+        pool = ConnectionPool(url, spare=0)
+        status, parts = await read_body(pool)
+        assert status == 200 and b"".join(parts) == b"data: a\n\n"
+        assert not pool.idle  # not reusable
+
+
+@sync
+async def test_spares_are_opened_ahead_so_a_burst_does_not_wait_for_connects() -> None:
+    srv = ScriptedServer(stream_answer)
+    async with srv as url:
+        pool = ConnectionPool(url, spare=3)
+        await read_body(pool)  # the first request opens one; three spares follow in the background
+        await asyncio.sleep(0.05)
+        assert len(pool.idle) == 4 and pool.opened_on_demand == 1
+        await asyncio.gather(*(read_body(pool) for _ in range(4)))
+        assert pool.opened_on_demand == 1  # the four found connections waiting
+        await asyncio.sleep(0.05)
+        assert len(pool.idle) >= 4
+        pool.close()
+        assert not pool.idle
+
+
+@sync
+async def test_idle_connections_past_keepalive_are_not_reused_and_sweep_renews_spares() -> None:
+    srv = ScriptedServer(stream_answer)
+    async with srv as url:
+        pool = ConnectionPool(url, spare=1, keepalive_s=0.1)
+        await read_body(pool)
+        await asyncio.sleep(0.05)
+        assert len(pool.idle) == 2
+        await asyncio.sleep(0.1)
+        pool.sweep()  # both are past keep-alive: closed, and one spare opened in their place
+        await asyncio.sleep(0.05)
+        assert len(pool.idle) == 1 and srv.connections == 3
+        await read_body(pool)
+        assert pool.opened_on_demand == 1  # the renewed spare served it
+        pool.close()
+
+
+@sync
+async def test_header_injection_is_refused() -> None:
+    async with ScriptedServer(stream_answer) as url:
+        pool = ConnectionPool(url, spare=0)
+        with pytest.raises(ValueError, match="line break"):
+            async with pool.request("POST", "/", b"", {"X-Request-ID": "a\r\nEvil: 1"}):
+                pass
+        assert pool.in_use == 0
