@@ -37,7 +37,7 @@ def chunk(rid: str, created: int, chat: bool, text: str | None, finish: str | No
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
-def make_app(ttft: float, itl: float, text: str) -> web.Application:
+def make_app(ttft: float, itl: float, text: str, end_delay: float = 0.0) -> web.Application:
     counter = iter(range(1 << 62))
 
     async def models(_: web.Request) -> web.Response:
@@ -78,6 +78,8 @@ def make_app(ttft: float, itl: float, text: str) -> web.Application:
                      "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}
                 await resp.write(b"data: " + json.dumps(u, separators=(",", ":")).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
+            if end_delay:  # the body's end comes apart from [DONE] (as a write of its own can, on a busy server)
+                await asyncio.sleep(end_delay)
         except ConnectionError:  # the client went away: nothing left to send
             return resp
         return resp
@@ -98,6 +100,7 @@ def main() -> None:
     p.add_argument("--ttft", type=float, default=0.05)
     p.add_argument("--itl", type=float, default=0.05)
     p.add_argument("--text", default="word ")
+    p.add_argument("--end-delay", type=float, default=0.0, help="seconds between data: [DONE] and the body's end")
     a = p.parse_args()
     try:
         import uvloop
@@ -105,7 +108,7 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
-    web.run_app(make_app(a.ttft, a.itl, a.text), host=a.host, port=a.port, access_log=None, print=None,
+    web.run_app(make_app(a.ttft, a.itl, a.text, a.end_delay), host=a.host, port=a.port, access_log=None, print=None,
                 backlog=4096)
 
 

@@ -495,31 +495,34 @@ def test_reserved_lane_pauses_other_lanes_on_the_embedded_engine(tmp_path, expli
         engine.shutdown()
 
 
-def test_upstream_connections_are_reused_across_streams(tmp_path, monkeypatch):
-    """A stream read to [DONE] is read to its end too, so its connection goes back to the pool: aiohttp closes a
-    connection whose body was left unread, which cost a new upstream connection for every request. The upstream is
-    benchmarks/sse_upstream.py (an aiohttp app that, as vLLM's server does, ends the chunked body in a write of its
-    own after [DONE]; tailguard's own replicas send the two together)."""
-    import aiohttp
-
-    made: list[int] = []
-    create = aiohttp.TCPConnector._create_connection
-
-    async def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        made.append(1)
-        return await create(self, *args, **kwargs)
-
-    monkeypatch.setattr(aiohttp.TCPConnector, "_create_connection", counted)
+def test_upstream_connections_are_reused_across_streams(tmp_path):
+    """A stream read to [DONE] is read to its end too, so its connection goes back to the pool (one left unread is
+    closed, which cost a new upstream connection for every request), and the spares opened ahead of need serve the
+    requests after the first without a connect. The upstream is benchmarks/sse_upstream.py (an aiohttp app that, as
+    vLLM's server does, ends the chunked body in a write of its own after [DONE]; tailguard's own replicas send the
+    two together)."""
     port = free_port()
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "sse_upstream.py"
-    cmd = [sys.executable, str(script), "--port", str(port), "--ttft", "0.005", "--itl", "0.005"]
+    cmd = [sys.executable, str(script), "--port", str(port), "--ttft", "0.005", "--itl", "0.005", "--end-delay", "0.05"]
     with served(cmd, port, "sse_upstream", timeout=30) as up, gateway(tmp_path, [up.url]) as gw:
-        assert chat(gw.url, None, 4, True).status_code == 200  # the first stream may open the connection
-        before = len(made)
+        pool = gw.state.engine.pool.replicas[0].conns
+        assert chat(gw.url, None, 4, True).status_code == 200  # the first stream opens a connection; spares follow
+        deadline = time.monotonic() + 5
+        while (pool.opening or len(pool.idle) < 1 + pool.spare) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        opened = pool.opened
         for _ in range(5):
             r = chat(gw.url, None, 4, True)
             assert r.status_code == 200 and "[DONE]" in r.text
-        assert len(made) == before  # five more streams, no new connection
+            time.sleep(0.1)  # the body's end arrives 50 ms after [DONE]: read in the background, then pooled
+        assert pool.opened == opened  # five more streams, no new connection
+        assert pool.opened_on_demand <= 1  # only the first stream can have waited for a connect (the spares are
+        # opened from the start)
+        text = httpx.get(gw.url + "/metrics").text
+        kinds = {line.split('kind="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                 for line in text.splitlines() if line.startswith("tailguard_upstream_connections_opened_total{")}
+        assert kinds.get("ahead", 0) == opened - pool.opened_on_demand
+        assert kinds.get("on_demand", 0) == pool.opened_on_demand
 
 
 def test_a_completed_upstream_request_counts_as_ok_and_closes_the_breaker(tmp_path):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import shutil
+import ssl
+import subprocess
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -241,3 +244,57 @@ async def test_header_injection_is_refused() -> None:
             async with pool.request("POST", "/", b"", {"X-Request-ID": "a\r\nEvil: 1"}):
                 pass
         assert pool.in_use == 0
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command for a test certificate")
+def test_https_upstreams(tmp_path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def main() -> None:
+        srv = ScriptedServer(stream_answer)
+        server = await asyncio.start_server(srv._serve, "127.0.0.1", 0, ssl=server_ctx)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            url = f"https://localhost:{port}"
+            with pytest.raises(ssl.SSLCertVerificationError):  # not a certificate the system trusts
+                await read_body(ConnectionPool(url, spare=0))
+            pool = ConnectionPool(url, spare=0, ssl_context=ssl.create_default_context(cafile=str(cert)))
+            status, parts = await read_body(pool, b"tls")
+            assert status == 200 and b"".join(parts).endswith(b"data: tls\n\n")
+            await read_body(pool)
+            assert pool.opened == 1  # reused
+            pool.close()
+        finally:
+            server.close()
+
+    asyncio.run(main())
+
+
+@sync
+async def test_an_answer_left_before_its_end_is_drained_in_the_background_then_pooled() -> None:
+    async def late_end(_c: int, _n: int, _b: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(HEAD_CHUNKED + chunked(b"data: [DONE]\n\n"))
+        await w.drain()
+        await asyncio.sleep(0.1)  # the body's end, in a write of its own
+        w.write(b"0\r\n\r\n")
+        return True
+
+    srv = ScriptedServer(late_end)
+    async with srv as url:
+        pool = ConnectionPool(url, spare=0)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        async with pool.request("POST", "/", b"", {}) as resp:
+            assert await resp.read() == b"data: [DONE]\n\n"
+        assert loop.time() - t0 < 0.08  # the caller did not wait for the end
+        assert pool.in_use == 1 and not pool.idle  # ... the drain did
+        await asyncio.sleep(0.2)
+        assert pool.in_use == 0 and len(pool.idle) == 1
+        await read_body(pool)
+        assert srv.connections == 1
+        pool.close()

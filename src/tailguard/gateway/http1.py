@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 import httptools
 
 _HIGH_WATER = 1 << 20  # body bytes buffered before the socket stops being read (the reader is behind)
+DRAIN_TIMEOUT_S = 1.0  # the longest an answer's unread end is waited for before its connection is closed instead
 
 
 class UpstreamProtocolError(ConnectionError):
@@ -176,13 +177,15 @@ class ConnectionPool:
     """A replica's connections: idle ones reused first in, first out, spares opened ahead of need."""
 
     def __init__(self, url: str, connect_timeout_s: float = 5.0, keepalive_s: float = 4.0, spare: int = 2,
-                 spare_ratio: float = 0.1) -> None:
+                 spare_ratio: float = 0.1, ssl_context: ssl.SSLContext | None = None) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"an upstream url must be http:// or https:// with a host, not {url!r}")
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if parts.scheme == "https" else None
+        self.ssl: ssl.SSLContext | None = None
+        if parts.scheme == "https":  # verified against the system's CAs, as aiohttp's default is
+            self.ssl = ssl_context or ssl.create_default_context()
         self.authority = parts.netloc.rsplit("@", 1)[-1]
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_s = keepalive_s
@@ -286,8 +289,8 @@ class ConnectionPool:
     async def request(self, method: str, path: str, body: bytes, headers: dict[str, str]
                       ) -> AsyncIterator[Connection]:
         """Send a request; yields the connection once the answer's head has arrived (``status``, ``headers``,
-        then ``read()``). Leaving early closes the connection (the upstream sees the request abandoned); a
-        connection whose answer was read to its end goes back to the pool."""
+        then ``read()``). Leaving by an exception closes the connection (the upstream sees the request abandoned);
+        leaving normally pools it, once the rest of the answer, if any, has been read (in the background)."""
         lines = [f"{method} {path} HTTP/1.1", f"Host: {self.authority}", f"Content-Length: {len(body)}"]
         for k, v in headers.items():
             if "\r" in k or "\n" in k or "\r" in v or "\n" in v:
@@ -315,7 +318,28 @@ class ConnectionPool:
             done = True
         finally:
             if conn is not None:
-                self._release(conn, done)
+                if done and not conn.complete and not conn.closed and conn.exc is None:
+                    self._drain_later(conn)
+                else:
+                    self._release(conn, done)
+
+    def _drain_later(self, conn: Connection) -> None:
+        """Read the rest of an answer the caller is done with (the chunked body's end, sent after the last event in
+        a write of its own by vLLM's server and any aiohttp or Starlette stream) in the background, then pool the
+        connection: closing it would cost the next request a connect, waiting for it would delay the caller."""
+        async def drain() -> None:
+            try:
+                async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                    while await conn.read():
+                        pass
+            except OSError:
+                pass  # timed out, or broke: not reusable, closed below
+            finally:
+                self._release(conn, True)
+
+        task = asyncio.get_running_loop().create_task(drain())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def close(self) -> None:
         self.closed = True

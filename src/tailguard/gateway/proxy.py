@@ -15,7 +15,6 @@ answer's marks) itself, so the upstream's bytes are never forwarded as they are:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import json
@@ -261,14 +260,6 @@ class UpstreamBackend:
                             raise failed
                         if ok:
                             break
-                    if ok and not resp.complete:
-                        # Read the body to its end (the chunked terminator after [DONE]): a connection whose body
-                        # was left unread cannot be pooled, and a new upstream connection for every request cost
-                        # the gateway a connect (and the replica an accept) per request.
-                        with contextlib.suppress(OSError):
-                            async with asyncio.timeout(1.0):
-                                while await resp.read():
-                                    pass
             except (OSError, ValueError) as exc:
                 raise UpstreamError(502, f"upstream {r.name} connection failed: {type(exc).__name__}: {exc}"[:400],
                                     code="upstream_unreachable", before_first_token=first is None) from None
