@@ -298,3 +298,23 @@ async def test_an_answer_left_before_its_end_is_drained_in_the_background_then_p
         await read_body(pool)
         assert srv.connections == 1
         pool.close()
+
+
+@sync
+async def test_bytes_on_an_idle_connection_close_it_and_are_never_read_as_an_answer() -> None:
+    async def answer_twice(_c: int, n: int, body: bytes, w: asyncio.StreamWriter) -> bool:
+        await stream_answer(_c, n, body, w)
+        if n == 1:  # a stray second answer, nobody asked for
+            await asyncio.sleep(0.02)
+            w.write(b"HTTP/1.1 500 Stray\r\nContent-Length: 0\r\n\r\n")
+        return True
+
+    srv = ScriptedServer(answer_twice)
+    async with srv as url:
+        pool = ConnectionPool(url, spare=0)
+        await read_body(pool)
+        await asyncio.sleep(0.1)
+        assert not pool.idle  # closed when the stray bytes came
+        status, parts = await read_body(pool, b"next")
+        assert status == 200 and b"".join(parts).endswith(b"data: next\n\n") and srv.connections == 2
+        pool.close()

@@ -51,6 +51,7 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
+        self.in_request = False  # between its acquisition for a request and its release
         self._reset()
 
     def _reset(self) -> None:
@@ -72,6 +73,9 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if not self.in_request:  # bytes on an idle connection answer nothing we sent: not to be read as an answer
+            self.close()
+            return
         self.received = True
         try:
             self.parser.feed_data(data)
@@ -238,11 +242,13 @@ class ConnectionPool:
         except BaseException:
             self.in_use -= 1
             raise
+        conn.in_request = True
         self._top_up()
         return conn, reused
 
     def _release(self, conn: Connection, reuse: bool) -> None:
         self.in_use -= 1
+        conn.in_request = False
         if reuse and conn.reusable and not self.closed:
             conn._reset()
             conn.idle_since = time.monotonic()
