@@ -318,3 +318,31 @@ async def test_bytes_on_an_idle_connection_close_it_and_are_never_read_as_an_ans
         status, parts = await read_body(pool, b"next")
         assert status == 200 and b"".join(parts).endswith(b"data: next\n\n") and srv.connections == 2
         pool.close()
+
+
+def test_closed_connections_leave_no_garbage_cycles() -> None:
+    """The server runs the cycle collector once a minute (serving/gc_schedule.py), counting on reference counting to
+    free a request's objects: a closed connection must not leave a cycle (the parser refers back to its protocol)."""
+    import gc
+
+    import uvloop
+
+    async def main() -> int:
+        async with ScriptedServer(stream_answer) as url:
+            pool = ConnectionPool(url, spare=0)
+            for _ in range(3):  # warm: first-use caches
+                await read_body(pool)
+                pool.idle[0].close()
+            await asyncio.sleep(0.05)
+            gc.collect()
+            gc.disable()
+            try:
+                for _ in range(20):
+                    await read_body(pool)
+                    pool.idle[0].close()
+                await asyncio.sleep(0.05)
+                return gc.collect()
+            finally:
+                gc.enable()
+
+    assert uvloop.run(main()) == 0

@@ -93,6 +93,7 @@ class Connection(asyncio.Protocol):
                 self._fail(exc or UpstreamProtocolError("the upstream closed the connection before its answer ended"))
         self.pool._lost(self)
         self._wake()
+        self.parser = None  # type: ignore[assignment]  # it refers back to this protocol: no cycle for the collector
 
     # --- httptools callbacks ----------------------------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
