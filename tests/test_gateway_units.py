@@ -439,3 +439,29 @@ def test_the_upstream_request_id_is_uuid5_of_ours() -> None:
     for rid in ("chatcmpl-0123abcd", "x", "é漢字-1"):
         assert _upstream_request_id("uuid", rid) == str(uuid.uuid5(uuid.NAMESPACE_URL, "tailguard:" + rid))
     assert _upstream_request_id("same", "x") == "x" and _upstream_request_id("off", "x") is None
+
+
+def test_replica_totals_reach_the_prometheus_counters_once() -> None:
+    """Breaker openings and the connection pool's counts are running totals on the replica: each sample adds what
+    is new, never twice."""
+    from prometheus_client import CollectorRegistry
+
+    from tailguard.gateway.metrics import GatewayMetrics
+
+    reg = CollectorRegistry()
+    gm = GatewayMetrics(reg, "m")
+    pool = UpstreamPool([UpstreamConfig(url="http://127.0.0.1:9", name="a")])
+    rep = pool.replicas[0]
+    rep.breaker.opened_total, rep.conns.opened, rep.conns.opened_on_demand, rep.conns.reconnects = 1, 5, 2, 1
+    gm.sample(None, pool)
+    gm.sample(None, pool)
+    rep.breaker.opened_total, rep.conns.opened = 3, 9
+    gm.sample(None, pool)
+
+    def value(name: str, **labels: str) -> float | None:
+        return reg.get_sample_value(name, {"model": "m", "replica": "a", **labels})
+
+    assert value("tailguard_upstream_breaker_opened_total") == 3
+    assert value("tailguard_upstream_connections_opened_total", kind="ahead") == 7
+    assert value("tailguard_upstream_connections_opened_total", kind="on_demand") == 2
+    assert value("tailguard_upstream_resent_requests_total") == 1

@@ -9,8 +9,8 @@ Envoy's preconnect does, each replica's pool keeps spare connections open ahead 
 ``spare_ratio`` of those in use), opened in the background when a request takes one.
 
 Measured against aiohttp for the streams (benchmarks/gateway_overhead.py and gateway_request_cpu.py, docs/gateway.md
-"What relaying costs"): at 256 streams ~50 connects fell inside a 30 s round with aiohttp (2-3% of the requests); the
-gateway's CPU fell 17% a request and 12-17% a token, its added median TTFT by 0.3-0.4 ms.
+"What relaying costs"): at 256 streams ~50 connects fell inside a round's 35 timed seconds with aiohttp (2-3% of its
+requests); the gateway's CPU fell 17% a request and 12-17% a token, its added median TTFT by 0.3-0.4 ms.
 
 Idle connections are reused first in, first out, so that each is used often enough not to meet the upstream's
 keep-alive timeout (uvicorn's 5 s: vLLM's, SGLang's, tailguard's); one idle longer than ``keepalive_s`` is closed, not
@@ -276,7 +276,7 @@ class ConnectionPool:
     async def _preconnect(self) -> None:
         try:
             conn = await self._open()
-        except (OSError, TimeoutError):
+        except OSError:  # TimeoutError included
             self._preconnect_failed = True  # an unreachable replica: the requests' own connects report it
             return
         finally:
@@ -317,7 +317,7 @@ class ConnectionPool:
                     conn.send(data)
                     await conn.head()
                     break
-                except (OSError, UpstreamProtocolError):
+                except OSError:  # UpstreamProtocolError included
                     if not reused or conn.received:
                         raise
                 # The upstream had closed the idle connection: it never saw the request; once more on a new one.

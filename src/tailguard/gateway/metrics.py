@@ -86,8 +86,7 @@ class GatewayMetrics:
         self.up_resent = Counter("tailguard_upstream_resent_requests",
                                  "Requests sent again on a new connection because the reused one had been closed "
                                  "by the replica before it saw the request.", rep, registry=r)
-        self._opened: dict[str, int] = {}
-        self._counted: dict[tuple[str, str], int] = {}  # connection counters already added, per (replica, counter)
+        self._counted: dict[tuple[Counter, tuple[str, ...]], int] = {}  # totals already added (``_catch_up``)
 
     def attempt(self, replica: str, outcome: str, ttft: float | None) -> None:
         """One request sent to a replica (``UpstreamBackend.on_attempt``)."""
@@ -121,18 +120,18 @@ class GatewayMetrics:
                 self.up_in_flight.labels(m, rep.name).set(rep.in_flight)
                 self.up_waiting.labels(m, rep.name).set(rep.upstream_waiting)
                 self.up_healthy.labels(m, rep.name).set(1 if rep.available else 0)
-                opened = rep.breaker.opened_total - self._opened.get(rep.name, 0)
-                if opened > 0:
-                    self.up_breaker_open.labels(m, rep.name).inc(opened)
-                    self._opened[rep.name] = rep.breaker.opened_total
+                self._catch_up(self.up_breaker_open, (m, rep.name), rep.breaker.opened_total)
                 c = rep.conns
                 if c is not None:
                     self.up_conns_idle.labels(m, rep.name).set(len(c.idle))
-                    for key, total, child in (
-                            ("ahead", c.opened - c.opened_on_demand, self.up_conns_opened.labels(m, rep.name, "ahead")),
-                            ("on_demand", c.opened_on_demand, self.up_conns_opened.labels(m, rep.name, "on_demand")),
-                            ("resent", c.reconnects, self.up_resent.labels(m, rep.name))):
-                        done = self._counted.get((rep.name, key), 0)
-                        if total > done:
-                            child.inc(total - done)
-                            self._counted[rep.name, key] = total
+                    self._catch_up(self.up_conns_opened, (m, rep.name, "ahead"), c.opened - c.opened_on_demand)
+                    self._catch_up(self.up_conns_opened, (m, rep.name, "on_demand"), c.opened_on_demand)
+                    self._catch_up(self.up_resent, (m, rep.name), c.reconnects)
+
+    def _catch_up(self, counter: Counter, labels: tuple[str, ...], total: int) -> None:
+        """Bring a counter's child up to a running total kept elsewhere (a replica's breaker, its connection pool)."""
+        key = (counter, labels)
+        done = self._counted.get(key, 0)
+        if total > done:
+            counter.labels(*labels).inc(total - done)
+            self._counted[key] = total
