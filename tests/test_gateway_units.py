@@ -465,3 +465,11 @@ def test_replica_totals_reach_the_prometheus_counters_once() -> None:
     assert value("tailguard_upstream_connections_opened_total", kind="ahead") == 7
     assert value("tailguard_upstream_connections_opened_total", kind="on_demand") == 2
     assert value("tailguard_upstream_resent_requests_total") == 1
+
+
+def test_credentials_in_an_upstream_url_are_never_shown() -> None:
+    pool = UpstreamPool([UpstreamConfig(url="http://ann:secret@10.0.0.1:8000/v1")])
+    rep = pool.replicas[0]
+    assert rep.name == "10.0.0.1:8000" and rep.url == "http://ann:secret@10.0.0.1:8000"
+    assert pool.describe()[0]["url"] == "http://10.0.0.1:8000"
+    assert rep.conns is not None and rep.conns.basic_auth is not None  # still sent upstream

@@ -346,3 +346,27 @@ def test_closed_connections_leave_no_garbage_cycles() -> None:
                 gc.enable()
 
     assert uvloop.run(main()) == 0
+
+
+@sync
+async def test_an_upstream_url_with_a_path_prefix_keeps_it() -> None:
+    srv = ScriptedServer(stream_answer)
+    async with srv as url:
+        pool = ConnectionPool(url + "/team-a/", spare=0)
+        await read_body(pool)
+        assert srv.requests[0].startswith(b"POST /team-a/v1/completions HTTP/1.1\r\n")
+        pool.close()
+
+
+@sync
+async def test_credentials_in_the_url_are_sent_as_basic_auth_unless_a_key_is() -> None:
+    srv = ScriptedServer(stream_answer)
+    async with srv as url:
+        pool = ConnectionPool(url.replace("http://", "http://ann:p%40ss@"), spare=0)
+        await read_body(pool)
+        async with pool.request("POST", "/v1/completions", b"", {"Authorization": "Bearer k"}) as resp:
+            await resp.read_all()
+        assert b"\r\nAuthorization: Basic YW5uOnBAc3M=\r\n" in srv.requests[0]  # ann:p@ss
+        assert b"Basic" not in srv.requests[1] and b"\r\nAuthorization: Bearer k\r\n" in srv.requests[1]
+        assert b"ann" not in srv.requests[0].split(b"\r\n")[1]  # not in the Host header
+        pool.close()

@@ -25,12 +25,13 @@ whatever arrived since the last read, one wake-up per read, as the gateway's SSE
 from __future__ import annotations
 
 import asyncio
+import base64
 import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httptools
 
@@ -196,6 +197,11 @@ class ConnectionPool:
         if parts.scheme == "https":  # verified against the system's CAs, as aiohttp's default is
             self.ssl = ssl_context or ssl.create_default_context()
         self.authority = parts.netloc.rsplit("@", 1)[-1]
+        self.base_path = parts.path.rstrip("/")  # an upstream behind a path prefix: requests' paths go under it
+        self.basic_auth: str | None = None  # credentials in the url (http://user:pass@host), as aiohttp sent them
+        if parts.username is not None:
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            self.basic_auth = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_s = keepalive_s
         self.spare = spare
@@ -299,10 +305,12 @@ class ConnectionPool:
     @asynccontextmanager
     async def request(self, method: str, path: str, body: bytes, headers: dict[str, str]
                       ) -> AsyncIterator[Connection]:
-        """Send a request; yields the connection once the answer's head has arrived (``status``, ``headers``,
+        """Send a request (``path`` under the url's own path); yields the connection once the answer's head has arrived (``status``, ``headers``,
         then ``read()``). Leaving by an exception closes the connection (the upstream sees the request abandoned);
         leaving normally pools it, once the rest of the answer, if any, has been read (in the background)."""
-        lines = [f"{method} {path} HTTP/1.1", f"Host: {self.authority}", f"Content-Length: {len(body)}"]
+        lines = [f"{method} {self.base_path}{path} HTTP/1.1", f"Host: {self.authority}", f"Content-Length: {len(body)}"]
+        if self.basic_auth is not None and not any(k.lower() == "authorization" for k in headers):
+            lines.append(f"Authorization: {self.basic_auth}")
         for k, v in headers.items():
             if "\r" in k or "\n" in k or "\r" in v or "\n" in v:
                 raise ValueError(f"a line break in the header {k!r}")

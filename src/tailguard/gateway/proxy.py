@@ -194,7 +194,7 @@ class UpstreamBackend:
         r.outstanding_tokens += est_tokens
         r.breaker.begin()
         span = contextlib.ExitStack()
-        call = span.enter_context(_upstream_call({"url.full": r.url + path, "server.address": r.name}))
+        call = span.enter_context(_upstream_call({"url.full": r.shown_url + path, "server.address": r.name}))
         if call is not None:
             headers = {**headers, **call.headers}  # our span is the upstream's parent
         sent = perf_counter()

@@ -53,6 +53,12 @@ def queue_gauges(metrics_text: bytes) -> tuple[float | None, float | None]:
     return sum(waiting), (sum(running) if running else None)
 
 
+def without_credentials(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    host, slash, path = rest.partition("/")
+    return scheme + sep + host.rpartition("@")[2] + slash + path
+
+
 class UpstreamConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     url: str
@@ -174,6 +180,11 @@ class Replica:
         return self.cfg.url
 
     @property
+    def shown_url(self) -> str:
+        """The url without credentials (http://user:pass@host): what names, metrics, traces and the API show."""
+        return without_credentials(self.cfg.url)
+
+    @property
     def available(self) -> bool:
         return self.healthy and self.breaker.allows()
 
@@ -226,7 +237,7 @@ class UpstreamPool:
         self.on_queue: Callable[[], None] | None = None  # called after each read of a replica's queue (Lanes.poke)
 
     def _new(self, u: UpstreamConfig) -> Replica:
-        name = u.name or u.url.split("://", 1)[1]
+        name = u.name or without_credentials(u.url).split("://", 1)[1]
         if any(r.name == name for r in self.replicas):
             name = f"{name}#{len(self.replicas)}"
         rt = self.routing
@@ -258,7 +269,7 @@ class UpstreamPool:
         raise KeyError(name)
 
     def describe(self) -> list[dict]:
-        return [{"name": r.name, "url": r.url, "model": r.model, "healthy": r.healthy, "breaker": r.breaker.state,
+        return [{"name": r.name, "url": r.shown_url, "model": r.model, "healthy": r.healthy, "breaker": r.breaker.state,
                  "in_flight": r.in_flight, "outstanding_tokens": r.outstanding_tokens,
                  "upstream_waiting": r.upstream_waiting, "max_concurrent": r.cfg.max_concurrent,
                  "requests": r.requests, "errors": r.errors, "last_error": r.last_error} for r in self.replicas]
