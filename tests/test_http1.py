@@ -370,3 +370,22 @@ async def test_credentials_in_the_url_are_sent_as_basic_auth_unless_a_key_is() -
         assert b"Basic" not in srv.requests[1] and b"\r\nAuthorization: Bearer k\r\n" in srv.requests[1]
         assert b"ann" not in srv.requests[0].split(b"\r\n")[1]  # not in the Host header
         pool.close()
+
+
+@sync
+async def test_a_redirecting_upstream_is_a_failed_replica_not_a_redirect_for_the_client() -> None:
+    from tailguard.gateway.proxy import UpstreamBackend, UpstreamError
+    from tailguard.gateway.upstream import RoutingConfig, UpstreamConfig, UpstreamPool
+
+    async def redirect(_c: int, _n: int, _b: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://elsewhere/\r\nContent-Length: 0\r\n\r\n")
+        return True
+
+    async with ScriptedServer(redirect) as url:
+        backend = UpstreamBackend(UpstreamPool([UpstreamConfig(url=url)], RoutingConfig(retries=0)))
+        with pytest.raises(UpstreamError) as err:
+            async for _ in backend.generate_request({"messages": [{"role": "user", "content": "hi"}]}, True, "r"):
+                pass
+        assert err.value.status == 502 and err.value.code == "upstream_error" and "answered 307" in err.value.message
+        assert backend.pool.replicas[0].errors == 1
+        backend.pool.replicas[0].conns.close()

@@ -211,9 +211,12 @@ class UpstreamBackend:
                         call.attributes["http.response.status_code"] = resp.status
                     if resp.status != 200:
                         raw = await resp.read_all()
-                        raise UpstreamError(resp.status if resp.status < 500 else 502,
+                        # The upstream's own 4xx goes to the client; anything else (5xx, a redirect, which is not
+                        # followed: the url should name the final address) is the replica's failure.
+                        client_error = 400 <= resp.status < 500
+                        raise UpstreamError(resp.status if client_error else 502,
                                             f"upstream {r.name} answered {resp.status}: {_error_message(raw)}",
-                                            code="upstream_error" if resp.status >= 500 else None,
+                                            code=None if client_error else "upstream_error",
                                             retry_after=_retry_after(resp.headers.get("retry-after")))
                     lines = SSELines()
                     token_text = TokenTexts(chat)
