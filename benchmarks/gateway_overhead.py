@@ -270,8 +270,6 @@ async def main(a: argparse.Namespace) -> dict:
             order = paths[rep % len(paths):] + paths[:rep % len(paths)]
             for name, url, proc in order:
                 async with client() as session:
-                    if a.prewarm:  # open the connections the round will need (client's and proxy's pools)
-                        await round_(session, url, a.prewarm, 2)
                     cpu0 = cpu_seconds(proc.pid) if proc is not None else 0.0
                     rate = a.streams / (a.ttft + (a.tokens - 1) * a.itl) if a.arrivals == "poisson" else None
                     r = await round_(session, url, a.streams, a.tokens, a.seconds, a.warmup, rate, seed=rep)
@@ -329,8 +327,6 @@ if __name__ == "__main__":
                         "then DIR/src), interleaved with the others: before and after a change in one run "
                         "(repeatable)")
     p.add_argument("--warmup", type=float, default=0.0, help="seconds of each round not timed (the start's herd)")
-    p.add_argument("--prewarm", type=int, default=0, metavar="N",
-                   help="before each round, N concurrent short requests down the path (warm connection pools)")
     p.add_argument("--pin", action="store_true", help="the gateway on a core of its own, upstream and client on the rest")
     p.add_argument("--arrivals", choices=["closed", "poisson"], default="closed",
                    help="closed: --streams clients, each sending its next request when the last ends; poisson: "

@@ -472,4 +472,4 @@ def test_credentials_in_an_upstream_url_are_never_shown() -> None:
     rep = pool.replicas[0]
     assert rep.name == "10.0.0.1:8000" and rep.url == "http://ann:secret@10.0.0.1:8000"
     assert pool.describe()[0]["url"] == "http://10.0.0.1:8000"
-    assert rep.conns is not None and rep.conns.basic_auth is not None  # still sent upstream
+    assert rep.conns.basic_auth is not None  # still sent upstream

@@ -65,6 +65,14 @@ def chunked(*parts: bytes) -> bytes:
     return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts)
 
 
+def answering(raw: bytes) -> Handler:
+    """A handler that answers every request with ``raw`` and keeps the connection."""
+    async def answer(_c: int, _n: int, _b: bytes, w: asyncio.StreamWriter) -> bool:
+        w.write(raw)
+        return True
+    return answer
+
+
 HEAD_CHUNKED = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
@@ -104,11 +112,9 @@ async def test_streams_a_chunked_body_and_reuses_the_connection() -> None:
 
 @sync
 async def test_an_error_answer_and_its_headers() -> None:
-    async def refuse(_c: int, _n: int, _b: bytes, w: asyncio.StreamWriter) -> bool:
-        msg = b'{"error": {"message": "busy"}}'
-        w.write(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 7\r\nContent-Length: %d\r\n\r\n%s" % (len(msg), msg))
-        return True
-
+    msg = b'{"error": {"message": "busy"}}'
+    refuse = answering(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 7\r\nContent-Length: %d\r\n\r\n%s"
+                       % (len(msg), msg))
     async with ScriptedServer(refuse) as url:
         pool = ConnectionPool(url, spare=0)
         async with pool.request("POST", "/v1/completions", b"{}", {}) as resp:
@@ -182,11 +188,7 @@ async def test_a_broken_stream_raises_and_an_abandoned_one_closes_the_connection
 
 @sync
 async def test_garbage_is_a_protocol_error_and_an_unframed_body_ends_with_the_connection() -> None:
-    async def garbage(_c: int, _n: int, _b: bytes, w: asyncio.StreamWriter) -> bool:
-        w.write(b"SPDY/9 what\r\n\r\n")
-        return True
-
-    async with ScriptedServer(garbage) as url:
+    async with ScriptedServer(answering(b"SPDY/9 what\r\n\r\n")) as url:
         pool = ConnectionPool(url, spare=0)
         with pytest.raises(UpstreamProtocolError, match="not valid HTTP"):
             await read_body(pool)
@@ -377,10 +379,7 @@ async def test_a_redirecting_upstream_is_a_failed_replica_not_a_redirect_for_the
     from tailguard.gateway.proxy import UpstreamBackend, UpstreamError
     from tailguard.gateway.upstream import RoutingConfig, UpstreamConfig, UpstreamPool
 
-    async def redirect(_c: int, _n: int, _b: bytes, w: asyncio.StreamWriter) -> bool:
-        w.write(b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://elsewhere/\r\nContent-Length: 0\r\n\r\n")
-        return True
-
+    redirect = answering(b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://elsewhere/\r\nContent-Length: 0\r\n\r\n")
     async with ScriptedServer(redirect) as url:
         backend = UpstreamBackend(UpstreamPool([UpstreamConfig(url=url)], RoutingConfig(retries=0)))
         with pytest.raises(UpstreamError) as err:

@@ -122,11 +122,10 @@ class GatewayMetrics:
                 self.up_healthy.labels(m, rep.name).set(1 if rep.available else 0)
                 self._catch_up(self.up_breaker_open, (m, rep.name), rep.breaker.opened_total)
                 c = rep.conns
-                if c is not None:
-                    self.up_conns_idle.labels(m, rep.name).set(len(c.idle))
-                    self._catch_up(self.up_conns_opened, (m, rep.name, "ahead"), c.opened - c.opened_on_demand)
-                    self._catch_up(self.up_conns_opened, (m, rep.name, "on_demand"), c.opened_on_demand)
-                    self._catch_up(self.up_resent, (m, rep.name), c.reconnects)
+                self.up_conns_idle.labels(m, rep.name).set(len(c.idle))
+                self._catch_up(self.up_conns_opened, (m, rep.name, "ahead"), c.opened - c.opened_on_demand)
+                self._catch_up(self.up_conns_opened, (m, rep.name, "on_demand"), c.opened_on_demand)
+                self._catch_up(self.up_resent, (m, rep.name), c.reconnects)
 
     def _catch_up(self, counter: Counter, labels: tuple[str, ...], total: int) -> None:
         """Bring a counter's child up to a running total kept elsewhere (a replica's breaker, its connection pool)."""

@@ -187,8 +187,6 @@ class UpstreamBackend:
                        request_id: str, est_tokens: int, chat: bool, attempt: int) -> AsyncIterator[list[UpstreamEvent]]:
         """One try at one replica: the token events of each read together (one resumption per read, not per token),
         then the final event alone."""
-        conns = r.conns
-        assert conns is not None
         r.in_flight += 1
         r.requests += 1
         r.outstanding_tokens += est_tokens
@@ -206,7 +204,7 @@ class UpstreamBackend:
         outcome = "aborted"  # the client went away mid-stream (the generator was closed)
         try:
             try:
-                async with conns.request("POST", path, json.dumps(body).encode(), headers) as resp:
+                async with r.conns.request("POST", path, json.dumps(body).encode(), headers) as resp:
                     if call is not None:
                         call.attributes["http.response.status_code"] = resp.status
                     if resp.status != 200:

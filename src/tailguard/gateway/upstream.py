@@ -158,6 +158,7 @@ class CircuitBreaker:
 class Replica:
     cfg: UpstreamConfig
     breaker: CircuitBreaker
+    conns: ConnectionPool  # the streams' connections (health checks and scrapes use aiohttp's)
     name: str = ""
     model: str | None = None
     healthy: bool = True  # optimistic until the first check says otherwise
@@ -173,7 +174,6 @@ class Replica:
     last_error: str | None = None
     ttft_ewma: float | None = None
     extra: dict = field(default_factory=dict)
-    conns: ConnectionPool | None = None  # the streams' connections (health checks and scrapes use aiohttp's)
 
     @property
     def url(self) -> str:
@@ -241,9 +241,9 @@ class UpstreamPool:
         if any(r.name == name for r in self.replicas):
             name = f"{name}#{len(self.replicas)}"
         rt = self.routing
-        rep = Replica(u, CircuitBreaker(rt.breaker_failures, rt.breaker_cooldown_s), name=name, model=u.model,
-                      conns=ConnectionPool(u.url, rt.connect_timeout_s, rt.keepalive_s, rt.spare_connections,
-                                           rt.spare_ratio))
+        rep = Replica(u, CircuitBreaker(rt.breaker_failures, rt.breaker_cooldown_s),
+                      ConnectionPool(u.url, rt.connect_timeout_s, rt.keepalive_s, rt.spare_connections, rt.spare_ratio),
+                      name=name, model=u.model)
         self.replicas.append(rep)
         return rep
 
@@ -263,8 +263,7 @@ class UpstreamPool:
             if r.name == name:
                 if len(self.replicas) == 1:
                     raise ValueError("the last replica cannot be removed")
-                if r.conns is not None:
-                    r.conns.close()  # its idle connections; those of its requests in flight close as they end
+                r.conns.close()  # its idle connections; those of its requests in flight close as they end
                 return self.replicas.pop(i)
         raise KeyError(name)
 
@@ -295,8 +294,7 @@ class UpstreamPool:
             if task is not None:
                 task.cancel()
         for r in self.replicas:
-            if r.conns is not None:
-                r.conns.close()
+            r.conns.close()
         if self.session is not None:
             await self.session.close()
 
@@ -306,7 +304,7 @@ class UpstreamPool:
         while True:
             await asyncio.sleep(self.routing.keepalive_s / 4)
             for r in self.replicas:
-                if r.conns is not None and r.available:
+                if r.available:
                     r.conns.sweep()
 
     @property
