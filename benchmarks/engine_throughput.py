@@ -157,13 +157,18 @@ class Timings:
 # ----------------------------------------------------------------------------------------------------------------
 class TailguardSystem:
     def __init__(self, fmt: str, args: argparse.Namespace, kv_tokens: int, max_seqs: int) -> None:
+        """``fmt``: a weight format, optionally ``:KV dtype`` and ``:runner`` (native:float16:torch: the default of
+        the session before the lean runner and the int8 KV default)."""
         self.name = f"tailguard {fmt}"
         self.fmt = fmt
         self.threads = args.threads
+        weight_format, kv_dtype, runner = (fmt.split(":") + ["auto", "auto"])[:3]
         self.engine = LLMEngine(
             EngineArgs(
                 model=args.model,
-                weight_format=fmt,
+                weight_format=weight_format,
+                kv_cache_dtype=kv_dtype,
+                runner=runner,
                 device="cpu",
                 kv_cache_tokens=kv_tokens,
                 max_num_seqs=max_seqs,

@@ -188,7 +188,8 @@ def main() -> None:
         return
 
     common = dict(model=args.model, num_threads=args.threads, kv_cache_tokens=16384, max_num_batched_tokens=512,
-                  max_prefill_chunk=256, enable_prefix_caching=False, max_model_len=MAX_POSITION)
+                  max_prefill_chunk=256, enable_prefix_caching=False, max_model_len=MAX_POSITION,
+                  kv_cache_dtype="float16", runner="torch")  # the torch paths' slicing, as documented
     modes = {"sliced": args.slice_tokens, "single": 0}
     engines = {mode: LLMEngine(EngineArgs(attention_slice_tokens=s, **common)) for mode, s in modes.items()}
     prompts = {c: long_prompt(engines["sliced"], c) for c in contexts}

@@ -36,7 +36,7 @@ def main() -> None:
     from tailguard.engine.request import SamplingParams
 
     engine = LLMEngine(EngineArgs(model="smollm2", num_threads=int(os.environ["OMP_NUM_THREADS"]),
-                                  enable_prefix_caching=False))
+                                  enable_prefix_caching=False, kv_cache_dtype="float16", runner="torch"))
     model, runner = engine.runner.model, engine.runner
     if args.c_limit is not None:
         runner.native_prefill_max_context = args.c_limit

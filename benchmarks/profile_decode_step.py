@@ -147,7 +147,8 @@ def profile_ops(engine: LLMEngine, steps: int) -> dict[str, float]:
 
 def run_case(fmt: str, n: int, threads: int, steps: int) -> dict:
     engine = LLMEngine(
-        EngineArgs(weight_format=fmt, num_threads=threads, kv_cache_tokens=max(4096, n * 512), max_num_seqs=max(64, n))
+        EngineArgs(weight_format=fmt, num_threads=threads, kv_cache_tokens=max(4096, n * 512), max_num_seqs=max(64, n),
+                   kv_cache_dtype="float16", runner="torch")
     )
     torch.set_num_threads(threads)
     start_streams(engine, n, max_tokens=3 * steps + 40)

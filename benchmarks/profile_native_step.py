@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     for activations in ("int8", "int8-1pass", "float32") if args.activations == "all" else (args.activations,):
         os.environ[kernels.INT8_ACTIVATIONS_ENV] = {"int8": "2", "int8-1pass": "1", "float32": "0"}[activations]
-        engine = LLMEngine(EngineArgs(num_threads=2, kv_cache_memory="256MiB"))
+        engine = LLMEngine(EngineArgs(num_threads=2, kv_cache_memory="256MiB", runner="torch"))
         layer = engine.model.layers[0]
         print(f"\n## {activations} activations: layer matrices {kernels.NATIVE_FORMATS[layer[1].packed.fmt]}, "
               f"LM head {kernels.NATIVE_FORMATS[engine.model.lm_head.packed.fmt]}")

@@ -383,7 +383,7 @@ def tiny_quantized_gguf(smollm2_path, tmp_path_factory) -> Path:
     return path
 
 
-def tiny_engine(path: Path, fmt: str, kv_dtype: str = "auto", int8_activations: int = 0):
+def tiny_engine(path: Path, fmt: str, kv_dtype: str = "float16", int8_activations: int = 0):
     """An engine on ``path``; native matrices load for float32 activations (the exact-arithmetic products these
     tests hold to 1e-4) unless ``int8_activations`` (1: int8, 2: int8 and its residual)."""
     from tailguard.engine.engine import EngineArgs, LLMEngine
@@ -393,7 +393,7 @@ def tiny_engine(path: Path, fmt: str, kv_dtype: str = "auto", int8_activations: 
     try:
         return LLMEngine(EngineArgs(model=str(path), weight_format=fmt, kv_cache_tokens=8192, max_num_seqs=16,
                                     max_num_batched_tokens=128, max_prefill_chunk=96, num_threads=2,
-                                    kv_cache_dtype=kv_dtype))
+                                    kv_cache_dtype=kv_dtype, runner="torch"))
     finally:
         if saved is None:
             del os.environ[kernels.INT8_ACTIVATIONS_ENV]

@@ -31,7 +31,8 @@ def test_a_bad_budget_says_what_it_takes(bad):
 
 def test_capacity_is_derived_from_the_budget_and_bounds_the_context(tiny_gguf):
     # float16, tiny model (2 layers, 2 KV heads of 16): 256 bytes a token; 64 KiB hold 256 tokens = 16 blocks
-    engine = LLMEngine(EngineArgs(model=str(tiny_gguf), kv_cache_memory="64KiB", num_threads=1))
+    engine = LLMEngine(EngineArgs(model=str(tiny_gguf), kv_cache_memory="64KiB", kv_cache_dtype="float16",
+                                  num_threads=1))
     assert engine.model.kv_bytes_per_token(engine.kv_dtype) == 2 * 2 * 2 * 16 * 2
     assert engine.kv_capacity_tokens == 256 and engine.pool.num_blocks == 16
     # The model's context is 2048 tokens; the engine promises only what the cache holds, so a request without

@@ -68,7 +68,7 @@ def _engine(fmt: str):
     # that what is compared is the weight format alone (the default float16 cache moves logits by ~2e-3 of their
     # scale and perplexity by -0.005%: benchmarks/fidelity.py).
     engine = LLMEngine(EngineArgs(model="smollm2", weight_format=fmt, kv_cache_tokens=2048, num_threads=1,
-                                  kv_cache_dtype="float32"))
+                                  kv_cache_dtype="float32", runner="torch"))  # logits at every position
     assert engine.weight_format == fmt
     return engine
 

@@ -212,7 +212,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         overrides["upstreams"] = [{"url": u} for u in args.upstream]
     # Engine flags set on the command line override the config file's ``engine:`` section; their defaults do not.
     engine_flags = {"--weight-format": "weight_format", "--device": "device", "--kv-cache-tokens": "kv_cache_tokens",
-                    "--kv-cache-memory": "kv_cache_memory", "--kv-cache-dtype": "kv_cache_dtype",
+                    "--kv-cache-memory": "kv_cache_memory", "--kv-cache-dtype": "kv_cache_dtype", "--runner": "runner",
                     "--block-size": "block_size", "--max-num-seqs": "max_num_seqs",
                     "--max-num-batched-tokens": "max_num_batched_tokens", "--max-prefill-chunk": "max_prefill_chunk",
                     "--max-background-seqs": "max_background_seqs",

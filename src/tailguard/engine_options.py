@@ -13,20 +13,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-format", default="auto", choices=["auto", "native", "float32", "bfloat16", "int8"],
                    help="auto: native on the CPU (the GGUF's own blocks, float32's answers), bfloat16 on CUDA")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    # 1.5 GiB of float16 KV hold 69,904 tokens: 34 conversations of 2K. The budget is also the most the cache ever
-    # makes resident: the prefix cache frees blocks to the tail of an LRU list and hands out never-used ones first, so
-    # under steady traffic every block of the budget is touched in time.
-    p.add_argument("--kv-cache-memory", default="1.5GiB",
+    # auto: 768MiB of int8 KV (the default with native weights) hold 67,776 tokens of SmolLM2: 33 conversations of 2K
+    # (1.5GiB where the cache is float16). The budget is also the most the cache ever makes resident: the prefix cache
+    # frees blocks to the tail of an LRU list and hands out never-used ones first, so under steady traffic every
+    # block of the budget is touched in time.
+    p.add_argument("--kv-cache-memory", default="auto",
                    help="KV cache budget: bytes (1.5GiB, 768MiB) or a share of available memory (0.2); it is also the "
-                        "most the cache makes resident over time. Default 1.5GiB: 34 conversations of 2K tokens in "
-                        "float16 (with --kv-cache-dtype int8, 768MiB holds 33)")
+                        "most the cache makes resident over time. auto: 768MiB with int8 KV (33 conversations of 2K "
+                        "tokens of SmolLM2), 1.5GiB with float16 (34)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens (instead of a budget)")
-    # float16 by default, as the field does (vLLM's "auto" is the model's dtype; 8-bit KV is opt-in): the default
-    # server gives float32's answers (perplexity -0.001% pooled), where int8 KV costs +0.31% (docs/benchmarks.md), which
-    # is worse than llama.cpp's Q4_1 on the same text. int8 is the memory setting: half the bytes a token.
+    # int8 by default with native weights: its rows are turned by a Hadamard transform before rounding, which brings
+    # the perplexity to float32's within 0.02% (docs/benchmarks.md), and it halves float16's bytes a token.
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16", "float32", "int8"],
-                   help="auto: float16; int8 stores K/V as int8 with a float16 scale per token and KV head: 1.94x "
-                        "float16's tokens for the same budget, perplexity +0.31%%")
+                   help="auto: int8 with native weights (K/V rows turned by a Hadamard transform, a float16 scale per "
+                        "token and KV head: half float16's bytes, perplexity within 0.02%% of float32's), float16 "
+                        "otherwise")
+    p.add_argument("--runner", default="auto", choices=["auto", "lean", "torch"],
+                   help="auto: the lean runner (the C step hosted by numpy: torch is not imported, ~190 MiB less) "
+                        "wherever it can run (native weights on the CPU, no speculative decoding, no sampled "
+                        "internals), else torch's")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
@@ -34,7 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-background-seqs", type=int, default=None,
                    help="while a more important request (a lower priority value: the VIP lane) runs, at most this "
                         "many less important sequences take each step; the rest pause (default: no limit)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads of a step (OpenMP, shared by the kernels and torch; default: one a core)")
     p.add_argument("--speculative", default="off", type=_speculative_method, metavar="{off,ngram,self,draft:PATH}",
                    help="speculative decoding (exact for greedy): ngram (prompt lookup), self (the model's first "
                         "quarter of layers drafts), draft:PATH (a small GGUF model with the same tokenizer), or off "
@@ -76,6 +82,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         kv_cache_memory=ns.kv_cache_memory,
         kv_cache_tokens=ns.kv_cache_tokens,
         kv_cache_dtype=ns.kv_cache_dtype,
+        runner=ns.runner,
         block_size=ns.block_size,
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,

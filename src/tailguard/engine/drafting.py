@@ -24,6 +24,7 @@ import copy
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tailguard.engine.blocks import BlockTable
@@ -65,7 +66,7 @@ def _head_rows(head: Linear, rows: int) -> Linear:
         p = head.packed
         if p.fmt in INTERLEAVED_FORMATS:  # stored in whole groups of 16 rows: keep whole groups
             rows = max(GROUP_ROWS, rows - rows % GROUP_ROWS)
-        return Linear(PackedMatrix(p.data[:rows].contiguous(), p.fmt, rows, p.in_features), head.fmt)
+        return Linear(PackedMatrix(np.ascontiguousarray(p.array[:rows]), p.fmt, rows, p.in_features), head.fmt)
     out = copy.copy(head)
     out.out_features = rows
     if head.weight is not None:

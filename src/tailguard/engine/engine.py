@@ -17,20 +17,18 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import torch
-
+from tailguard.engine import kernels
 from tailguard.engine.blocks import BlockPool
-from tailguard.engine.drafting import make_draft_model, make_self_draft
 from tailguard.engine.events import EngineStats, TokenEvent
 from tailguard.engine.internals import DEFAULT_DECODE_EVERY, DEFAULT_MAX_STEPS, InternalsSampler
 from tailguard.engine.internals import check_settings as check_internals
+from tailguard.engine.lean import CPU, DEFAULT_ATTENTION_SLICE_TOKENS, LeanModel, LeanRunner, kv_rotated
 from tailguard.engine.loader import load_gguf, write_tiny_gguf
 from tailguard.engine.memory import bound_heap_retention, format_bytes, parse_budget, release_free_heap
-from tailguard.engine.model import DEFAULT_ATTENTION_SLICE_TOKENS, LlamaModel
 from tailguard.engine.model_store import cache_dir, resolve_model_path
 from tailguard.engine.request import EngineClosed, FinishReason, RequestError, SamplingParams, Sequence
-from tailguard.engine.runner import ModelRunner, pick_device
 from tailguard.engine.scheduler import Scheduler, SchedulerConfig
 from tailguard.engine.speculative import SpeculationPolicy, make_proposer
 from tailguard.engine.tokenizer import GGUFTokenizer, IncrementalDetokenizer
@@ -45,11 +43,17 @@ class EngineArgs:
     weight_format: str = "auto"
     device: str = "auto"
     block_size: int = 16
-    # The KV cache is sized from a memory budget: bytes ("1.5GiB") or a share of available memory (0.2). The default
-    # holds 32 conversations of 2K tokens of SmolLM2 in float16 (23 KB a token); pages become resident as used.
-    kv_cache_memory: str | float = "1.5GiB"
+    # The KV cache is sized from a memory budget: bytes ("1.5GiB") or a share of available memory (0.2). auto: what
+    # holds 32 conversations of 2K tokens of SmolLM2 (and one more): 768MiB with int8 rows (11.6 KB a token),
+    # 1.5GiB in float16 (23 KB). Pages become resident as they are used.
+    kv_cache_memory: str | float = "auto"
     kv_cache_tokens: int | None = None  # an explicit capacity in tokens instead of the budget
-    kv_cache_dtype: str = "auto"  # auto (float16) | float16 | float32 | int8 (per token and head float16 scales)
+    # auto: int8 with native weights (rows turned by a Hadamard transform, a float16 scale per token and head:
+    # float32's perplexity within 0.02%, benchmarks/fidelity.py), float16 elsewhere | float16 | float32 | int8
+    kv_cache_dtype: str = "auto"
+    # auto: the lean runner (engine/lean.py: the C step hosted by numpy; torch is not imported until a step needs it)
+    # wherever it can run (native weights on the CPU, no speculative decoding, no sampled internals) | lean | torch
+    runner: str = "auto"
     max_model_len: int | None = None  # defaults to the model's context length, clamped to what the KV cache holds
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -103,33 +107,53 @@ def tiny_model_path(source: Path) -> Path:
 
 
 KV_CACHE_DTYPES = ("auto", "float16", "float32", "int8")
+RUNNERS = ("auto", "lean", "torch")
+DEFAULT_KV_MEMORY = {"int8": "768MiB", "float16": "1.5GiB", "float32": "1.5GiB"}
 
 
-def resolve_kv_dtype(name: str) -> torch.dtype:
-    """float16 halves the cache and the bytes attention reads per token; float32 only where asked; int8 (a float16
-    scale per token and KV head) holds 1.94x float16's tokens in the same bytes (docs/techniques.md)."""
-    if name == "auto":
-        return torch.float16
+def kv_dtype_name(name: str, weight_format: str = "float32", head_dim: int = 64) -> str:
+    """The KV cache's dtype for a kv_cache_dtype setting. auto: int8 with native weights where its rows are turned
+    (head_dim a power of two: perplexity within 0.02% of float32's, half float16's bytes), else float16, which
+    halves float32's cache and the bytes attention reads per token; float32 only where asked."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {name!r}")
-    return getattr(torch, name)
+    if name == "auto":
+        return "int8" if weight_format == "native" and kv_rotated("int8", head_dim) else "float16"
+    return name
 
 
-def resolve_weight_format(name: str, device: torch.device) -> str:
+def resolve_kv_dtype(name: str, weight_format: str = "float32", head_dim: int = 64):
+    """kv_dtype_name as a torch dtype (the torch runner's; imports torch)."""
+    import torch
+
+    return getattr(torch, kv_dtype_name(name, weight_format, head_dim))
+
+
+def resolve_device(name: str = "auto") -> Any:
+    """lean.CPU, or a torch device. auto: CUDA where torch sees a GPU; torch is asked only where an NVIDIA driver is
+    installed, so that a CPU machine never imports it for the question."""
+    if name == "cpu" or (name == "auto" and not (Path("/proc/driver/nvidia").exists() or Path("/dev/nvidiactl").exists())):
+        return CPU
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else CPU
+    return torch.device(name)
+
+
+def resolve_weight_format(name: str, device: Any) -> str:
     if name != "auto":
         return name
     if device.type == "cuda":
         return "bfloat16"
-    from tailguard.engine import kernels
-
     return "native" if kernels.available() else "float32"
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         bound_heap_retention()  # before the weights load: large freed blocks go back to the OS (engine/memory.py)
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
+        if args.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, not {args.runner!r}")
         self.args = args
         proposer = make_proposer(args.speculative)  # a bad value fails before the model loads
         check_internals(args.internals_sample_rate, args.internals_decode_every, args.internals_max_steps)
@@ -143,21 +167,43 @@ class LLMEngine:
             path = resolve_model_path(args.model)
         self.model_path = path
         self.model_name = "tiny" if args.model == "tiny" else Path(path).stem if args.model.endswith(".gguf") else args.model
-        self.device = pick_device(args.device)
+        device = resolve_device(args.device)
         self.tokenizer = GGUFTokenizer(path)
-        self.weight_format = resolve_weight_format(args.weight_format, self.device)
+        self.weight_format = resolve_weight_format(args.weight_format, device)
+        lean_ok = (self.weight_format == "native" and device.type == "cpu" and args.speculative == "off"
+                   and args.internals_sample_rate == 0)
+        if args.runner == "lean" and not lean_ok:
+            raise ValueError("the lean runner needs native weights on the CPU, no speculative decoding and no "
+                             "sampled internals")
+        self.lean = lean_ok and args.runner != "torch"
         weights = load_gguf(path, packed=self.weight_format == "native")
-        self.model = LlamaModel(weights, self.weight_format, self.device)
-        self.model.attention_slice_tokens = args.attention_slice_tokens
         self.config = weights.config
-        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype)
+        kv_name = kv_dtype_name(args.kv_cache_dtype, self.weight_format, self.config.head_dim)
+        if self.lean:
+            if args.num_threads:
+                kernels.set_num_threads(args.num_threads)
+            self.device = CPU
+            self.model = LeanModel(weights)
+            self.kv_dtype: Any = kv_name
+        else:
+            import torch
+
+            from tailguard.engine.model import LlamaModel
+
+            if args.num_threads:
+                torch.set_num_threads(args.num_threads)
+            self.device = device if device is not CPU else torch.device("cpu")
+            self.model = LlamaModel(weights, self.weight_format, self.device)
+            self.kv_dtype = getattr(torch, kv_name)
+        self.model.attention_slice_tokens = args.attention_slice_tokens
         per_token = self.model.kv_bytes_per_token(self.kv_dtype)
         if args.kv_cache_tokens is not None:
             if args.kv_cache_tokens < args.block_size:
                 raise ValueError(f"kv_cache_tokens must hold at least one block ({args.block_size} tokens)")
             num_blocks = args.kv_cache_tokens // args.block_size
         else:
-            budget = parse_budget(args.kv_cache_memory, self.device)
+            memory = DEFAULT_KV_MEMORY[kv_name] if args.kv_cache_memory == "auto" else args.kv_cache_memory
+            budget = parse_budget(memory, self.device)
             num_blocks = budget // (per_token * args.block_size)
             if num_blocks < 1:
                 raise ValueError(f"a KV cache budget of {format_bytes(budget)} holds no block of {args.block_size} "
@@ -179,10 +225,19 @@ class LLMEngine:
             ),
             self.pool,
         )
-        self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.kv_dtype)
+        if self.lean:
+            self.runner: Any = LeanRunner(self.model, num_blocks, args.block_size, kv_name)
+        else:
+            from tailguard.engine.runner import ModelRunner
+
+            self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.kv_dtype)
         if args.speculative == "self":
+            from tailguard.engine.drafting import make_self_draft
+
             proposer = make_self_draft(self.runner)
         elif args.speculative.startswith("draft:"):
+            from tailguard.engine.drafting import make_draft_model
+
             proposer = make_draft_model(args.speculative.removeprefix("draft:"), self.runner, self.tokenizer,
                                         num_blocks)
         self.speculation = (SpeculationPolicy(proposer, args.num_speculative_tokens, args.speculative_max_running)
@@ -204,14 +259,16 @@ class LLMEngine:
 
     def describe(self) -> str:
         """One line for start-up logs: weights, KV cache budget in bytes and tokens, context."""
-        dtype = str(self.kv_dtype).removeprefix("torch.")
-        if self.kv_dtype == torch.int8:
+        dtype = kernels.dtype_name(self.kv_dtype)
+        if dtype == "int8":
             # what the same bytes would hold in float16: the capacity the quantization buys
-            gain = self.model.kv_bytes_per_token(torch.float16) / self.model.kv_bytes_per_token(torch.int8)
-            dtype += f" (float16 scale per token and head; {gain:.2f}x float16's tokens per byte)"
+            gain = self.model.kv_bytes_per_token("float16") / self.model.kv_bytes_per_token("int8")
+            turned = ", rows turned by a Hadamard transform" if kv_rotated("int8", self.config.head_dim) else ""
+            dtype += f" (float16 scale per token and head{turned}; {gain:.2f}x float16's tokens per byte)"
         full = self.kv_capacity_tokens // max(1, self.max_model_len)
         return (f"{self.model_name}: {self.weight_format} weights ({format_bytes(self.model.weight_bytes())} read per "
-                f"token) on {self.device}; KV cache {format_bytes(self.kv_cache_bytes)} {dtype} = "
+                f"token) on {self.device}{' (lean runner)' if self.lean else ''}; KV cache "
+                f"{format_bytes(self.kv_cache_bytes)} {dtype} = "
                 f"{self.kv_capacity_tokens:,} tokens ({full} sequences of the full {self.max_model_len:,}-token "
                 f"context, {self.kv_capacity_tokens // 2048} of 2,048)")
 

@@ -24,13 +24,13 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tailguard.engine.blocks import BlockTable
-from tailguard.engine.model import _kv_values
 from tailguard.engine.scheduler import ScheduledChunk
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_DECODE_EVERY = 16
 DEFAULT_MAX_STEPS = 8
@@ -88,6 +88,8 @@ class StepProbe:
 
     def _now(self) -> float:
         if self._sync:
+            import torch
+
             torch.cuda.synchronize()
         return time.perf_counter()
 
@@ -99,6 +101,10 @@ class StepProbe:
 
     def attention_done(self, q: torch.Tensor, kv_cache: torch.Tensor, layer_idx: int) -> None:
         """After the attention block's residual add: its time, then each target's head entropies (not timed)."""
+        import torch  # a probed step runs in torch: it is loaded
+
+        from tailguard.engine.model import _kv_values
+
         done = self._now()
         self.attn_ms.append((done - self._t) * 1e3)
         k_rows = kv_cache[layer_idx, 0].reshape(-1, kv_cache.shape[-2], kv_cache.shape[-1])
@@ -196,7 +202,9 @@ class InternalsSampler:
             if self._wants(chunk):
                 table = tables[chunk.seq.request_id]
                 last = chunk.end - 1
-                slots = torch.tensor([table.slot(p) for p in range(last + 1)], dtype=torch.long, device=self.device)
+                import torch  # only once a request is sampled: a probed step runs in torch
+
+                slots = torch.tensor([table.slot(p) for p in range(last + 1)], dtype=torch.long, device=str(self.device))
                 kind = "decode" if _is_decode(chunk) else "prefill"
                 targets.append(_Target(chunk.seq.request_id, kind, start, start + n, last, slots))
             start += n

@@ -1,4 +1,7 @@
-"""GGUF -> torch tensors for Llama-family models, and a tiny random-weight model of the same architecture.
+"""GGUF -> weights for Llama-family models, and a tiny random-weight model of the same architecture.
+
+Packed (the native format) the matrices keep the file's blocks in numpy arrays and nothing here imports torch (the
+lean runner serves without it); dequantized (the other formats) they are torch tensors.
 
 llama.cpp's converter permutes the rows of the Q and K projections so that its RoPE can rotate adjacent pairs; we undo
 that permutation so that the model uses the usual rotate-half RoPE of the Hugging Face reference. Forgetting this
@@ -9,25 +12,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
-import torch
 
 from tailguard.engine.config import ModelConfig
 from tailguard.engine.gguf_file import GGUFFile, TensorInfo, read_gguf
 from tailguard.engine.kernels import F16, F32, NATIVE_FORMATS, PackedMatrix, kernel_layout
 
+if TYPE_CHECKING:
+    import torch
+
 # A matrix is a float tensor, or (``packed=True``) a PackedMatrix that keeps the GGUF's own quantized blocks.
-Matrix = torch.Tensor | PackedMatrix
+Matrix = Any  # torch.Tensor | PackedMatrix
+Vector = Any  # a norm's weights: float32 numpy (packed) or a torch tensor
 
 
 @dataclass
 class LayerWeights:
-    attn_norm: torch.Tensor
+    attn_norm: Vector
     qkv: Matrix  # [q_dim + 2 * kv_dim, hidden]: Q, K and V fused into one matmul
     o: Matrix
-    ffn_norm: torch.Tensor
+    ffn_norm: Vector
     gate_up: Matrix  # [2 * intermediate, hidden]: gate and up fused into one matmul
     down: Matrix
 
@@ -37,7 +44,7 @@ class ModelWeights:
     config: ModelConfig
     embed: Matrix
     layers: list[LayerWeights]
-    norm: torch.Tensor
+    norm: Vector
     lm_head: Matrix
 
 
@@ -93,14 +100,14 @@ def _packed(info: TensorInfo, raw: np.ndarray, n_heads: int | None) -> PackedMat
         rows = _dequantize(info, raw).view(np.uint8).reshape(n, -1)
     if n_heads is not None:
         rows = np.ascontiguousarray(unpermute_qk(rows, n_heads))
-    return _kernel_layout(PackedMatrix(torch.from_numpy(rows), fmt, n, k))
+    return _kernel_layout(PackedMatrix(rows, fmt, n, k))
 
 
 def _cat_rows(parts: list[PackedMatrix]) -> PackedMatrix:
     """Stack matrices by rows (QKV, gate+up). Mixed formats fall back to float32 rows."""
     if len({p.fmt for p in parts}) > 1:
-        parts = [PackedMatrix(p.dequantize().view(torch.uint8), 0, p.out_features, p.in_features) for p in parts]
-    return PackedMatrix(torch.cat([p.data for p in parts], dim=0).contiguous(), parts[0].fmt,
+        parts = [PackedMatrix(p.dequantize().view(np.uint8), 0, p.out_features, p.in_features) for p in parts]
+    return PackedMatrix(np.ascontiguousarray(np.concatenate([p.array for p in parts], axis=0)), parts[0].fmt,
                         sum(p.out_features for p in parts), parts[0].in_features)
 
 
@@ -111,25 +118,34 @@ def _kernel_layout(m: PackedMatrix) -> PackedMatrix:
     return kernel_layout(m)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
               packed: bool = False) -> ModelWeights:
-    """Load a Llama GGUF. With ``packed`` the matrices keep the file's quantized blocks (for the native kernels);
-    otherwise every matrix is dequantized to ``dtype``. Norm weights are always float tensors."""
+    """Load a Llama GGUF. With ``packed`` the matrices keep the file's quantized blocks (for the native kernels) and
+    the norms are float32 numpy arrays (no torch); otherwise every matrix and norm is a torch tensor of ``dtype``
+    (float32 by default)."""
     gf = read_gguf(path)
     config = read_config(gf)
     with open(gf.path, "rb") as file:  # each tensor is read into its own array: nothing of the file stays mapped
 
-        def get(name: str, n_heads: int | None = None) -> torch.Tensor:
+        def get(name: str, n_heads: int | None = None) -> Vector:
             array = _dequantize(gf.tensor(name), gf.read(name, file))
             if n_heads is not None:
                 array = np.ascontiguousarray(unpermute_qk(array, n_heads))
-            return torch.from_numpy(array).to(device=device, dtype=dtype)
+            if packed:
+                return array
+            import torch
+
+            return torch.from_numpy(array).to(device=device, dtype=dtype or torch.float32)
 
         def matrix(name: str, n_heads: int | None = None) -> Matrix:
             return _packed(gf.tensor(name), gf.read(name, file), n_heads) if packed else get(name, n_heads)
 
         def cat(parts: list[Matrix]) -> Matrix:
-            return _cat_rows(parts) if packed else torch.cat(parts, dim=0).contiguous()
+            if packed:
+                return _cat_rows(parts)
+            import torch
+
+            return torch.cat(parts, dim=0).contiguous()
 
         return _load_layers(config, get, matrix, cat)
 

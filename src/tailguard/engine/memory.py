@@ -7,16 +7,18 @@ free VRAM on CUDA). Tokens are the derived figure: budget // bytes per token, ro
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import Any
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def available_bytes(device: torch.device) -> int:
-    """Memory available for new allocations now: free VRAM on CUDA, MemAvailable on Linux, else physical pages."""
+def available_bytes(device: Any) -> int:
+    """Memory available for new allocations now: free VRAM on CUDA, MemAvailable on Linux, else physical pages.
+    ``device``: a torch device, or anything with a ``type`` ("cpu", "cuda")."""
     if device.type == "cuda":
+        import torch
+
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     try:
@@ -31,7 +33,7 @@ def available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def parse_budget(value: str | float | int, device: torch.device) -> int:
+def parse_budget(value: str | float | int, device: Any) -> int:
     """Bytes for a budget given as bytes with a unit, plain bytes, or a share (0..1) of available memory."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         number, unit = float(value), ""

@@ -16,11 +16,21 @@ import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tailguard.engine import kernels
 from tailguard.engine.kernels import PackedMatrix
+from tailguard.engine.lean import (
+    DEFAULT_ATTENTION_SLICE_TOKENS,
+    KV_INT8_SCALE_BYTES,
+    NATIVE_PREFILL_MAX_CONTEXT,
+    decode_step_fits,
+    kv_rotated,
+    rope_tables,
+)
+from tailguard.engine.lean import kv_row_bytes as _kv_row_bytes
 from tailguard.engine.loader import ModelWeights
 
 if TYPE_CHECKING:
@@ -34,25 +44,11 @@ WEIGHT_FORMATS = ("native", "float32", "bfloat16", "int8")
 # kernels read the blocks directly (decode). Measured crossover on this machine class: benchmarks/native_kernels.py.
 NATIVE_GEMM_MIN_TOKENS = 192
 
-# A step whose prefill chunks all end within this many positions runs as rows of the one-call C step (faster at short
-# contexts: 2.4x at 256 tokens, 1.3x at 2K); beyond it the step runs in torch, whose flash attention reuses each key
-# across a chunk's query rows where the C step reads it once per row. Measured (benchmarks/prefill_paths.py, TTFT of
-# one prompt, every chunk in C vs torch, same process): 256 tokens 0.34 vs 0.82 s, 1K 1.95 vs 3.54 s, 2K 5.47 vs
-# 7.21 s, 4K 18.32 vs 18.11 s.
-NATIVE_PREFILL_MAX_CONTEXT = 2048
+# NATIVE_PREFILL_MAX_CONTEXT (lean.py): a step whose prefill chunks all end within it runs as rows of the one-call C
+# step; beyond it the step runs here in torch. KV_INT8_SCALE_BYTES (lean.py): the int8 KV row's float16 scale.
+# DEFAULT_ATTENTION_SLICE_TOKENS (lean.py): the torch paths' attention slice.
+__all__ = ["DEFAULT_ATTENTION_SLICE_TOKENS", "KV_INT8_SCALE_BYTES", "NATIVE_PREFILL_MAX_CONTEXT"]
 
-# int8 KV rows: head_dim int8 values, then the row's float16 scale (2 bytes): one scale per (position, kv head) for K
-# and for V. Per token and head, because each new token's K/V is quantized alone as it is written (no block-wide
-# scale to revise as a block fills) and key ranges differ widely between heads. float16, not float32, for the scale:
-# its 11-bit mantissa is far finer than the 8-bit values it scales, and 2 bytes a row instead of 4 give 66 bytes a
-# row for head_dim 64 (1.94x float16's tokens per byte, 3.9x float32's) instead of 68 (1.88x, 3.8x).
-KV_INT8_SCALE_BYTES = 2
-
-# Attention over a context longer than this many keys runs in slices of about this size (whole KV blocks), merged by
-# log-sum-exp (flash-decoding): per step the float copy of the gathered K/V and the scores stay one slice wide
-# whatever the context. 0 turns slicing off (one gather and one SDPA over the whole context). Default: the size
-# measured on this machine class to cost nothing at short contexts and the least at 8K (benchmarks/long_context.py).
-DEFAULT_ATTENTION_SLICE_TOKENS = 1024
 
 # Decode rows of a torch step (steps that mix decodes with prefill chunks) attend in groups of at most this many keys
 # in all (rows x the widest slice): the float copy of a group's gathered K/V, with its int8 dequantization temporaries,
@@ -62,11 +58,30 @@ DEFAULT_ATTENTION_SLICE_TOKENS = 1024
 DECODE_ATTENTION_GROUP_KEYS = 8192
 
 
-def kv_row_bytes(kv_dtype: torch.dtype, head_dim: int) -> int:
+def rotates_kv(kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """int8 K/V rows are stored turned by the Hadamard transform (lean.kv_rotated, which says why)."""
+    return kv_rotated(kernels.dtype_name(kv_dtype), head_dim)
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The orthonormal Hadamard matrix of size n (a power of two) in Sylvester order: H[i, j] = (-1)^popcount(i & j)
+    / sqrt(n), symmetric and its own inverse (tg_kernels.c's hadamard applies it by butterflies)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    if h.shape[0] != n:
+        raise ValueError(f"no Hadamard matrix of size {n} here (a power of two)")
+    return (h / math.sqrt(n)).to(dtype)
+
+
+def _as_torch(a: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A numpy array (the packed loader's norms, a dequantized matrix) as a tensor over the same memory."""
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+
+
+def kv_row_bytes(kv_dtype: torch.dtype | str, head_dim: int) -> int:
     """Bytes of one stored (position, kv head) row of K or V."""
-    if kv_dtype == torch.int8:
-        return head_dim + KV_INT8_SCALE_BYTES
-    return head_dim * torch.finfo(kv_dtype).bits // 8
+    return _kv_row_bytes(kernels.dtype_name(kv_dtype), head_dim)
 
 
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +152,7 @@ class Linear:
         if self.packed is not None:
             if x.shape[0] < NATIVE_GEMM_MIN_TOKENS:
                 return kernels.linear(x, self.packed)
-            return F.linear(x, self.packed.dequantize())
+            return F.linear(x, _as_torch(self.packed.dequantize()))
         if self.fmt == "int8":
             # Each token's activations get their own scale (fbgemm's dynamic kernel used one for the whole step, so
             # one token's outlier coarsened every other token's: answers depended on who shared the step). Integer
@@ -168,8 +183,8 @@ class LlamaModel:
         self.dtype = torch.float32
         weight_dtype = torch.bfloat16 if weight_format == "bfloat16" else torch.float32
 
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=self.device, dtype=self.dtype)
+        def dev(t: torch.Tensor | np.ndarray) -> torch.Tensor:
+            return _as_torch(t).to(device=self.device, dtype=self.dtype)
 
         def lin(t: torch.Tensor | PackedMatrix) -> Linear:
             if isinstance(t, PackedMatrix):
@@ -187,17 +202,12 @@ class LlamaModel:
         self.norm = dev(weights.norm)
         self.lm_head = lin(weights.lm_head)
         head_dim = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(cfg.max_position, dtype=torch.float64), inv_freq)
-        emb = torch.cat([angles, angles], dim=-1)
-        self.cos = emb.cos().to(device=self.device, dtype=self.dtype)
         # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: the sign lives in the table, one op per layer less.
-        sin = emb.sin()
-        self.sin = torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]], dim=-1).to(
-            device=self.device, dtype=self.dtype)
-        # The one-call decode step's limits (tg_kernels.c): head_dim <= 512, at most 16 query heads per KV head.
-        self._native_step_fits = head_dim <= 512 and cfg.num_heads % cfg.num_kv_heads == 0 and (
-            cfg.num_heads // cfg.num_kv_heads <= 16)
+        # The lean runner's tables, the same numbers.
+        cos, sin = rope_tables(cfg)
+        self.cos, self.sin = dev(cos), dev(sin)
+        self._native_step_fits = decode_step_fits(cfg)
+        self._hadamard = hadamard_matrix(head_dim, self.dtype).to(self.device) if head_dim & (head_dim - 1) == 0 else None
         self._decode_step: kernels.DecodeStep | None = None
         self._decode_step_cache: torch.Tensor | None = None
 
@@ -228,7 +238,7 @@ class LlamaModel:
         return self._decode_step(input_ids, meta.positions, meta.slot_mapping, meta.decode_gather, meta.decode_lens,
                                  logits_indices)
 
-    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype | str) -> int:
         cfg = self.config
         return cfg.num_layers * 2 * cfg.num_kv_heads * kv_row_bytes(kv_dtype, cfg.head_dim)
 
@@ -328,6 +338,7 @@ class LlamaModel:
         q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim
         cos = self.cos[meta.positions].unsqueeze(1)
         sin = self.sin[meta.positions].unsqueeze(1)
+        rotated = rotates_kv(kv_cache.dtype, head_dim)
         if probe is not None:
             probe.step_begin()
         x = kernels.embed(input_ids, self.embed) if native else self.embed[input_ids]
@@ -338,8 +349,10 @@ class LlamaModel:
             qkv = qkv_proj(h)
             # Q and K heads rotated together: one RoPE for both.
             qk = self._rope(qkv[:, : q_dim + kv_dim].view(n_tok, n_heads + n_kv, head_dim), cos, sin)
-            q, k = qk[:, :n_heads], qk[:, n_heads:]
             v = qkv[:, q_dim + kv_dim :].view(n_tok, n_kv, head_dim)
+            if rotated:
+                qk, v = qk @ self._hadamard, v @ self._hadamard
+            q, k = qk[:, :n_heads], qk[:, n_heads:]
             k_cache, v_cache = kv_cache[layer_idx, 0], kv_cache[layer_idx, 1]
             # Attention always sees K/V as stored, whichever path reads them (the decode kernel reads the cache).
             if kv_cache.dtype == torch.int8:
@@ -371,6 +384,8 @@ class LlamaModel:
                     vp = _kv_values(v_cache[span.gather], qp.dtype).flatten(0, 1).transpose(0, 1).unsqueeze(0)
                     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, enable_gqa=True)
                 attn[span.token_start : span.token_end] = op.squeeze(0).transpose(0, 1)
+            if rotated:
+                attn = attn @ self._hadamard
             x = x + o_proj(attn.reshape(n_tok, q_dim))
             if probe is not None:
                 probe.attention_done(q, kv_cache, layer_idx)

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from tailguard.engine.blocks import BlockTable
 from tailguard.engine.internals import StepProbe
+from tailguard.engine.lean_sampling import SampledToken
 from tailguard.engine.model import NATIVE_PREFILL_MAX_CONTEXT, AttentionMetadata, LlamaModel, PrefillSpan
 from tailguard.engine.request import SamplingParams, Sequence
 from tailguard.engine.scheduler import ScheduledChunk
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
 
 
 def pick_device(name: str = "auto") -> torch.device:

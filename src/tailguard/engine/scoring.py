@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from tailguard.engine.blocks import BlockTable
 from tailguard.engine.request import SamplingParams, Sequence
@@ -47,11 +47,10 @@ def score_text(engine, token_ids: list[int], prefix: int = 16, request_id: str =
     try:
         chunk = ScheduledChunk(seq, 0, prefix)
         while True:
-            input_ids, meta, logits_indices = runner._build([chunk], {request_id: table})
-            logits = runner.model.forward(input_ids, meta, runner.kv_cache, logits_indices)[0].float()
+            logits = np.asarray(runner.chunk_logits([chunk], {request_id: table})[0], dtype=np.float64)
             target = token_ids[seq.num_tokens]
-            logprobs = torch.log_softmax(logits, dim=-1)
-            nll.append(-float(logprobs[target]))
+            shifted = logits - logits.max()
+            nll.append(float(np.log(np.exp(shifted).sum()) - shifted[target]))
             top1.append(int(logits.argmax()))
             seq.output_token_ids.append(target)
             if seq.num_tokens == len(token_ids):

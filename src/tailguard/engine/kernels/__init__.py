@@ -2,9 +2,11 @@
 
 The C source is compiled with the machine's gcc (``-O3 -march=native -fopenmp``) at install time
 (``python -m tailguard.engine.kernels``) or on first use, into a cache keyed by the source, the compiler and the CPU's
-instruction set. It is loaded with ctypes after torch, so its OpenMP loops run on torch's own OpenMP runtime (same
-soname) and the two never oversubscribe the cores; ctypes releases the GIL during each call, so the HTTP event loop
-keeps running while a step computes.
+instruction set, and loaded with ctypes, which releases the GIL during each call, so the HTTP event loop keeps running
+while a step computes. Arrays are numpy's, or torch's CPU tensors (what comes back is of the caller's kind): the lean
+runner (engine/lean.py) serves without importing torch. The library and torch both need ``libgomp.so.1``: whichever
+loads first, the other reuses it, so there is one OpenMP runtime (one pool of threads) in the process, never two
+oversubscribing the cores.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import torch  # noqa: F401 - load torch's OpenMP runtime before ours
+import numpy as np
 
 from tailguard.engine.model_store import cache_dir
 
 SOURCE = Path(__file__).with_name("tg_kernels.c")
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 # ggml type ids (GGUF's own numbering) of the formats the kernels read directly, and Q4_1R: Q4_1 repacked at load
 # (each row's nibbles together, then its scales and mins as float32), which the single-row kernel reads faster.
@@ -43,8 +46,39 @@ GROUP_ROWS = 16  # rows per interleaved group
 # activations (the exact products, Q4_1R layout).
 INT8_ACTIVATIONS_ENV = "TAILGUARD_INT8_ACTIVATIONS"
 DEFAULT_ACTIVATION_PASSES = 2
-# KV cache formats the decode step reads (tg_kernels.c's TG_KV_*): int8 rows with a float16 scale each.
-KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
+# KV cache formats the decode step reads (tg_kernels.c's TG_KV_*), by dtype name: int8 rows with a float16 scale each.
+KV_FORMATS = {"float32": 0, "float16": 1, "int8": 2}
+
+Array = Any  # a numpy array, or a torch CPU tensor (a caller that has torch loaded)
+
+
+def _is_torch(a: Array) -> bool:
+    return type(a).__module__.startswith("torch")
+
+
+def _np(a: Array) -> np.ndarray:
+    """The same memory as a numpy array (a torch CPU tensor is viewed, never copied)."""
+    if _is_torch(a):
+        if a.device.type != "cpu":
+            raise ValueError("tailguard's kernels read CPU memory only")
+        return a.detach().numpy()
+    return a
+
+
+def _like(out: np.ndarray, template: Array) -> Array:
+    """``out`` as the caller's kind of array (torch only where the caller's array is torch's: torch is loaded)."""
+    return sys.modules["torch"].from_numpy(out) if _is_torch(template) else out
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def dtype_name(x: Any) -> str:
+    """'float32', 'float16', 'int8', ... for a name, a numpy or torch dtype, or an array of either kind."""
+    if isinstance(x, str):
+        return x
+    return str(getattr(x, "dtype", x)).removeprefix("torch.")
 
 
 class KernelBuildError(RuntimeError):
@@ -113,6 +147,7 @@ def lib() -> ctypes.CDLL:
             handle.tg_decode.argtypes = [p, p, i, p, p, p, p, i, p, i, p, p]
             handle.tg_profile.argtypes = [i]
             handle.tg_profile_read.argtypes = [p]
+            handle.tg_set_num_threads.argtypes = [i]
             _lib = handle
         return _lib
 
@@ -165,11 +200,19 @@ def row_bytes(fmt: int, k: int) -> int:
     return k // 32 * _BLOCK_BYTES[fmt]
 
 
+def set_num_threads(n: int) -> None:
+    """Threads of the kernels' OpenMP loops (and of torch's, which shares the runtime) from now on."""
+    if n < 1:
+        raise ValueError("threads must be >= 1")
+    lib().tg_set_num_threads(n)
+
+
 @dataclass
 class PackedMatrix:
-    """A weight matrix [out_features, in_features] kept in its GGUF block format: ``data`` is uint8 [N, row bytes]."""
+    """A weight matrix [out_features, in_features] kept in its GGUF block format: ``data`` is uint8 [N, row bytes]
+    (numpy, or a torch CPU tensor)."""
 
-    data: torch.Tensor
+    data: Array
     fmt: int
     out_features: int
     in_features: int
@@ -185,19 +228,34 @@ class PackedMatrix:
             raise ValueError(f"{NATIVE_FORMATS[self.fmt]} holds whole groups of {GROUP_ROWS} rows; "
                              f"{self.out_features} is not")
         expected = (self.out_features, row_bytes(self.fmt, self.in_features))
-        if (self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected or not self.data.is_contiguous()
-                or self.data.device.type != "cpu"):
+        try:
+            data = _np(self.data)
+        except (ValueError, TypeError, RuntimeError):
+            data = None
+        if (data is None or data.dtype != np.uint8 or tuple(data.shape) != expected
+                or not data.flags.c_contiguous):
             raise ValueError(f"packed {NATIVE_FORMATS[self.fmt]} data must be contiguous uint8 {list(expected)} on the "
-                             f"CPU, got {self.data.dtype} {list(self.data.shape)}")
+                             f"CPU, got {dtype_name(self.data)} {list(self.data.shape)}")
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        return int(_np(self.data).nbytes)
 
-    def dequantize(self) -> torch.Tensor:
-        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        _check(lib().tg_dequant(self.data.data_ptr(), self.fmt, self.out_features, self.in_features, out.data_ptr()))
-        return out
+    @property
+    def array(self) -> np.ndarray:
+        """The blocks as a numpy array (the same memory)."""
+        return _np(self.data)
+
+    def dequantize(self) -> Array:
+        """float32 [out_features, in_features], of the same kind (numpy or torch) as ``data``."""
+        out = np.empty((self.out_features, self.in_features), dtype=np.float32)
+        _check(lib().tg_dequant(_ptr(self.array), self.fmt, self.out_features, self.in_features, _ptr(out)))
+        return _like(out, self.data)
+
+
+def _halves(b: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes holding float16 values -> float32 [..., 1]."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
 
 
 def repack_q4_1(w: PackedMatrix) -> PackedMatrix:
@@ -205,12 +263,11 @@ def repack_q4_1(w: PackedMatrix) -> PackedMatrix:
     if w.fmt != Q4_1:
         raise ValueError("only Q4_1 matrices are repacked")
     n, nb = w.out_features, w.in_features // 32
-    blocks = w.data.view(n, nb, 20)
-    d = blocks[:, :, 0:2].contiguous().view(torch.float16).float().view(n, nb)
-    m = blocks[:, :, 2:4].contiguous().view(torch.float16).float().view(n, nb)
+    blocks = w.array.reshape(n, nb, 20)
+    d, m = _halves(blocks[:, :, 0:2]).reshape(n, nb), _halves(blocks[:, :, 2:4]).reshape(n, nb)
     qs = blocks[:, :, 4:].reshape(n, nb * 16)
-    data = torch.cat([qs, d.view(torch.uint8).view(n, nb * 4), m.view(torch.uint8).view(n, nb * 4)], dim=1)
-    return PackedMatrix(data.contiguous(), Q4_1R, n, w.in_features)
+    data = np.concatenate([qs, d.view(np.uint8), m.view(np.uint8)], axis=1)
+    return PackedMatrix(_like(np.ascontiguousarray(data), w.data), Q4_1R, n, w.in_features)
 
 
 def interleave(w: PackedMatrix) -> PackedMatrix:
@@ -219,34 +276,38 @@ def interleave(w: PackedMatrix) -> PackedMatrix:
     if w.out_features % GROUP_ROWS:
         raise ValueError(f"interleaving needs whole groups of {GROUP_ROWS} rows; {w.out_features} is not")
     n, nb, g = w.out_features, w.in_features // 32, w.out_features // GROUP_ROWS
+    template = w.data
     if w.fmt == Q4_1R:
         w = _unrepack(w)
     if w.fmt == Q4_1:
-        blocks = w.data.view(n, nb, 20)
-        scales = [blocks[:, :, o:o + 2].contiguous().view(torch.float16).float() for o in (0, 2)]  # d, m: [n, nb, 1]
+        blocks = w.array.reshape(n, nb, 20)
+        scales = [_halves(blocks[:, :, o:o + 2]) for o in (0, 2)]  # d, m: [n, nb, 1]
         qs = blocks[:, :, 4:]
         fmt, quads = Q4_1X, 4
     elif w.fmt == Q8_0:
-        blocks = w.data.view(n, nb, 34)
-        scales = [blocks[:, :, 0:2].contiguous().view(torch.float16).float()]
+        blocks = w.array.reshape(n, nb, 34)
+        scales = [_halves(blocks[:, :, 0:2])]
         qs = blocks[:, :, 2:] ^ 0x80  # q + 128 as an unsigned byte (flipping the sign bit)
         fmt, quads = Q8_0X, 8
     else:
         raise ValueError(f"only Q4_1, Q4_1R and Q8_0 matrices are interleaved, not {NATIVE_FORMATS[w.fmt]}")
     # [g, 16 rows, nb, quads, 4 bytes] -> [g, nb, quads, 16 rows, 4 bytes]
-    q = qs.reshape(g, GROUP_ROWS, nb, quads, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, quads * 64)
-    parts = [q] + [s.view(g, GROUP_ROWS, nb).permute(0, 2, 1).contiguous().view(torch.uint8) for s in scales]
-    data = torch.cat(parts, dim=2).reshape(n, -1).contiguous()
-    return PackedMatrix(data, fmt, n, w.in_features)
+    q = qs.reshape(g, GROUP_ROWS, nb, quads, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, quads * 64)
+    parts = [q] + [np.ascontiguousarray(sc.reshape(g, GROUP_ROWS, nb).transpose(0, 2, 1)).view(np.uint8)
+                   for sc in scales]
+    data = np.ascontiguousarray(np.concatenate(parts, axis=2).reshape(n, -1))
+    return PackedMatrix(_like(data, template), fmt, n, w.in_features)
 
 
 def _unrepack(m: PackedMatrix) -> PackedMatrix:
     """Q4_1R back to GGUF's Q4_1 blocks: its float scales came from halves, so converting back is exact."""
     n, nb = m.out_features, m.in_features // 32
-    qs = m.data[:, : nb * 16].reshape(n, nb, 16)
-    d = m.data[:, nb * 16 : nb * 20].contiguous().view(torch.float32).half().view(torch.uint8).view(n, nb, 2)
-    mins = m.data[:, nb * 20 :].contiguous().view(torch.float32).half().view(torch.uint8).view(n, nb, 2)
-    return PackedMatrix(torch.cat([d, mins, qs], dim=2).reshape(n, nb * 20).contiguous(), Q4_1, n, m.in_features)
+    a = m.array
+    qs = a[:, : nb * 16].reshape(n, nb, 16)
+    d = np.ascontiguousarray(a[:, nb * 16 : nb * 20]).view(np.float32).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+    mins = np.ascontiguousarray(a[:, nb * 20 :]).view(np.float32).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+    data = np.ascontiguousarray(np.concatenate([d, mins, qs], axis=2).reshape(n, nb * 20))
+    return PackedMatrix(data, Q4_1, n, m.in_features)
 
 
 def kernel_layout(m: PackedMatrix) -> PackedMatrix:
@@ -264,27 +325,33 @@ def _check(code: int) -> None:
         raise ValueError(f"tailguard kernel rejected its arguments (code {code})")
 
 
-def linear(x: torch.Tensor, w: PackedMatrix, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
-    """x [T, K] float32 @ W^T -> [T, N]; with ``accumulate`` adds into ``out``."""
-    x = x.contiguous()
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features or x.device.type != "cpu":
+def linear(x: Array, w: PackedMatrix, out: Array | None = None, accumulate: bool = False) -> Array:
+    """x [T, K] float32 @ W^T -> [T, N] (numpy, or torch for a torch ``x``); with ``accumulate`` adds into ``out``."""
+    xa = np.ascontiguousarray(_np(x))
+    if xa.dtype != np.float32 or xa.ndim != 2 or xa.shape[1] != w.in_features:
         raise ValueError("linear expects a contiguous float32 [T, in_features] input")
     if out is None:
-        out = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
-    elif (out.dtype != torch.float32 or tuple(out.shape) != (x.shape[0], w.out_features) or not out.is_contiguous()
-          or out.device.type != "cpu"):
-        raise ValueError(f"out must be a contiguous float32 [{x.shape[0]}, {w.out_features}] CPU tensor")
-    _check(lib().tg_linear(x.data_ptr(), x.shape[0], w.in_features, w.data.data_ptr(), w.fmt, w.out_features,
-                           out.data_ptr(), int(accumulate)))
+        out_a = np.empty((xa.shape[0], w.out_features), dtype=np.float32)
+        out = _like(out_a, x)
+    else:
+        try:
+            out_a = _np(out)
+        except (ValueError, TypeError, RuntimeError):
+            out_a = None
+        if (out_a is None or out_a.dtype != np.float32 or tuple(out_a.shape) != (xa.shape[0], w.out_features)
+                or not out_a.flags.c_contiguous):
+            raise ValueError(f"out must be a contiguous float32 [{xa.shape[0]}, {w.out_features}] CPU array")
+    _check(lib().tg_linear(_ptr(xa), xa.shape[0], w.in_features, _ptr(w.array), w.fmt, w.out_features, _ptr(out_a),
+                           int(accumulate)))
     return out
 
 
-def embed(ids: torch.Tensor, w: PackedMatrix) -> torch.Tensor:
-    ids = ids.to(torch.int64).contiguous()
-    out = torch.empty(ids.shape[0], w.in_features, dtype=torch.float32)
-    _check(lib().tg_embed(ids.data_ptr(), ids.shape[0], w.data.data_ptr(), w.fmt, w.out_features, w.in_features,
-                          out.data_ptr()))
-    return out
+def embed(ids: Array, w: PackedMatrix) -> Array:
+    """The rows ``ids`` of an embedding matrix, as float32 [len(ids), in_features] (the caller's kind of array)."""
+    ia = np.ascontiguousarray(_np(ids), dtype=np.int64)
+    out = np.empty((ia.shape[0], w.in_features), dtype=np.float32)
+    _check(lib().tg_embed(_ptr(ia), ia.shape[0], _ptr(w.array), w.fmt, w.out_features, w.in_features, _ptr(out)))
+    return _like(out, ids)
 
 
 # --- the decode step ---------------------------------------------------------------------------------------------
@@ -313,56 +380,65 @@ class _KV(ctypes.Structure):
 
 
 def _mat(w: PackedMatrix) -> _Mat:
-    return _Mat(w.data.data_ptr(), w.fmt, w.out_features, w.in_features, 0)
+    return _Mat(_ptr(w.array), w.fmt, w.out_features, w.in_features, 0)
 
 
 class DecodeStep:
     """Binds a model's packed weights and its KV cache once; ``__call__`` runs one decode step for D sequences.
 
-    Keeps references to every tensor whose pointer it hands to C, so none is freed while the C side holds it.
+    Arrays are numpy's or torch CPU tensors (viewed as numpy: the same memory). Keeps a reference to every array
+    whose pointer it hands to C, so none is freed while the C side holds it.
     """
 
-    def __init__(self, *, config, layers: list[tuple], final_norm: torch.Tensor, embed_w: PackedMatrix,
-                 lm_head: PackedMatrix, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        self._keep = [final_norm, cos, sin, kv_cache, embed_w.data, lm_head.data]
+    def __init__(self, *, config, layers: list[tuple], final_norm: Array, embed_w: PackedMatrix,
+                 lm_head: PackedMatrix, cos: Array, sin: Array, kv_cache: Array) -> None:
+        def f32(a: Array) -> np.ndarray:
+            arr = _np(a)
+            if arr.dtype != np.float32 or not arr.flags.c_contiguous:
+                raise ValueError("the decode step's norms and RoPE tables are contiguous float32")
+            return arr
+
+        final_norm, cos, sin = f32(final_norm), f32(cos), f32(sin)
+        kv = _np(kv_cache)
+        self._keep = [final_norm, cos, sin, kv, embed_w.array, lm_head.array]
         layer_structs = []
         for attn_norm, qkv, o, ffn_norm, gate_up, down in layers:
-            self._keep += [attn_norm, ffn_norm, qkv.data, o.data, gate_up.data, down.data]
-            layer_structs.append(_Layer(attn_norm.data_ptr(), ffn_norm.data_ptr(), _mat(qkv), _mat(o), _mat(gate_up),
+            attn_norm, ffn_norm = f32(attn_norm), f32(ffn_norm)
+            self._keep += [attn_norm, ffn_norm, qkv.array, o.array, gate_up.array, down.array]
+            layer_structs.append(_Layer(_ptr(attn_norm), _ptr(ffn_norm), _mat(qkv), _mat(o), _mat(gate_up),
                                         _mat(down)))
         self._layers = (_Layer * len(layer_structs))(*layer_structs)
         self.vocab = lm_head.out_features
         self._model = _Model(config.num_layers, config.hidden_size, config.intermediate_size, config.num_heads,
                              config.num_kv_heads, config.head_dim, self.vocab, cos.shape[0], config.rms_eps, 0.0,
-                             self._layers, final_norm.data_ptr(), _mat(embed_w), _mat(lm_head), cos.data_ptr(),
-                             sin.data_ptr())
-        n_layers, two, num_blocks, block_size, n_kv, row = kv_cache.shape
-        fmt = KV_FORMATS.get(kv_cache.dtype)
+                             self._layers, _ptr(final_norm), _mat(embed_w), _mat(lm_head), _ptr(cos), _ptr(sin))
+        n_layers, two, num_blocks, block_size, n_kv, row = kv.shape
+        fmt = KV_FORMATS.get(str(kv.dtype))
         # int8 rows carry their float16 scale after the head_dim values (model.py's quantize_kv)
-        want_row = config.head_dim + 2 if kv_cache.dtype == torch.int8 else config.head_dim
-        if (fmt is None or not kv_cache.is_contiguous() or kv_cache.device.type != "cpu" or two != 2
-                or n_layers != config.num_layers or n_kv != config.num_kv_heads or row != want_row):
+        want_row = config.head_dim + 2 if kv.dtype == np.int8 else config.head_dim
+        if (fmt is None or not kv.flags.c_contiguous or two != 2 or n_layers != config.num_layers
+                or n_kv != config.num_kv_heads or row != want_row):
             raise ValueError("the decode kernel reads a contiguous CPU KV cache [layers, 2, blocks, block size, kv "
                              "heads, head_dim] of float32 or float16, or int8 with head_dim + 2 bytes a row")
-        self._kv = _KV(kv_cache.data_ptr(), fmt, num_blocks, block_size, 0)
+        self._kv = _KV(_ptr(kv), fmt, num_blocks, block_size, 0)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                 ctx_lens: torch.Tensor, out_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [len(out_rows), vocab] of the rows ``out_rows`` names (None: every row)."""
-        d = tokens.shape[0]
-        if not (tokens.dtype == positions.dtype == slots.dtype == torch.int64
-                and tables.dtype == ctx_lens.dtype == torch.int32 and tables.is_contiguous()
-                and positions.shape[0] == slots.shape[0] == tables.shape[0] == ctx_lens.shape[0] == d):
+    def __call__(self, tokens: Array, positions: Array, slots: Array, tables: Array, ctx_lens: Array,
+                 out_rows: Array | None = None) -> Array:
+        """Logits [len(out_rows), vocab] of the rows ``out_rows`` names (None: every row), of the kind of ``tokens``."""
+        t, pos, sl, tab, lens = (_np(a) for a in (tokens, positions, slots, tables, ctx_lens))
+        d = t.shape[0]
+        if not (t.dtype == pos.dtype == sl.dtype == np.int64 and tab.dtype == lens.dtype == np.int32
+                and all(a.flags.c_contiguous for a in (t, pos, sl, tab, lens))
+                and pos.shape[0] == sl.shape[0] == tab.shape[0] == lens.shape[0] == d):
             raise ValueError("decode step: int64 tokens/positions/slots and int32 [D, blocks] tables and lengths")
-        rows_ptr, n_out = None, d
+        rows_ptr, n_out, rows = None, d, None
         if out_rows is not None:
-            out_rows = out_rows.to(torch.int32).contiguous()
-            rows_ptr, n_out = (out_rows.data_ptr() or None), out_rows.shape[0]
-        logits = torch.empty(n_out, self.vocab, dtype=torch.float32)
-        _check(lib().tg_decode(ctypes.byref(self._model), ctypes.byref(self._kv), d, tokens.data_ptr(),
-                               positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                               ctx_lens.data_ptr(), n_out, rows_ptr, logits.data_ptr()))
-        return logits
+            rows = np.ascontiguousarray(_np(out_rows), dtype=np.int32)
+            rows_ptr, n_out = (_ptr(rows) if rows.size else None), rows.shape[0]
+        logits = np.empty((n_out, self.vocab), dtype=np.float32)
+        _check(lib().tg_decode(ctypes.byref(self._model), ctypes.byref(self._kv), d, _ptr(t), _ptr(pos), _ptr(sl),
+                               _ptr(tab), tab.shape[1], _ptr(lens), n_out, rows_ptr, _ptr(logits)))
+        return _like(logits, tokens)
 
 
 PROFILE_PHASES = ("norms", "qkv", "rope + KV write", "attention", "o", "gate_up", "silu", "down", "LM head")

@@ -39,7 +39,10 @@ enum { TG_F32 = 0, TG_F16 = 1, TG_Q4_0 = 2, TG_Q4_1 = 3, TG_Q8_0 = 8, TG_Q4_1R =
 #define XG 16
 static inline int is_interleaved(int fmt) { return fmt == TG_Q4_1X || fmt == TG_Q8_0X; }
 
-int tg_abi_version(void) { return 8; }
+int tg_abi_version(void) { return 9; }
+
+/* Threads of the OpenMP loops (torch shares this runtime when it is loaded: its set_num_threads does the same). */
+void tg_set_num_threads(int n) { if (n > 0) omp_set_num_threads(n); }
 
 /* 1: decode attention takes the generic path even where the AVX-512 one applies (a test and a benchmark compare
  * the two in one process). */
@@ -806,6 +809,25 @@ static void rope(float *v, int hd, const float *cos, const float *sin) {
     for (int i = half; i < hd; i++) v[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
 }
 
+/* int8 KV rows hold K and V turned by the orthonormal Hadamard transform (Sylvester order, H = H^T = H^-1) when
+ * head_dim is a power of two: a few outlier channels then no longer set the one scale of a row, and the int8
+ * rounding error spreads evenly (QuaRot's trick). Scores are unchanged ((Hq) . (Hk) = q . k): the queries turn the
+ * same way, and the attention output turns back (sum p_i H v_i = H sum p_i v_i). model.py's rotate_kv does the same
+ * for the torch path. Perplexity on the shipped texts: +0.25% unrotated, +0.01% rotated (benchmarks/kv_rotation.py). */
+static inline int kv_rotated(int fmt, int hd) { return fmt == TG_KV_I8 && hd >= 2 && (hd & (hd - 1)) == 0; }
+
+static void hadamard(float *v, int n) {
+    for (int len = 1; len < n; len <<= 1)
+        for (int i = 0; i < n; i += len << 1)
+            for (int j = i; j < i + len; j++) {
+                const float a = v[j], b = v[j + len];
+                v[j] = a + b;
+                v[j + len] = a - b;
+            }
+    const float s = 1.0f / sqrtf((float)n);
+    for (int i = 0; i < n; i++) v[i] *= s;
+}
+
 /* One (position, kv head) row of hd values at element offset off. int8: the same numbers as model.py's
  * quantize_kv (scale rounded to float16 first, then q = round-half-even(x / scale), clamped to +-127). */
 static inline void kv_store(void *kv, int fmt, size_t off, const float *src, int hd) {
@@ -1209,6 +1231,7 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
         if (tokens[d] < 0 || tokens[d] >= m->embed.N) return -3;
     }
     if (n_out < 0 || n_out > D) return -5;
+    if (c->fmt < TG_KV_F32 || c->fmt > TG_KV_I8) return -4;
     for (int o = 0; out_rows != NULL && o < n_out; o++)
         if (out_rows[o] < 0 || out_rows[o] >= D) return -5;
     float *x = (float *)malloc(sizeof(float) * (size_t)D * Hd);
@@ -1221,8 +1244,8 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
     const int64_t erb = row_bytes(m->embed.fmt, Hd);
     for (int d = 0; d < D; d++) dequant_row_at(m->embed.data, m->embed.fmt, Hd, erb, tokens[d], x + (size_t)d * Hd);
     const int rw = kv_row_width(c->fmt, hd);
-    if (c->fmt < TG_KV_F32 || c->fmt > TG_KV_I8) return -4;
     const size_t v_off = (size_t)c->num_blocks * c->block_size * G * rw;
+    const int rotated = kv_rotated(c->fmt, hd);
     for (int l = 0; l < m->n_layers; l++) {
         const tg_layer *L = &m->layers[l];
         const size_t layer_off = (size_t)l * 2 * v_off;
@@ -1232,6 +1255,8 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
             float *row = qkv + (size_t)d * qkv_w;
             const float *cs = m->cos + (size_t)positions[d] * hd, *sn = m->sin + (size_t)positions[d] * hd;
             for (int i = 0; i < H + G; i++) rope(row + (size_t)i * hd, hd, cs, sn);
+            if (rotated)
+                for (int i = 0; i < H + 2 * G; i++) hadamard(row + (size_t)i * hd, hd);
             memcpy(q + (size_t)d * qd, row, sizeof(float) * (size_t)qd);
             for (int g = 0; g < G; g++) {
                 const size_t at = layer_off + ((size_t)slots[d] * G + g) * rw;
@@ -1240,6 +1265,8 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
             }
         });
         PHASE(P_ATTN, paged_attention(m, c, l, D, q, tables, max_blocks, ctx_lens, attn));
+        if (rotated)
+            for (int i = 0; i < D * H; i++) hadamard(attn + (size_t)i * hd, hd);
         PHASE(P_O, linear(attn, D, qd, L->o.data, L->o.fmt, Hd, x, Hd, 1));
         PHASE(P_NORM, for (int d = 0; d < D; d++) rms_norm(x + (size_t)d * Hd, L->ffn_norm, Hd, m->eps, h + (size_t)d * Hd));
         PHASE(P_GATE_UP, linear(h, D, Hd, L->gate_up.data, L->gate_up.fmt, 2 * I, gu, 2 * I, 0));
