@@ -226,7 +226,7 @@ class LLMEngine:
             self.pool,
         )
         if self.lean:
-            self.runner: Any = LeanRunner(self.model, num_blocks, args.block_size, kv_name)
+            self.runner: Any = LeanRunner(self.model, num_blocks, args.block_size, kv_name, args.num_threads)
         else:
             from tailguard.engine.runner import ModelRunner
 

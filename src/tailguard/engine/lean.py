@@ -150,8 +150,12 @@ class LeanRunner:
 
     native_prefill_max_context: int = NATIVE_PREFILL_MAX_CONTEXT
 
-    def __init__(self, model: LeanModel, num_blocks: int, block_size: int, kv_dtype: str) -> None:
+    def __init__(self, model: LeanModel, num_blocks: int, block_size: int, kv_dtype: str,
+                 num_threads: int | None = None) -> None:
+        """``num_threads``: the engine's setting, applied to torch too if it is ever loaded (importing torch sets
+        the shared OpenMP runtime's count to its own default)."""
         self.model = model
+        self.num_threads = num_threads
         self.device = CPU
         self.block_size = block_size
         self.kv_dtype = kv_dtype
@@ -177,6 +181,9 @@ class LeanRunner:
 
             from tailguard.engine.model import LlamaModel
             from tailguard.engine.runner import ModelRunner
+
+            if self.num_threads:
+                torch.set_num_threads(self.num_threads)
 
             model = LlamaModel(self.model.weights, "native", "cpu")
             model.attention_slice_tokens = self.model.attention_slice_tokens
