@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/decode_attention.py          # ~3 min, 2 threads; benchmarks/results/decode_attention.json
 
-SmolLM2-135M, native weights, default float16 KV (and int8 KV). For each shape (streams x context), the engine
+SmolLM2-135M, native weights, float16 KV (the default until 2026-12-04) and int8 KV (the default since). For each
+shape (streams x context), the engine
 decodes steady steps with every sequence in the batch; the two paths alternate window by window
 (``kernels.set_generic_attention``), so the machine's drift hits both alike. Reported: median step time per path,
 their ratio, and tokens/s. Greedy tokens of the two paths are compared as well (they must agree: same numbers up to

@@ -1,4 +1,4 @@
-"""The int8 KV cache against float16 (the default) and float32: capacity, decode speed, perplexity, same run.
+"""The int8 KV cache against float16 (the default until 2026-12-04) and float32: capacity, decode speed, perplexity, same run.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kv_int8.py      # ~10 min; writes benchmarks/results/kv_int8.json
 
@@ -116,8 +116,8 @@ def perplexities(kv_dtypes: list[str], threads: int) -> dict:
 
 
 def serve_rss(kv: str, conversations: int, context: int) -> dict:
-    """benchmarks/serve_memory.py's measurement with ``--kv-cache-dtype kv``: the default `tailguard serve` (1.5 GiB
-    KV budget), resident memory idle and with ``conversations`` of ``context`` tokens held at once."""
+    """benchmarks/serve_memory.py's measurement with ``--kv-cache-dtype kv``: the default `tailguard serve` (its default
+    KV budget: 1.5 GiB until 2026-12-04, auto since), resident memory idle and with ``conversations`` of ``context`` tokens held at once."""
     import asyncio
     import re
     import subprocess

@@ -100,12 +100,14 @@ def pooled_perplexity(kv_dtype: str, keys: Rounding = None, values: Rounding = N
         return store(fn(x) if fn is not None else x)
 
     model_module.quantize_kv = rounded_store
+    rotates = model_module.rotates_kv
+    model_module.rotates_kv = lambda *_: False  # measured before int8 rows were turned: the rounding of plain rows
     try:
         engine = LLMEngine(EngineArgs(model="smollm2", weight_format="float32", kv_cache_dtype=kv_dtype,
                                       kv_cache_tokens=4096, enable_prefix_caching=False))
         return text_perplexities(engine)
     finally:
-        model_module.quantize_kv = store
+        model_module.quantize_kv, model_module.rotates_kv = store, rotates
 
 
 def main() -> None:

@@ -75,16 +75,48 @@ def test_logits_and_logprobs_match_the_torch_runner(tiny_gguf):
 
 
 def test_a_step_past_the_c_limit_runs_in_torch_over_the_same_cache(tiny_gguf):
-    """With the C step's prefill limit lowered to 32 positions, a 90-token prompt's later chunks run in torch (loaded
-    then, once), its decodes in C again, reading what torch wrote: the tokens of an all-torch engine."""
+    """With the C step's prefill limit lowered to 32 positions, a 90-token prompt's later chunks run in torch's
+    attention (torch loaded then, once), its decodes in C again, reading what torch wrote: the tokens of the torch
+    runner with the same limit."""
     prompt = _prompts(1, seed=3)[0][:5] + list(range(1000, 1085))
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     lean, ref = _engine(tiny_gguf, "lean", "int8"), _engine(tiny_gguf, "torch", "int8")
     lean.runner.native_prefill_max_context = ref.runner.native_prefill_max_context = 32
     assert not lean.runner.torch_loaded
+    model = lean.runner.torch_runner().model
+    forward, torch_steps = model.forward, []
+
+    def counting(input_ids, meta, *args, **kwargs):
+        torch_steps.append(bool(meta.prefills))  # prefill spans: the chunk's attention ran in torch, not in C
+        return forward(input_ids, meta, *args, **kwargs)
+
+    model.forward = counting
     assert lean.generate([prompt], sp) == ref.generate([prompt], sp)
-    assert lean.runner.torch_loaded
+    assert torch_steps and all(torch_steps)  # every handed-over step ran torch's attention
     assert lean.runner.torch_runner().kv_cache.data_ptr() == lean.runner.kv_cache.ctypes.data  # one cache, shared
+
+
+def test_a_seeded_request_draws_the_same_tokens_whoever_shares_its_steps(tiny_gguf):
+    """A step handed to torch (another request's prompt past the C limit) gives only its logits: the seeded request's
+    tokens still come from its own numpy generator, the same as when it runs alone."""
+    prompt = _prompts(1, seed=5)[0][:20]
+    long_prompt = list(range(2000, 2200))
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    alone = _engine(tiny_gguf, "lean", "int8")
+    alone.runner.native_prefill_max_context = 32
+    expected = alone.generate([prompt], sp)[0]
+    shared = _engine(tiny_gguf, "lean", "int8")
+    shared.runner.native_prefill_max_context = 32
+    rid = shared.add_request(prompt, SamplingParams(**vars(sp)))
+    out: list[int] = []
+    for step in range(200):
+        if step == 3:
+            shared.add_request(long_prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        out += [e.token_id for e in shared.step() if e.request_id == rid and e.token_id is not None]
+        if not shared.has_unfinished():
+            break
+    assert shared.runner.torch_loaded  # the long prompt's chunks did go through torch beside the seeded request
+    assert out == expected
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 50, 1.0), (1.3, 0, 0.9), (0.5, 20, 0.8)])

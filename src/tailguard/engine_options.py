@@ -23,10 +23,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tokens of SmolLM2), 1.5GiB with float16 (34)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens (instead of a budget)")
     # int8 by default with native weights: its rows are turned by a Hadamard transform before rounding, which brings
-    # the perplexity to float32's within 0.02% (docs/benchmarks.md), and it halves float16's bytes a token.
+    # the pooled perplexity to -0.04% of float32's, below llama.cpp Q4_1's (docs/benchmarks.md), at half float16's bytes.
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16", "float32", "int8"],
                    help="auto: int8 with native weights (K/V rows turned by a Hadamard transform, a float16 scale per "
-                        "token and KV head: half float16's bytes, perplexity within 0.02%% of float32's), float16 "
+                        "token and KV head: half float16's bytes, perplexity within 0.1%% of float32's), float16 "
                         "otherwise")
     p.add_argument("--runner", default="auto", choices=["auto", "lean", "torch"],
                    help="auto: the lean runner (the C step hosted by numpy: torch is not imported, ~190 MiB less) "
@@ -40,7 +40,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="while a more important request (a lower priority value: the VIP lane) runs, at most this "
                         "many less important sequences take each step; the rest pause (default: no limit)")
     p.add_argument("--threads", type=int, default=None,
-                   help="compute threads of a step (OpenMP, shared by the kernels and torch; default: one a core)")
+                   help="compute threads of a step (OpenMP, shared by the kernels and torch; default: OpenMP's, one a "
+                        "logical CPU)")
     p.add_argument("--speculative", default="off", type=_speculative_method, metavar="{off,ngram,self,draft:PATH}",
                    help="speculative decoding (exact for greedy): ngram (prompt lookup), self (the model's first "
                         "quarter of layers drafts), draft:PATH (a small GGUF model with the same tokenizer), or off "

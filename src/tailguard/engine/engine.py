@@ -1,7 +1,8 @@
 """The step loop (schedule -> run -> post-process) and an async front that streams timestamped tokens.
 
 ``LLMEngine`` is synchronous and single-threaded: tests drive it step by step. ``AsyncLLMEngine`` runs it in a
-background thread (torch releases the GIL inside kernels, so the event loop stays responsive) and delivers each
+background thread (the C step, called through ctypes, and torch's kernels release the GIL, so the event loop stays
+responsive) and delivers each
 step's tokens to per-request asyncio queues. Every timestamp is ``time.perf_counter()`` taken where the thing happens.
 """
 
@@ -24,7 +25,14 @@ from tailguard.engine.blocks import BlockPool
 from tailguard.engine.events import EngineStats, TokenEvent
 from tailguard.engine.internals import DEFAULT_DECODE_EVERY, DEFAULT_MAX_STEPS, InternalsSampler
 from tailguard.engine.internals import check_settings as check_internals
-from tailguard.engine.lean import CPU, DEFAULT_ATTENTION_SLICE_TOKENS, LeanModel, LeanRunner, kv_rotated
+from tailguard.engine.lean import (
+    CPU,
+    DEFAULT_ATTENTION_SLICE_TOKENS,
+    LeanModel,
+    LeanRunner,
+    decode_step_fits,
+    kv_rotated,
+)
 from tailguard.engine.loader import load_gguf, write_tiny_gguf
 from tailguard.engine.memory import bound_heap_retention, format_bytes, parse_budget, release_free_heap
 from tailguard.engine.model_store import cache_dir, resolve_model_path
@@ -48,8 +56,9 @@ class EngineArgs:
     # 1.5GiB in float16 (23 KB). Pages become resident as they are used.
     kv_cache_memory: str | float = "auto"
     kv_cache_tokens: int | None = None  # an explicit capacity in tokens instead of the budget
-    # auto: int8 with native weights (rows turned by a Hadamard transform, a float16 scale per token and head:
-    # float32's perplexity within 0.02%, benchmarks/fidelity.py), float16 elsewhere | float16 | float32 | int8
+    # auto: int8 with native weights (rows turned by a Hadamard transform, a float16 scale per token and head: pooled
+    # perplexity -0.04% against float32's, interval -0.17..+0.09%, benchmarks/fidelity.py), float16 elsewhere |
+    # float16 | float32 | int8
     kv_cache_dtype: str = "auto"
     # auto: the lean runner (engine/lean.py: the C step hosted by numpy; torch is not imported until a step needs it)
     # wherever it can run (native weights on the CPU, no speculative decoding, no sampled internals) | lean | torch
@@ -113,7 +122,7 @@ DEFAULT_KV_MEMORY = {"int8": "768MiB", "float16": "1.5GiB", "float32": "1.5GiB"}
 
 def kv_dtype_name(name: str, weight_format: str = "float32", head_dim: int = 64) -> str:
     """The KV cache's dtype for a kv_cache_dtype setting. auto: int8 with native weights where its rows are turned
-    (head_dim a power of two: perplexity within 0.02% of float32's, half float16's bytes), else float16, which
+    (head_dim a power of two: perplexity within 0.1% of float32's, half float16's bytes), else float16, which
     halves float32's cache and the bytes attention reads per token; float32 only where asked."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {name!r}")
@@ -130,9 +139,10 @@ def resolve_kv_dtype(name: str, weight_format: str = "float32", head_dim: int = 
 
 
 def resolve_device(name: str = "auto") -> Any:
-    """lean.CPU, or a torch device. auto: CUDA where torch sees a GPU; torch is asked only where an NVIDIA driver is
-    installed, so that a CPU machine never imports it for the question."""
-    if name == "cpu" or (name == "auto" and not (Path("/proc/driver/nvidia").exists() or Path("/dev/nvidiactl").exists())):
+    """lean.CPU, or a torch device. auto: CUDA where torch sees a GPU; torch is asked only where a GPU driver (NVIDIA's
+    or ROCm's) is installed, so that a CPU machine never imports it for the question."""
+    gpu_driver = any(Path(p).exists() for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd"))  # NVIDIA, ROCm
+    if name == "cpu" or (name == "auto" and not gpu_driver):
         return CPU
     import torch
 
@@ -170,14 +180,14 @@ class LLMEngine:
         device = resolve_device(args.device)
         self.tokenizer = GGUFTokenizer(path)
         self.weight_format = resolve_weight_format(args.weight_format, device)
-        lean_ok = (self.weight_format == "native" and device.type == "cpu" and args.speculative == "off"
-                   and args.internals_sample_rate == 0)
-        if args.runner == "lean" and not lean_ok:
-            raise ValueError("the lean runner needs native weights on the CPU, no speculative decoding and no "
-                             "sampled internals")
-        self.lean = lean_ok and args.runner != "torch"
         weights = load_gguf(path, packed=self.weight_format == "native")
         self.config = weights.config
+        lean_ok = (self.weight_format == "native" and device.type == "cpu" and args.speculative == "off"
+                   and args.internals_sample_rate == 0 and decode_step_fits(self.config))
+        if args.runner == "lean" and not lean_ok:
+            raise ValueError("the lean runner needs native weights on the CPU, no speculative decoding, no sampled "
+                             "internals and an attention shape the C step takes")
+        self.lean = lean_ok and args.runner != "torch"
         kv_name = kv_dtype_name(args.kv_cache_dtype, self.weight_format, self.config.head_dim)
         if self.lean:
             if args.num_threads:

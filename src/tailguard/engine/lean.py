@@ -7,15 +7,17 @@ start-up. Here those are numpy arrays and a numpy sampler (lean_sampling.py), an
 runner whenever it can: native weights on the CPU, no speculative decoding, no sampled internals.
 
 A step this runner does not take itself (a prefill chunk reaching past NATIVE_PREFILL_MAX_CONTEXT positions, where
-torch's attention is faster; see model.py) runs in the torch runner, built on first need over the same weights and
+torch's attention is faster) gets its logits from the torch runner, built on first need over the same weights and
 the same KV cache memory: torch is then imported once, and a server whose prompts stay shorter never loads it.
-Both runners write and read the same cache in the same format, so a sequence can move between them step by step.
+Both runners write and read the same cache in the same format, so a sequence can move between them step by step;
+the tokens always come from this runner's sampler.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,7 +78,9 @@ def kv_rotated(kv_dtype: str, head_dim: int) -> bool:
     """int8 K/V rows are stored turned by the orthonormal Hadamard transform (head_dim a power of two): the outlier
     channels of a head no longer set its row's one scale, so the rounding error spreads evenly (QuaRot's trick).
     Queries turn the same way ((Hq) . (Hk) = q . k) and the attention output turns back. tg_kernels.c and model.py
-    do exactly this. Perplexity on the shipped texts: +0.25% unrotated, +0.01% rotated (benchmarks/kv_rotation.py)."""
+    do exactly this. Mean per-token change of -log p against a float32 cache on the shipped texts: 0.024 / 0.029
+    (en / zh) unturned, 0.012 / 0.016 turned (benchmarks/kv_rotation.py); pooled perplexity through the C step -0.04%
+    (benchmarks/fidelity.py)."""
     return kv_dtype == "int8" and head_dim >= 2 and head_dim & (head_dim - 1) == 0
 
 
@@ -156,6 +160,7 @@ class LeanRunner:
         the shared OpenMP runtime's count to its own default)."""
         self.model = model
         self.num_threads = num_threads
+        self._threads_set_for: int | None = None  # the thread whose OpenMP count was last set (a per-thread setting)
         self.device = CPU
         self.block_size = block_size
         self.kv_dtype = kv_dtype
@@ -184,7 +189,6 @@ class LeanRunner:
 
             if self.num_threads:
                 torch.set_num_threads(self.num_threads)
-
             model = LlamaModel(self.model.weights, "native", "cpu")
             model.attention_slice_tokens = self.model.attention_slice_tokens
             self._torch_runner = ModelRunner(model, 0, self.block_size, kv_cache=torch.from_numpy(self.kv_cache))
@@ -220,10 +224,21 @@ class LeanRunner:
         return (np.array(ids, dtype=np.int64), pos, np.array(slots, dtype=np.int64), padded,
                 (pos + 1).astype(np.int32), np.array(out_rows, dtype=np.int32))
 
+    def _threads(self) -> None:
+        """OpenMP's thread count is a per-thread setting: apply the engine's to whichever thread steps (the server
+        loads and steps on one engine thread; AsyncLLMEngine over a built engine steps on another)."""
+        ident = threading.get_ident()
+        if self.num_threads and ident != self._threads_set_for:
+            kernels.set_num_threads(self.num_threads)
+            self._threads_set_for = ident
+
     def chunk_logits(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable]) -> np.ndarray:
         """Run chunks (prefills and decodes) and return the logits of each sampling chunk's last position [n, vocab]."""
+        self._threads()
         if self._needs_torch(chunks, None):
-            return self.torch_runner().chunk_logits(chunks, tables).numpy()
+            runner = self.torch_runner()
+            runner.native_prefill_max_context = self.native_prefill_max_context  # the same hand-off rule on both
+            return runner.chunk_logits(chunks, tables).numpy()
         ids, pos, slots, tabs, lens, rows = self._build(chunks, tables)
         return self._step(ids, pos, slots, tabs, lens, rows)
 
@@ -233,8 +248,10 @@ class LeanRunner:
         one for a decode or a last prefill chunk."""
         if not chunks:
             return []
-        if self._needs_torch(chunks, probe):
+        if probe is not None:  # instrumented steps run in torch (the engine gives sampled internals torch's runner)
             return self.torch_runner().execute(chunks, tables, stop_ids, probe)
+        # Logits from the C step, or from torch for a step past the C limit; the tokens always from this sampler, so
+        # that a seeded request's draws do not depend on who shares its steps.
         logits = self.chunk_logits(chunks, tables)
         sampled = iter(self.sampler.sample(logits, [c.seq for c in chunks if c.samples], stop_ids))
         return [[next(sampled)] if c.samples else [] for c in chunks]

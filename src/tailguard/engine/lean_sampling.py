@@ -81,16 +81,18 @@ class Sampler:
             if sp.greedy:
                 tok = int(masked.argmax())
             else:
-                cdf = np.cumsum(probabilities(masked, sp))
+                probs = probabilities(masked, sp)
+                cdf = np.cumsum(probs)
                 tok = int(np.searchsorted(cdf, self._rng(seq).random() * cdf[-1], side="right"))
-                tok = min(tok, len(cdf) - 1)
+                if tok >= len(cdf) or probs[tok] == 0:  # a draw rounding onto the very top: the last possible token
+                    tok = int(np.flatnonzero(probs)[-1])
             if sp.logprobs is None:
                 out.append(SampledToken(tok))
                 continue
             logprobs = log_softmax(row.astype(np.float32))
             top: list[tuple[int, float]] = []
             if sp.logprobs:
-                best = np.argpartition(-logprobs, sp.logprobs)[: sp.logprobs]
+                best = np.argpartition(-logprobs, sp.logprobs - 1)[: sp.logprobs]
                 best = best[np.argsort(-logprobs[best], kind="stable")]
                 top = [(int(i), float(logprobs[i])) for i in best]
             out.append(SampledToken(tok, float(logprobs[tok]), top))

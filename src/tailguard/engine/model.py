@@ -22,10 +22,11 @@ import torch.nn.functional as F
 
 from tailguard.engine import kernels
 from tailguard.engine.kernels import PackedMatrix
-from tailguard.engine.lean import (
+from tailguard.engine.lean import (  # noqa: F401 - the constants are re-exported for the torch paths' callers
     DEFAULT_ATTENTION_SLICE_TOKENS,
     KV_INT8_SCALE_BYTES,
     NATIVE_PREFILL_MAX_CONTEXT,
+    allocate_kv_cache,
     decode_step_fits,
     kv_rotated,
     rope_tables,
@@ -45,9 +46,8 @@ WEIGHT_FORMATS = ("native", "float32", "bfloat16", "int8")
 NATIVE_GEMM_MIN_TOKENS = 192
 
 # NATIVE_PREFILL_MAX_CONTEXT (lean.py): a step whose prefill chunks all end within it runs as rows of the one-call C
-# step; beyond it the step runs here in torch. KV_INT8_SCALE_BYTES (lean.py): the int8 KV row's float16 scale.
-# DEFAULT_ATTENTION_SLICE_TOKENS (lean.py): the torch paths' attention slice.
-__all__ = ["DEFAULT_ATTENTION_SLICE_TOKENS", "KV_INT8_SCALE_BYTES", "NATIVE_PREFILL_MAX_CONTEXT"]
+# step; beyond it the step runs here in torch. KV_INT8_SCALE_BYTES: the int8 KV row's float16 scale.
+# DEFAULT_ATTENTION_SLICE_TOKENS: the torch paths' attention slice.
 
 
 # Decode rows of a torch step (steps that mix decodes with prefill chunks) attend in groups of at most this many keys
@@ -252,11 +252,10 @@ class LlamaModel:
             raise ValueError(f"unsupported KV cache dtype {dtype}")
         row = kv_row_bytes(dtype, cfg.head_dim) if dtype == torch.int8 else cfg.head_dim
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, row)
+        if self.device.type == "cpu" and dtype != torch.bfloat16:
+            # Anonymous memory that becomes resident as blocks are first written (lean.allocate_kv_cache says why)
+            return torch.from_numpy(allocate_kv_cache(cfg, num_blocks, block_size, kernels.dtype_name(dtype)))
         if self.device.type == "cpu":
-            # Anonymous memory: the OS hands out zero pages that become resident only as blocks are first written, so
-            # the process holds the memory its traffic needs, up to the budget (torch.zeros would touch it all).
-            # Slots never written read as zeros, so masked attention over whole blocks never meets garbage (a NaN
-            # there survives a zero attention weight; an int8 row of zeros has a zero scale and reads as zeros).
             nbytes = math.prod(shape) * dtype.itemsize
             return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
         return torch.zeros(shape, dtype=dtype, device=self.device)

@@ -12,12 +12,6 @@ from tailguard.engine.request import SamplingParams, Sequence
 from tailguard.engine.scheduler import ScheduledChunk
 
 
-def pick_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class ModelRunner:
     # Prefill chunks ending within this many positions run as rows of the C step (model.NATIVE_PREFILL_MAX_CONTEXT).
     native_prefill_max_context: int = NATIVE_PREFILL_MAX_CONTEXT
@@ -233,9 +227,8 @@ class ModelRunner:
         if not rows:
             return logits
         logits = logits.clone()
-        banned = list(stop_ids | set().union(*(set(seqs[i].sampling.stop_token_ids) for i in rows)))
-        for i in rows:
-            logits[i, banned] = float("-inf")
+        for i in rows:  # each row its own request's stop tokens
+            logits[i, list(stop_ids | set(seqs[i].sampling.stop_token_ids))] = float("-inf")
         return logits
 
     def _sample_one(self, logits: torch.Tensor, seq: Sequence, stop_ids: set[int]) -> int:

@@ -47,7 +47,10 @@ def score_text(engine, token_ids: list[int], prefix: int = 16, request_id: str =
     try:
         chunk = ScheduledChunk(seq, 0, prefix)
         while True:
-            logits = np.asarray(runner.chunk_logits([chunk], {request_id: table})[0], dtype=np.float64)
+            row = runner.chunk_logits([chunk], {request_id: table})[0]
+            if not isinstance(row, np.ndarray):  # the torch runner's tensor, on the CPU or CUDA
+                row = row.float().cpu().numpy()
+            logits = row.astype(np.float64)
             target = token_ids[seq.num_tokens]
             shifted = logits - logits.max()
             nll.append(float(np.log(np.exp(shifted).sum()) - shifted[target]))

@@ -78,6 +78,8 @@ def dtype_name(x: Any) -> str:
     """'float32', 'float16', 'int8', ... for a name, a numpy or torch dtype, or an array of either kind."""
     if isinstance(x, str):
         return x
+    if isinstance(x, type):  # np.int8 and the like
+        return np.dtype(x).name
     return str(getattr(x, "dtype", x)).removeprefix("torch.")
 
 
@@ -201,7 +203,8 @@ def row_bytes(fmt: int, k: int) -> int:
 
 
 def set_num_threads(n: int) -> None:
-    """Threads of the kernels' OpenMP loops (and of torch's, which shares the runtime) from now on."""
+    """Threads of the OpenMP loops that the calling thread starts from now on (OpenMP's count is a per-thread
+    setting: the lean runner applies it on the thread that steps)."""
     if n < 1:
         raise ValueError("threads must be >= 1")
     lib().tg_set_num_threads(n)
