@@ -84,6 +84,11 @@ def kv_rotated(kv_dtype: str, head_dim: int) -> bool:
     return kv_dtype == "int8" and head_dim >= 2 and head_dim & (head_dim - 1) == 0
 
 
+def kv_bytes_per_token(config, kv_dtype: Any) -> int:
+    """Bytes of K and V a token takes in the cache, every layer and KV head (``kv_dtype``: a name or a dtype)."""
+    return config.num_layers * 2 * config.num_kv_heads * kv_row_bytes(kernels.dtype_name(kv_dtype), config.head_dim)
+
+
 def kv_cache_shape(config, num_blocks: int, block_size: int, kv_dtype: str) -> tuple[int, ...]:
     """[layer, k|v, block, slot-in-block, kv_head, row]: gathering whole blocks moves block_size rows per index. int8:
     a row is head_dim + 2 bytes (values, then the row's float16 scale), so a block carries its own scales."""
@@ -145,8 +150,7 @@ class LeanModel:
         return sum(m.nbytes for lw in self.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)) + self.lm_head.nbytes
 
     def kv_bytes_per_token(self, kv_dtype: Any) -> int:
-        cfg = self.config
-        return cfg.num_layers * 2 * cfg.num_kv_heads * kv_row_bytes(kernels.dtype_name(kv_dtype), cfg.head_dim)
+        return kv_bytes_per_token(self.config, kv_dtype)
 
 
 class LeanRunner:
@@ -175,9 +179,10 @@ class LeanRunner:
         self._torch_runner: ModelRunner | None = None
 
     # --- the torch runner, for the steps this one does not take -----------------------------------------------------
-    def _needs_torch(self, chunks: list[ScheduledChunk], probe: Any) -> bool:
-        return probe is not None or any(
-            c.draft or (not c.is_decode and c.end > self.native_prefill_max_context) for c in chunks)
+    def _needs_torch(self, chunks: list[ScheduledChunk]) -> bool:
+        """A step the C step does not take: a prefill chunk past its limit (or a verification, never scheduled here:
+        the engine gives speculative decoding torch's runner)."""
+        return any(c.draft or (not c.is_decode and c.end > self.native_prefill_max_context) for c in chunks)
 
     def torch_runner(self) -> ModelRunner:
         """The torch runner over this runner's weights and KV cache memory (imports torch, once)."""
@@ -235,7 +240,7 @@ class LeanRunner:
     def chunk_logits(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable]) -> np.ndarray:
         """Run chunks (prefills and decodes) and return the logits of each sampling chunk's last position [n, vocab]."""
         self._threads()
-        if self._needs_torch(chunks, None):
+        if self._needs_torch(chunks):
             runner = self.torch_runner()
             runner.native_prefill_max_context = self.native_prefill_max_context  # the same hand-off rule on both
             return runner.chunk_logits(chunks, tables).numpy()

@@ -28,9 +28,11 @@ from tailguard.engine.lean import (  # noqa: F401 - the constants are re-exporte
     NATIVE_PREFILL_MAX_CONTEXT,
     allocate_kv_cache,
     decode_step_fits,
+    kv_cache_shape,
     kv_rotated,
     rope_tables,
 )
+from tailguard.engine.lean import kv_bytes_per_token as _kv_bytes_per_token
 from tailguard.engine.lean import kv_row_bytes as _kv_row_bytes
 from tailguard.engine.loader import ModelWeights
 
@@ -207,7 +209,7 @@ class LlamaModel:
         cos, sin = rope_tables(cfg)
         self.cos, self.sin = dev(cos), dev(sin)
         self._native_step_fits = decode_step_fits(cfg)
-        self._hadamard = hadamard_matrix(head_dim, self.dtype).to(self.device) if head_dim & (head_dim - 1) == 0 else None
+        self._hadamard = hadamard_matrix(head_dim, self.dtype).to(self.device) if kv_rotated("int8", head_dim) else None
         self._decode_step: kernels.DecodeStep | None = None
         self._decode_step_cache: torch.Tensor | None = None
 
@@ -239,8 +241,7 @@ class LlamaModel:
                                  logits_indices)
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype | str) -> int:
-        cfg = self.config
-        return cfg.num_layers * 2 * cfg.num_kv_heads * kv_row_bytes(kv_dtype, cfg.head_dim)
+        return _kv_bytes_per_token(self.config, kv_dtype)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
         # [layer, k|v, block, slot-in-block, kv_head, head_dim]: gathering whole blocks moves block_size rows per index.
@@ -250,8 +251,7 @@ class LlamaModel:
         dtype = kv_dtype or self.dtype
         if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.int8):
             raise ValueError(f"unsupported KV cache dtype {dtype}")
-        row = kv_row_bytes(dtype, cfg.head_dim) if dtype == torch.int8 else cfg.head_dim
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, row)
+        shape = kv_cache_shape(cfg, num_blocks, block_size, kernels.dtype_name(dtype))
         if self.device.type == "cpu" and dtype != torch.bfloat16:
             # Anonymous memory that becomes resident as blocks are first written (lean.allocate_kv_cache says why)
             return torch.from_numpy(allocate_kv_cache(cfg, num_blocks, block_size, kernels.dtype_name(dtype)))

@@ -65,6 +65,14 @@ def _np(a: Array) -> np.ndarray:
     return a
 
 
+def _cpu_array(a: Array) -> np.ndarray | None:
+    """``a`` as a numpy array over the same memory, or None where it is not one (a CUDA tensor, another object)."""
+    try:
+        return _np(a)
+    except (ValueError, TypeError, RuntimeError):
+        return None
+
+
 def _like(out: np.ndarray, template: Array) -> Array:
     """``out`` as the caller's kind of array (torch only where the caller's array is torch's: torch is loaded)."""
     return sys.modules["torch"].from_numpy(out) if _is_torch(template) else out
@@ -231,10 +239,7 @@ class PackedMatrix:
             raise ValueError(f"{NATIVE_FORMATS[self.fmt]} holds whole groups of {GROUP_ROWS} rows; "
                              f"{self.out_features} is not")
         expected = (self.out_features, row_bytes(self.fmt, self.in_features))
-        try:
-            data = _np(self.data)
-        except (ValueError, TypeError, RuntimeError):
-            data = None
+        data = _cpu_array(self.data)
         if (data is None or data.dtype != np.uint8 or tuple(data.shape) != expected
                 or not data.flags.c_contiguous):
             raise ValueError(f"packed {NATIVE_FORMATS[self.fmt]} data must be contiguous uint8 {list(expected)} on the "
@@ -337,10 +342,7 @@ def linear(x: Array, w: PackedMatrix, out: Array | None = None, accumulate: bool
         out_a = np.empty((xa.shape[0], w.out_features), dtype=np.float32)
         out = _like(out_a, x)
     else:
-        try:
-            out_a = _np(out)
-        except (ValueError, TypeError, RuntimeError):
-            out_a = None
+        out_a = _cpu_array(out)
         if (out_a is None or out_a.dtype != np.float32 or tuple(out_a.shape) != (xa.shape[0], w.out_features)
                 or not out_a.flags.c_contiguous):
             raise ValueError(f"out must be a contiguous float32 [{xa.shape[0]}, {w.out_features}] CPU array")
