@@ -10,6 +10,11 @@ One request at a time (no queueing, no competition between requests), each ``--t
 the gateway process's CPU time (user + system, from /proc) over its requests. Reported: the median of the rounds per
 gateway, and the client's TTFT median. What the 256-stream benchmark (``gateway_overhead.py``) measures as latency
 comes from this cost plus queueing; this one isolates the cost.
+
+The cost of a token, apart from its request's: ``--itl`` spaces the upstream's tokens (so that each arrives in a read
+of its own, as at a real engine's pace) and ``--concurrency`` streams run at once, e.g.
+``--tokens 200 --itl 0.01 --concurrency 32 --requests 64`` (a round's CPU over its tokens, per-request costs spread
+over 200 tokens).
 """
 
 from __future__ import annotations
@@ -47,13 +52,24 @@ async def one(session: aiohttp.ClientSession, url: str, tokens: int) -> float:
 
 async def main(a: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="tg-gwcpu-"))
-    up, up_url = start_raw_upstream(tmp, 0.0, 0.0)
+    up, up_url = start_raw_upstream(tmp, 0.0, a.itl)
     gateways = start_gateways(tmp, up_url, a.compare_src)
     if len(os.sched_getaffinity(0)) >= 2:
         pin([proc for proc, _ in gateways.values()], [up])
-    out: dict = {"config": vars(a), **{name: {"cpu_us_per_request": [], "ttft": []} for name in gateways}}
+    out: dict = {"config": vars(a), **{name: {"cpu_us_per_request": [], "cpu_us_per_token": [], "ttft": []}
+                                       for name in gateways}}
+
+    async def requests(session: aiohttp.ClientSession, url: str) -> list[float]:
+        """``--requests`` requests, ``--concurrency`` at a time; their TTFTs."""
+        todo = iter(range(a.requests))
+
+        async def worker() -> list[float]:
+            return [await one(session, url, a.tokens) for _ in todo]
+
+        return [t for ts in await asyncio.gather(*(worker() for _ in range(a.concurrency))) for t in ts]
+
     try:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             await ready(session, up_url)
             for _, url in gateways.values():
                 await ready(session, url)
@@ -64,21 +80,25 @@ async def main(a: argparse.Namespace) -> dict:
                 order = order[rnd % len(order):] + order[:rnd % len(order)]
                 for name, (proc, url) in order:
                     cpu0 = cpu_seconds(proc.pid)
-                    ttfts = [await one(session, url, a.tokens) for _ in range(a.requests)]
+                    ttfts = await requests(session, url)
                     cpu = (cpu_seconds(proc.pid) - cpu0) / a.requests * 1e6
                     out[name]["cpu_us_per_request"].append(cpu)
+                    out[name]["cpu_us_per_token"].append(cpu / a.tokens)
                     out[name]["ttft"].extend(ttfts)
-                    print(f"round {rnd + 1} {name}: {cpu:.0f} us CPU a request", flush=True)
+                    print(f"round {rnd + 1} {name}: {cpu:.0f} us CPU a request, {cpu / a.tokens:.1f} a token",
+                          flush=True)
     finally:
         for p in [proc for proc, _ in gateways.values()] + [up]:
             p.terminate()
             p.wait(20)
-    print("\n| gateway | CPU a request (median of rounds) | rounds | client TTFT P50 |\n|---|---|---|---|")
+    print("\n| gateway | CPU a request (median of rounds) | a token (request's share included) | rounds | "
+          "client TTFT P50 |\n|---|---|---|---|---|")
     for name in gateways:
         r = out[name]
         r["cpu_us_per_request_median"] = statistics.median(r["cpu_us_per_request"])
+        r["cpu_us_per_token_median"] = statistics.median(r["cpu_us_per_token"])
         r["ttft_p50_ms"] = statistics.median(r.pop("ttft")) * 1e3
-        print(f"| {name} | {r['cpu_us_per_request_median']:.0f} us | "
+        print(f"| {name} | {r['cpu_us_per_request_median']:.0f} us | {r['cpu_us_per_token_median']:.1f} us | "
               f"{' / '.join(f'{x:.0f}' for x in r['cpu_us_per_request'])} | {r['ttft_p50_ms']:.3f} ms |")
     return out
 
@@ -89,6 +109,8 @@ if __name__ == "__main__":
     p.add_argument("--requests", type=int, default=500, help="requests a round (the CPU clock ticks at 10 ms)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--itl", type=float, default=0.0, help="seconds between the upstream's tokens")
+    p.add_argument("--concurrency", type=int, default=1, help="streams at once")
     p.add_argument("--compare-src", action="append", metavar="SRC", help="also a gateway from this source folder")
     p.add_argument("--out", default="benchmarks/results/gateway_request_cpu.json")
     args = p.parse_args()

@@ -388,3 +388,26 @@ async def test_a_redirecting_upstream_is_a_failed_replica_not_a_redirect_for_the
         assert err.value.status == 502 and err.value.code == "upstream_error" and "answered 307" in err.value.message
         assert backend.pool.replicas[0].errors == 1
         backend.pool.replicas[0].conns.close()
+
+
+@sync
+async def test_a_tap_gets_the_body_as_it_arrives_and_wakes_the_reader_only_when_it_says_so() -> None:
+    """What came with the head goes to the tap when it is set; a piece the tap used up wakes nobody; the end does."""
+    srv = ScriptedServer(stream_answer)
+    async with srv as url:
+        pool = ConnectionPool(url, spare=0)
+        async with pool.request("POST", "/v1/completions", b"tapped", {}) as resp:
+            await asyncio.sleep(0.01)  # "data: one" is in by now, read with the head
+            seen: list[bytes] = []
+            resp.set_tap(lambda data: seen.append(data) or False)  # used up: no wake-up
+            assert seen == [b"data: one\n\n"]
+            woken = 0
+            while not resp.complete:
+                await resp.wait()
+                woken += 1
+            assert b"".join(seen) == b"data: one\n\ndata: two\n\ndata: tapped\n\n"
+            assert woken == 1  # once, at the body's end: not for the pieces the tap took
+            resp.set_tap(None)
+            assert await resp.read() == b""
+        assert len(pool.idle) == 1  # pooled as usual
+        pool.close()

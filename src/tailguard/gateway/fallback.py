@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tailguard.gateway.proxy import UpstreamBackend, UpstreamError, UpstreamEvent, continuation_body
+from tailguard.gateway.relay import Relay
 from tailguard.gateway.streams import Stalled
 
 perf_counter = time.perf_counter
@@ -39,6 +40,7 @@ class UpstreamRequest:
     est_tokens: int = 0
     affinity_key: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    relay: Relay | None = None  # the client's direct relay of plain tokens (``gateway/relay.py``), when it has one
 
     def send(self, backend: UpstreamBackend, body: dict[str, Any] | None = None, est_tokens: int | None = None,
              tried: list[str] | None = None, exclude: set[str] | None = None) -> AsyncIterator[UpstreamEvent]:
@@ -46,7 +48,7 @@ class UpstreamRequest:
         return backend.generate_request(
             self.body if body is None else body, self.chat, self.request_id, priority=self.priority,
             est_tokens=self.est_tokens if est_tokens is None else est_tokens, affinity_key=self.affinity_key,
-            headers=self.headers, tried=tried, exclude=exclude)
+            headers=self.headers, tried=tried, exclude=exclude, relay=self.relay)
 
 
 class FallbackReport(Protocol):

@@ -19,7 +19,9 @@ came back (the upstream closed it as the request went out: it never saw the requ
 connection.
 
 The response is parsed by ``httptools`` (llhttp, uvicorn's parser) in the protocol's callbacks; its body is read as
-whatever arrived since the last read, one wake-up per read, as the gateway's SSE reader wants it.
+whatever arrived since the last read, one wake-up per read, as the gateway's SSE reader wants it, or handed as it
+arrives to a ``tap`` (a callable set by the reader), which takes it inside the read callback, with no wake-up: the
+gateway's direct relay of plain tokens (``gateway/relay.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import base64
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from urllib.parse import unquote, urlsplit
 
@@ -68,22 +70,29 @@ class Connection(asyncio.Protocol):
         self._buffered = 0
         self._paused = False
         self._waiter: asyncio.Future | None = None
+        # Takes each piece of the body as it arrives, instead of ``read``; True when it left something for the
+        # reader, which is then woken (a piece the tap used up wakes nobody).
+        self.tap: Callable[[bytes], bool] | None = None
+        self._news = False
 
     # --- asyncio.Protocol -------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._loop = asyncio.get_running_loop()  # kept: the lookup costs a getpid() call at each wait
 
     def data_received(self, data: bytes) -> None:
         if not self.in_request:  # bytes on an idle connection answer nothing we sent: not to be read as an answer
             self.close()
             return
         self.received = True
+        self._news = self.tap is None  # with a tap, the reader is woken only for what it must see
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamProtocolError(f"the upstream's answer is not valid HTTP/1.1: {exc}"))
             self.close()
-        self._wake()
+        if self._news or self.complete or self.exc is not None or not self.headers_done:
+            self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -107,6 +116,10 @@ class Connection(asyncio.Protocol):
         self.headers_done = True
 
     def on_body(self, body: bytes) -> None:
+        if self.tap is not None:
+            if self.tap(body):
+                self._news = True
+            return
         self._body.append(body)
         self._buffered += len(body)
         if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
@@ -130,8 +143,37 @@ class Connection(asyncio.Protocol):
                 w.set_result(None)
 
     async def _wait(self) -> None:
-        self._waiter = fut = asyncio.get_running_loop().create_future()
+        self._waiter = fut = self._loop.create_future()
         await fut
+
+    def set_tap(self, tap: Callable[[bytes], bool] | None) -> None:
+        """Give the body to ``tap`` from now on (what arrived with the head is given to it at once); None: back to
+        ``read``."""
+        self.tap = tap
+        if tap is not None and self._body:
+            data = b"".join(self._body)
+            self._body.clear()
+            self._buffered = 0
+            if self._paused:
+                self.pause_reading(False)
+            tap(data)
+
+    async def wait(self) -> None:
+        """Until something happens on the connection: bytes (to ``read`` or given to the tap), the body's end, a
+        failure."""
+        if self.exc is not None:
+            raise self.exc
+        if not self.complete:
+            await self._wait()
+
+    def pause_reading(self, paused: bool) -> None:
+        """Stop (or start again) reading the socket: the tap's taker is behind."""
+        if paused != self._paused and self.transport is not None and not self.closed:
+            self._paused = paused
+            if paused:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
 
     def send(self, data: bytes) -> None:
         if self.closed or self.transport is None or self.transport.is_closing():

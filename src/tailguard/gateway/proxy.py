@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tailguard.engine.events import EngineStats, TokenEvent
-from tailguard.gateway.sse import DONE, SSELines, TokenTexts, read_chunk
+from tailguard.gateway.relay import Relay, UpstreamFeed
+from tailguard.gateway.sse import DONE, read_chunk
 from tailguard.gateway.upstream import NoReplica, Replica, UpstreamPool
 
 log = logging.getLogger("tailguard.gateway")
@@ -41,6 +42,7 @@ class UpstreamEvent(TokenEvent):
     replica: str | None = None  # on the final event: the replica that answered, after how many attempts
     attempts: int = 1
     sent: float | None = None  # on the final event: when the answering attempt's request left for the replica
+    relayed: int = 0  # on the final event: the tokens the client's direct relay wrote (not among these events)
 
 
 class UpstreamError(Exception):
@@ -133,11 +135,13 @@ class UpstreamBackend:
     async def generate_request(self, body: dict[str, Any], chat: bool, request_id: str, *, priority: int = 0,
                                est_tokens: int = 0, affinity_key: str | None = None,
                                headers: dict[str, str] | None = None, tried: list[str] | None = None,
-                               exclude: set[str] | None = None) -> AsyncIterator[UpstreamEvent]:
+                               exclude: set[str] | None = None, relay: Relay | None = None
+                               ) -> AsyncIterator[UpstreamEvent]:
         """Stream the request's tokens from a replica; retry elsewhere while no token has come back.
 
         ``tried``: the caller's list, to which each replica is appended as it is sent the request (the last one is
-        the replica streaming); ``exclude``: replicas not to use (the stall fallback's stalled one)."""
+        the replica streaming); ``exclude``: replicas not to use (the stall fallback's stalled one); ``relay``: the
+        client's direct relay (``gateway/relay.py``), which plain tokens may take instead of this stream."""
         pool = self.pool
         path = "/v1/chat/completions" if chat else "/v1/completions"
         tried = [] if tried is None else tried
@@ -167,7 +171,8 @@ class UpstreamBackend:
             produced = False
             try:
                 # Closed at once when the caller leaves: that closes the upstream connection (the abort there).
-                async with aclosing(self._attempt(r, path, out, hdrs, request_id, est_tokens, chat, attempt)) as reads:
+                async with aclosing(self._attempt(r, path, out, hdrs, request_id, est_tokens, chat, attempt,
+                                                         relay)) as reads:
                     async for events in reads:
                         produced = produced or events[0].token_id is not None
                         for ev in events:
@@ -184,7 +189,8 @@ class UpstreamBackend:
         raise last
 
     async def _attempt(self, r: Replica, path: str, body: dict[str, Any], headers: dict[str, str],
-                       request_id: str, est_tokens: int, chat: bool, attempt: int) -> AsyncIterator[list[UpstreamEvent]]:
+                       request_id: str, est_tokens: int, chat: bool, attempt: int, relay: Relay | None = None
+                       ) -> AsyncIterator[list[UpstreamEvent]]:
         """One try at one replica: the token events of each read together (one resumption per read, not per token),
         then the final event alone."""
         r.in_flight += 1
@@ -202,6 +208,7 @@ class UpstreamBackend:
         finish: str | None = None
         ok = False
         outcome = "aborted"  # the client went away mid-stream (the generator was closed)
+        feed: UpstreamFeed | None = None
         try:
             try:
                 async with r.conns.request("POST", path, json.dumps(body).encode(), headers) as resp:
@@ -216,19 +223,26 @@ class UpstreamBackend:
                                             f"upstream {r.name} answered {resp.status}: {_error_message(raw)}",
                                             code=None if client_error else "upstream_error",
                                             retry_after=_retry_after(resp.headers.get("retry-after")))
-                    lines = SSELines()
-                    token_text = TokenTexts(chat)
+                    # The body goes to the feed as it arrives: plain tokens straight to the client when the relay
+                    # is armed, everything else queued here, in order.
+                    feed = UpstreamFeed(chat, relay, resp, r)
+                    resp.set_tap(feed)
+                    token_text = feed.token_text
                     while True:
-                        # Whatever arrived since the last read, at once: one wake-up for the tokens it holds.
-                        data = await resp.read()
-                        if not data:  # the end; a last line without its line end still counts
-                            if not lines.pending:
+                        # Whatever arrived since the last wake-up, at once: one resumption for the tokens it holds.
+                        batch = feed.take()
+                        if not batch:
+                            if resp.exc is not None:
+                                raise resp.exc
+                            if not resp.complete:
+                                await resp.wait()
+                                continue
+                            batch = feed.end()  # a last line without its line end still counts
+                            if not batch:
                                 break
-                            data = b"\n"
-                        now = perf_counter()
                         tokens: list[UpstreamEvent] = []
                         failed: UpstreamError | None = None  # raised after the tokens read before it are passed on
-                        for payload in lines.feed(data):
+                        for payload, now in batch:
                             text = token_text(payload)
                             if text is None:
                                 if payload == DONE:
@@ -261,6 +275,7 @@ class UpstreamBackend:
                             raise failed
                         if ok:
                             break
+                    resp.set_tap(None)  # what is left of the body (its end) is read the plain way
             except (OSError, ValueError) as exc:
                 raise UpstreamError(502, f"upstream {r.name} connection failed: {type(exc).__name__}: {exc}"[:400],
                                     code="upstream_unreachable", before_first_token=first is None) from None
@@ -275,8 +290,8 @@ class UpstreamBackend:
             yield [UpstreamEvent(
                 request_id, None, "", now, finished=True, finish_reason=finish or "stop",  # type: ignore[arg-type]
                 num_prompt_tokens=int((usage or {}).get("prompt_tokens") or 0),
-                num_output_tokens=int((usage or {}).get("completion_tokens") or n_out),
-                first_token=first, replica=r.name, attempts=attempt, sent=sent,
+                num_output_tokens=int((usage or {}).get("completion_tokens") or n_out + feed.relayed),
+                first_token=first, replica=r.name, attempts=attempt, sent=sent, relayed=feed.relayed,
             )]
         except UpstreamError as exc:
             outcome = "error" if exc.status >= 500 else "refused"
@@ -291,7 +306,7 @@ class UpstreamBackend:
             span.__exit__(*sys.exc_info())
             r.breaker.trial = False  # a trial the client abandoned decides nothing
             r.in_flight -= 1
-            r.outstanding_tokens -= max(0, est_tokens - n_out)
+            r.outstanding_tokens -= max(0, est_tokens - n_out - (feed.relayed if feed is not None else 0))
             if self.on_attempt is not None:
                 self.on_attempt(r.name, outcome, None if first is None else first - sent)
 

@@ -43,6 +43,7 @@ from tailguard.gateway.tenants import RateLimited
 from tailguard.observe.metrics import clean_label
 from tailguard.observe.timeline import Outcome, Timeline
 from tailguard.serving.chat_prompt import render_chat_prompt
+from tailguard.serving.client_relay import ClientRelay
 from tailguard.serving.errors import APIError
 from tailguard.serving.ids import request_id_from
 from tailguard.serving.protocol import Parsed, decode_json, parse_chat, parse_completion
@@ -136,6 +137,7 @@ class Exchange:
     lane_tokens: int = 0  # the estimated tokens that slot holds (prompt + max_tokens)
     charged: tuple[Any, int, bool] | None = None  # (tenant, output tokens charged, charged in the shared store)
     audit_ids: list[int] | None = None  # the output token ids, kept when the speculation audit will rerun it
+    relay: ClientRelay | None = None  # the gateway's direct relay of plain tokens, when the request has one
 
     def move(self, to: Phase) -> None:
         """Go forward to ``to``. Leaving QUEUED gives the queue slot back: here and nowhere else."""
@@ -159,6 +161,8 @@ class Exchange:
             return False
         self.gone_at = perf_counter()
         self.move(Phase.ABANDONED)
+        if self.relay is not None:
+            self.relay.armed = False
         return True
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -419,6 +423,8 @@ class CompletionEndpoint:
                                       wanted=lambda: ex.phase < Phase.ABANDONED)
                 guard = None
             else:
+                if guard is None and p.stream and self._relays(lane, p):
+                    up.relay = ex.relay = ClientRelay.for_send(ex.send)
                 agen = up.send(engine)  # type: ignore[arg-type]
         else:
             agen = engine.generate(ids, prep.sampling, engine_id, priority=priority, arrival_time=tl.received)
@@ -448,6 +454,12 @@ class CompletionEndpoint:
         elif ex.audit_ids is not None and tl.spec_proposed and tl.outcome is Outcome.SUCCESS and not tl.degraded:
             assert st.audit is not None
             st.audit.submit(engine, tl.request_id, ids, prep.sampling, ex.audit_ids)
+
+    def _relays(self, lane: LaneConfig | None, p: Parsed) -> bool:
+        """Whether plain tokens may take the direct relay: not when anything acts on each token (pacing, flushing
+        every N, logprobs; the stall watch is checked by the caller)."""
+        return self.state.config.direct_relay and p.logprobs is None and (
+            lane is None or (not lane.pace_itl_s and lane.flush_every <= 1))
 
     # --- lanes, tenants, stalls -----------------------------------------------------------------------------------
     def _lane(self, ex: Exchange, request: Request, caller: Any) -> None:
@@ -710,6 +722,8 @@ class CompletionEndpoint:
             g = tl.gateway = tl.gateway or {}
             g["replica"] = replica
             g["attempts"] = getattr(ev, "attempts", 1)
+            if getattr(ev, "relayed", 0):  # tokens the direct relay wrote (gateway/relay.py)
+                g["direct_tokens"] = ev.relayed
             sent = getattr(ev, "sent", None)
             if sent is not None:  # the TTFT split: the gateway's own time before the replica, then the replica's
                 g["upstream_sent"] = round(sent - tl.received, 6)
@@ -777,8 +791,23 @@ class CompletionEndpoint:
                 gm.streams.labels(gm.model, tl.lane).inc()
             return fmt.role(system_fingerprint=degraded_marker(tl))
 
+        relay = ex.relay
+        if relay is not None:
+            relay.bind(tl, fmt.content, ex.output if keep_text else None)
+        it = events.__aiter__()
         try:
-            async for ev in events:
+            while True:
+                if relay is not None:
+                    # Armed only while waiting here, so that a token relayed directly never overtakes one this
+                    # loop holds (the wait in a paused send included), and only after the first token went out.
+                    relay.armed = role_sent and ex.phase is Phase.RESPONDING
+                try:
+                    ev = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                finally:
+                    if relay is not None:
+                        relay.armed = False
                 if ev is KEEPALIVE:
                     if ex.phase is not Phase.ABANDONED:
                         if ex.phase is not Phase.RESPONDING:

@@ -165,6 +165,9 @@ class ServerConfig(BaseModel):
                                                                    "gateway decides alone (fail open)")
     trust_lane_header: bool = Field(False, description="take X-Lane from the client (only behind a proxy that "
                                                        "sets it): otherwise a claimed lane is ignored and recorded")
+    direct_relay: bool = Field(True, description="write an upstream's plain tokens to the client from the upstream "
+                                                 "read callback (docs/gateway.md, 'The direct relay'); off: every "
+                                                 "token through the server's stream")
 
     @field_validator("store_path")
     @classmethod

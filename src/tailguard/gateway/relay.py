@@ -1,0 +1,91 @@
+"""The direct relay: a plain token written to the client from the upstream connection's read callback.
+
+Relaying a token the general way costs a wake-up of the request's task and a pass through three async generators
+(the upstream attempt, the retry loop, the server's stream), each with its own bookkeeping, before the chunk is
+handed to the ASGI server. Most of a stream's chunks need none of it: after the first token, a plain token chunk
+(``gateway/sse.py``: one text, no finish reason, no usage) becomes one chunk to the client and two timestamps. So
+while the server's stream is waiting for its next event, and nothing read before is still waiting for it, such a
+token is written by the ``Relay`` the server armed, inside the read callback; anything else (the role chunk, the
+first token, the last chunks, an error, a token behind one of those, a token the relay refuses) is queued for the
+reader as before, in order. Measured in docs/benchmarks.md ("The direct relay").
+
+``UpstreamFeed`` is one attempt's side of it: it takes the body as the connection receives it (the connection's
+``tap``), splits it into ``data:`` payloads and either relays or queues each.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Protocol
+
+from tailguard.gateway.sse import DONE, SSELines, TokenTexts
+
+_HIGH_WATER = 1 << 20  # payload bytes queued for the reader before the socket stops being read (it is behind)
+
+
+class Relay(Protocol):
+    """The client's side: armed by the server only while its stream waits for the next event."""
+
+    armed: bool
+
+    def token(self, text: str, produced: float) -> bool:
+        """Write one token's chunk now; False (nothing written) when it cannot, and the token goes to the reader."""
+
+
+class UpstreamFeed:
+    """One attempt's stream as payloads: relayed directly when the relay allows, else queued for the reader.
+
+    ``queue`` holds (payload, arrival time) in arrival order; ``relayed`` counts the tokens written directly (the
+    attempt's token count includes them)."""
+
+    __slots__ = ("lines", "token_text", "relay", "queue", "queued_bytes", "relayed", "ended", "_conn", "_replica")
+
+    def __init__(self, chat: bool, relay: Relay | None, conn: object | None = None, replica: object | None = None
+                 ) -> None:
+        self.lines = SSELines()
+        self.token_text = TokenTexts(chat)
+        self.relay = relay
+        self.queue: deque[tuple[bytes, float]] = deque()
+        self.queued_bytes = 0
+        self.relayed = 0
+        self.ended = False  # [DONE] came: nothing after it is relayed
+        self._conn = conn  # paused while the reader is behind (``pause_reading``)
+        self._replica = replica  # its outstanding tokens count down as they come (routing reads them)
+
+    def __call__(self, data: bytes) -> bool:
+        """Take one piece of the body; True when something was queued for the reader."""
+        now = time.perf_counter()
+        queue, relay = self.queue, self.relay
+        queued = False
+        for payload in self.lines.feed(data):
+            if relay is not None and relay.armed and not queue and not self.ended:
+                text = self.token_text(payload)
+                if text and relay.token(text, now):
+                    self.relayed += 1
+                    if self._replica is not None:
+                        self._replica.outstanding_tokens -= 1  # type: ignore[attr-defined]
+                    continue
+            if payload == DONE:
+                self.ended = True
+            queue.append((payload, now))
+            self.queued_bytes += len(payload)
+            queued = True
+        if self.queued_bytes > _HIGH_WATER and self._conn is not None:
+            self._conn.pause_reading(True)  # type: ignore[attr-defined]
+        return queued
+
+    def take(self) -> list[tuple[bytes, float]]:
+        """Everything queued, oldest first (and the socket read again if it was paused for it)."""
+        out = list(self.queue)
+        self.queue.clear()
+        if self.queued_bytes > _HIGH_WATER and self._conn is not None:
+            self._conn.pause_reading(False)  # type: ignore[attr-defined]
+        self.queued_bytes = 0
+        return out
+
+    def end(self) -> list[tuple[bytes, float]]:
+        """At the body's end: the last line, if the stream did not end it."""
+        if not self.lines.pending:
+            return []
+        return [(p, time.perf_counter()) for p in self.lines.feed(b"\n")]

@@ -1,0 +1,151 @@
+"""The gateway's direct relay (gateway/relay.py, serving/client_relay.py): plain tokens written to the client from
+the upstream read callback, everything else through the server's stream, in order.
+
+The feed is tested with a scripted relay (which tokens it takes, what it leaves for the reader, in which order); the
+whole path through a gateway in front of a scripted upstream, with the relay on and off: the same answer, byte for
+byte apart from the ids, and the record's times for every token."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tailguard.gateway.relay import UpstreamFeed
+from tailguard.serving.client_relay import ClientRelay
+from tests.test_gateway import _upstream_chunk, gateway, record, scripted_upstream
+
+
+class ScriptedRelay:
+    def __init__(self, refuse: set[str] | None = None) -> None:
+        self.armed = True
+        self.written: list[str] = []
+        self.refuse = refuse or set()
+
+    def token(self, text: str, produced: float) -> bool:
+        if text in self.refuse:
+            return False
+        self.written.append(text)
+        return True
+
+
+class Replica:
+    outstanding_tokens = 10
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+
+
+ROLE = sse(_upstream_chunk({"role": "assistant", "content": ""}))
+LAST = sse(_upstream_chunk({"content": "!"}, "stop"))
+
+
+def payloads(feed: UpstreamFeed) -> list[bytes]:
+    return [p for p, _ in feed.take()]
+
+
+def test_plain_tokens_go_to_the_relay_and_the_rest_to_the_reader_in_order():
+    relay, rep = ScriptedRelay(), Replica()
+    feed = UpstreamFeed(chat=True, relay=relay, replica=rep)
+    stream = ROLE + b"".join(sse(_upstream_chunk({"content": t})) for t in ("a", "b")) + LAST + sse(b"[DONE]")
+    feed(stream[:7])  # a line cut anywhere waits for its end
+    assert feed.take() == [] and relay.written == []
+    feed(stream[7:])
+    # The role chunk is the reader's; behind it in the queue, the tokens must wait too (no overtaking).
+    got = payloads(feed)
+    assert relay.written == [] and len(got) == 5 and got[-1] == b"[DONE]"
+    # With the queue empty, plain tokens go straight out; the last chunk (a finish reason) and [DONE] do not.
+    feed(b"".join(sse(_upstream_chunk({"content": t})) for t in ("c", "d")) + LAST + sse(b"[DONE]"))
+    assert relay.written == [] and feed.ended  # [DONE] came before: nothing after it is relayed
+    feed2 = UpstreamFeed(chat=True, relay=relay, replica=rep)
+    feed2(b"".join(sse(_upstream_chunk({"content": t})) for t in ("c", "d")) + LAST + sse(b"[DONE]"))
+    assert relay.written == ["c", "d"] and feed2.relayed == 2 and rep.outstanding_tokens == 8
+    assert [json.loads(p)["choices"][0]["finish_reason"] for p in payloads(feed2)[:1]] == ["stop"]
+
+
+def test_a_disarmed_or_refusing_relay_leaves_tokens_to_the_reader():
+    relay = ScriptedRelay(refuse={"b"})
+    feed = UpstreamFeed(chat=True, relay=relay)
+    feed(sse(_upstream_chunk({"content": "a"})) + sse(_upstream_chunk({"content": "b"}))
+         + sse(_upstream_chunk({"content": "c"})))
+    # "b" refused: queued, and "c" behind it queued too.
+    assert relay.written == ["a"] and [json.loads(p)["choices"][0]["delta"]["content"] for p in payloads(feed)] == \
+        ["b", "c"]
+    relay.armed = False
+    feed(sse(_upstream_chunk({"content": "d"})))
+    assert relay.written == ["a"] and len(payloads(feed)) == 1
+    # No relay at all: the plain reader's queue.
+    plain = UpstreamFeed(chat=False, relay=None)
+    plain(b'data: {"choices":[{"index":0,"text":"x","finish_reason":null}]}\n')
+    assert plain.relayed == 0 and len(plain.take()) == 1
+
+
+def test_the_last_line_without_its_end_is_given_at_the_end():
+    feed = UpstreamFeed(chat=True, relay=None)
+    feed(b"data: [DONE]")
+    assert feed.take() == [] and [p for p, _ in feed.end()] == [b"[DONE]"]
+
+
+def test_client_relay_only_over_uvicorns_own_send():
+    async def send(message: dict) -> None:  # any other server, or a middleware's wrapper
+        pass
+
+    assert ClientRelay.for_send(send) is None
+    assert ClientRelay.for_send(object()) is None
+
+
+TEXTS = ["Hel", "lo, ", 'a "quoted"\nline', " caf\u00e9 \U0001f600", " back\\slash", " and", " more", "."]
+
+
+@pytest.fixture(scope="module")
+def spaced_stream() -> bytes:
+    """Tokens a few milliseconds apart (written one chunk at a time): after the first, the relay's to take."""
+    events = [_upstream_chunk({"role": "assistant", "content": ""})]
+    events += [_upstream_chunk({"content": t}) for t in TEXTS[:-1]]
+    events += [_upstream_chunk({"content": TEXTS[-1]}, "length"),
+               {**_upstream_chunk({}), "choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 8,
+                                                               "total_tokens": 19}}]
+    lines = [json.dumps(e).encode() for e in events] + [b"[DONE]"]
+    width = max(len(x) for x in lines)
+    # Padded to one length (blanks are allowed around JSON), so that a fixed write size is one event a write.
+    return b"".join(sse(x.ljust(width)) for x in lines)
+
+
+def _answer(url: str) -> tuple[httpx.Response, list[dict]]:
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert r.status_code == 200, r.text
+    data = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return r, [json.loads(x) for x in data[:-1]]
+
+
+def test_the_relay_gives_the_same_answer_and_times_every_token(tmp_path, spaced_stream):
+    answers = {}
+    for on in (True, False):
+        # One event a write, 20 ms apart: each token arrives alone, while the server's stream waits.
+        size = spaced_stream.index(b"\n\n") + 2
+        with scripted_upstream(spaced_stream, size, pause_s=0.02) as up, \
+                gateway(tmp_path, [up], direct_relay=on) as gw:
+            r, chunks = _answer(gw.url)
+            rec = record(gw, r)
+        for c in chunks:  # the gateway's own id and creation time differ between the two answers
+            c.pop("id")
+            c.pop("created")
+            c.pop("tailguard", None)
+        answers[on] = chunks
+        assert rec["output_tokens"] == 8
+        # Every token on the timeline: when it came from the replica, and when it left, in order.
+        assert len(rec["token_times"]) == 8 and len(rec["token_sent"]) == 8
+        assert rec["token_sent"] == sorted(rec["token_sent"]) and rec["token_times"] == sorted(rec["token_times"])
+        assert all(s >= t for s, t in zip(rec["token_sent"], rec["token_times"], strict=True))
+        direct = rec["gateway"].get("direct_tokens", 0)
+        # On: all but the first token (it opens the response) and the last (it carries the finish reason).
+        assert direct == (len(TEXTS) - 2 if on else 0)
+    assert answers[True] == answers[False]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in answers[True] if c["choices"]) == \
+        "".join(TEXTS)
