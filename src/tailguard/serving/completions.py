@@ -523,7 +523,7 @@ class CompletionEndpoint:
         ex.lane_slot, ex.lane_tokens = tl.lane, tokens
         tl.gateway = {**(tl.gateway or {}), "lane_wait": round(waited, 6), "lane_tokens": tokens}
         if gm is not None:
-            gm.lane_wait.labels(gm.model, tl.lane).observe(waited)
+            gm.child(gm.lane_wait, tl.lane).observe(waited)
 
     def _on_miss(self, tl: Timeline) -> Callable[[str], None]:
         gm = self.state.gateway_metrics
@@ -788,7 +788,7 @@ class CompletionEndpoint:
             role_sent = True
             gm = self.state.gateway_metrics
             if gm is not None:  # the denominator of the stream interruption rate
-                gm.streams.labels(gm.model, tl.lane).inc()
+                gm.child(gm.streams, tl.lane).inc()
             return fmt.role(system_fingerprint=degraded_marker(tl))
 
         relay = ex.relay

@@ -110,9 +110,11 @@ class ChatFormat:
         return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
     def role(self, system_fingerprint: str | None = None) -> bytes:
-        extra = {"system_fingerprint": system_fingerprint} if system_fingerprint else {}
+        if not system_fingerprint:  # the common case, on every stream's first-token path: no encoder pass
+            return (f'data: {self._head},"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},'
+                    f'"logprobs":null,"finish_reason":null}}]}}\n\n').encode()
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}], **extra)
+                             "finish_reason": None}], system_fingerprint=system_fingerprint)
 
     def content(self, text: str) -> bytes:
         return self._content_head + encode_basestring(text).encode() + self._content_tail
