@@ -7,6 +7,7 @@ byte apart from the ids, and the record's times for every token."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -14,7 +15,8 @@ import httpx
 import pytest
 
 from tailguard.gateway.relay import UpstreamFeed
-from tailguard.serving.client_relay import ClientRelay
+from tailguard.observe.timeline import Timeline
+from tailguard.serving.client_relay import ClientRelay, RelayFlusher
 from tests.test_gateway import _upstream_chunk, gateway, record, scripted_upstream
 
 
@@ -93,8 +95,78 @@ def test_client_relay_only_over_uvicorns_own_send():
     async def send(message: dict) -> None:  # any other server, or a middleware's wrapper
         pass
 
-    assert ClientRelay.for_send(send) is None
-    assert ClientRelay.for_send(object()) is None
+    assert ClientRelay.for_send(send, RelayFlusher()) is None
+    assert ClientRelay.for_send(object(), RelayFlusher()) is None
+
+
+class FakeTransport:
+    def __init__(self, log: list) -> None:
+        self.log, self.closing = log, False
+
+    def write(self, data: bytes) -> None:
+        self.log.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+class FakeFlow:
+    write_paused = False
+
+
+class FakeCycle:  # the attributes of uvicorn's response cycle the relay reads
+    def __init__(self, transport: FakeTransport) -> None:
+        self.transport, self.flow = transport, FakeFlow()
+        self.disconnected = self.response_complete = False
+        self.chunked_encoding = True
+
+
+def _relay(log: list, flusher: RelayFlusher) -> tuple[ClientRelay, Timeline]:
+    relay = ClientRelay(FakeCycle(FakeTransport(log)), flusher)
+    tl = Timeline(request_id="r", endpoint="/v1/chat/completions")
+    relay.bind(tl, lambda text: text.encode(), None)
+    relay.armed = True
+    return relay, tl
+
+
+def test_relayed_chunks_leave_after_the_work_their_turn_made_ready():
+    """A burst of tokens must not go ahead of a new request's first step or a first token (the TTFT path)."""
+    async def main() -> list:
+        log: list = []
+        loop = asyncio.get_running_loop()
+        relay, tl = _relay(log, RelayFlusher())
+
+        def read_callback() -> None:
+            assert relay.token("a", 1.0) and relay.token("bc", 1.1)
+            loop.call_soon(log.append, "task made ready by the same turn")
+
+        loop.call_soon(read_callback)
+        await asyncio.sleep(0.01)
+        assert tl.token_times == [1.0, 1.1] and len(tl.token_sent) == 2
+        return log
+
+    assert asyncio.run(main()) == ["task made ready by the same turn", b"1\r\na\r\n", b"2\r\nbc\r\n"]
+
+
+def test_the_stream_settles_what_is_held_before_it_writes_and_a_gone_client_gets_nothing():
+    async def main() -> None:
+        log: list = []
+        flusher = RelayFlusher()
+        relay, tl = _relay(log, flusher)
+        other, _ = _relay(log, flusher)
+        assert relay.token("a", 1.0) and other.token("b", 1.0)
+        relay.settle()  # the server's stream is about to write: held chunks first, in order
+        assert log == [b"1\r\na\r\n", b"1\r\nb\r\n"]
+        relay._cycle.transport.closing = True
+        assert relay.token("c", 2.0)
+        await asyncio.sleep(0.01)
+        assert len(log) == 2 and len(tl.token_sent) == 1  # never written, never counted as sent
+        relay._cycle.disconnected = True
+        assert not relay.token("d", 3.0)  # refused: the stream's own path sees the disconnect
+        relay._cycle.disconnected, relay.armed = False, False
+        assert not relay.token("e", 3.0)
+
+    asyncio.run(main())
 
 
 TEXTS = ["Hel", "lo, ", 'a "quoted"\nline', " caf\u00e9 \U0001f600", " back\\slash", " and", " more", "."]

@@ -1,5 +1,5 @@
-"""The client's side of the gateway's direct relay (``gateway/relay.py``): a token's chunk written on the client's
-connection at once, from the upstream read callback, past the ASGI ``send``.
+"""The client's side of the gateway's direct relay (``gateway/relay.py``): a token's chunk taken from the upstream read
+callback and written on the client's connection past the ASGI ``send``, at the end of the event loop's turn.
 
 Only under uvicorn's httptools protocol (the server ``tailguard serve`` runs), whose response cycle is the ``send``
 callable's object: its transport, its chunked framing and its flow control are read from it. Under any other server,
@@ -8,10 +8,18 @@ or with a middleware wrapping ``send`` (tracing), ``for_send`` gives None and ev
 A token is refused (False: the caller queues it for the server's stream, which sends it the usual way, in order)
 when the relay is not armed, the client has gone, the response is complete or not chunked, or the client's socket
 buffer is above uvicorn's high-water mark (its ``send`` would wait there: the wait is the stream's to do).
+
+**When the bytes leave.** Not inside the read callback: uvloop runs every read callback of a poll before any task
+that the poll made ready, so writing there put each burst of tokens ahead of the new requests' first steps and the
+first tokens (the TTFT path) that arrived with it: in paired rounds at 256 streams the added P99 TTFT rose by ~1 ms
+over the relay-free path. A ``RelayFlusher`` holds the accepted chunks and writes them, in order, one turn later,
+after the tasks of the turn that received them (docs/benchmarks.md, "The direct relay"). The server's stream flushes
+whatever is held before it writes anything itself (``settle``), so nothing overtakes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,25 +30,63 @@ perf_counter = time.perf_counter
 _UVICORN_CYCLE = ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle")
 
 
+class RelayFlusher:
+    """The chunks the relays of one event loop accepted this turn, written at the end of the next one's ready work."""
+
+    __slots__ = ("pending", "_scheduled", "_loop")
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[ClientRelay, bytes]] = []
+        self._scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def add(self, relay: ClientRelay, data: bytes) -> None:
+        self.pending.append((relay, data))
+        if not self._scheduled:
+            self._scheduled = True
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            # Two hops: the first runs among the work this turn made ready, the second after all of it (the next
+            # turn's ready work starts with it).
+            self._loop.call_soon(self._behind)
+
+    def _behind(self) -> None:
+        self._loop.call_soon(self._due)  # type: ignore[union-attr]
+
+    def _due(self) -> None:
+        self._scheduled = False
+        self.flush()
+
+    def flush(self) -> None:
+        items, self.pending = self.pending, []
+        now = perf_counter()
+        for relay, data in items:
+            transport = relay._cycle.transport
+            if not transport.is_closing():
+                transport.write(data)
+                relay._tl.token_sent.append(now)  # type: ignore[union-attr]
+
+
 class ClientRelay:
-    """Writes token chunks on the client's connection while ``armed`` (set by the server's stream)."""
+    """Takes token chunks for the client's connection while ``armed`` (set by the server's stream)."""
 
-    __slots__ = ("armed", "_cycle", "_tl", "_content", "_output")
+    __slots__ = ("armed", "_cycle", "_flusher", "_tl", "_content", "_output")
 
-    def __init__(self, cycle: Any) -> None:
+    def __init__(self, cycle: Any, flusher: RelayFlusher) -> None:
         self.armed = False
         self._cycle = cycle
+        self._flusher = flusher
         self._tl: Timeline | None = None
         self._content: Callable[[str], bytes] | None = None
         self._output: list[str] | None = None
 
     @classmethod
-    def for_send(cls, send: Any) -> ClientRelay | None:
+    def for_send(cls, send: Any, flusher: RelayFlusher) -> ClientRelay | None:
         cycle = getattr(send, "__self__", None)
         kind = type(cycle)
         if (kind.__module__, kind.__name__) != _UVICORN_CYCLE or not hasattr(cycle, "transport"):
             return None
-        return cls(cycle)
+        return cls(cycle, flusher)
 
     def bind(self, tl: Timeline, content: Callable[[str], bytes], output: list[str] | None) -> None:
         """What a token needs: the timeline its times go on, the chunk's encoder, the kept text (or None)."""
@@ -53,10 +99,13 @@ class ClientRelay:
             return False
         assert self._content is not None and self._tl is not None
         chunk = self._content(text)
-        cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))  # uvicorn's chunk framing
-        tl = self._tl
-        tl.token_times.append(produced)
-        tl.token_sent.append(perf_counter())
+        self._flusher.add(self, b"%x\r\n%b\r\n" % (len(chunk), chunk))  # uvicorn's chunk framing
+        self._tl.token_times.append(produced)
         if self._output is not None:
             self._output.append(text)
         return True
+
+    def settle(self) -> None:
+        """Write what is held now: the server's stream is about to write (its own chunks must come after)."""
+        if self._flusher.pending:
+            self._flusher.flush()

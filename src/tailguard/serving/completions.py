@@ -424,7 +424,7 @@ class CompletionEndpoint:
                 guard = None
             else:
                 if guard is None and p.stream and self._relays(lane, p):
-                    up.relay = ex.relay = ClientRelay.for_send(ex.send)
+                    up.relay = ex.relay = ClientRelay.for_send(ex.send, st.relay_flusher)
                 agen = up.send(engine)  # type: ignore[arg-type]
         else:
             agen = engine.generate(ids, prep.sampling, engine_id, priority=priority, arrival_time=tl.received)
@@ -808,6 +808,7 @@ class CompletionEndpoint:
                 finally:
                     if relay is not None:
                         relay.armed = False
+                        relay.settle()  # what it holds leaves before anything this loop writes
                 if ev is KEEPALIVE:
                     if ex.phase is not Phase.ABANDONED:
                         if ex.phase is not Phase.RESPONDING:

@@ -21,6 +21,7 @@ from tailguard.observe.timeline import Outcome, Timeline
 from tailguard.serving.admission import Admission
 from tailguard.serving.auth import Keys
 from tailguard.serving.backend import Backend, backend_capacity
+from tailguard.serving.client_relay import RelayFlusher
 from tailguard.serving.config import ServerConfig
 from tailguard.serving.responses import TokenText
 from tailguard.serving.spec_audit import SpeculationAudit
@@ -58,6 +59,7 @@ class ServerState:
     machine: ResourceSampler | None = None  # CPU and memory (and the accelerator's) every 100 ms (O2)
     tracer: RequestTracer | None = None  # when tracing is configured (started and stopped by the lifespan)
     shared: SharedState = field(default_factory=LocalState)  # rate limits and lane budgets: in-process or Redis
+    relay_flusher: RelayFlusher = field(default_factory=RelayFlusher)  # the gateway's direct relay (one loop's)
     batch_cap: BatchCapDriver | None = None  # batch_cap mode 'forecast': sets the engine's caps ahead of load
 
     def __post_init__(self) -> None:
