@@ -221,3 +221,52 @@ def test_the_relay_gives_the_same_answer_and_times_every_token(tmp_path, spaced_
     assert answers[True] == answers[False]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in answers[True] if c["choices"]) == \
         "".join(TEXTS)
+
+
+@pytest.mark.parametrize(("lane", "relayed"), [
+    ({"ttft_deadline_s": 5.0, "keepalive_s": 1.0}, True),  # both act before the first token only: the relay arms after
+    ({"itl_deadline_s": 5.0, "ttft_deadline_s": 5.0}, True),  # the watch is told of each relayed token
+    ({"pace_itl_s": 0.05}, False),
+    ({"flush_every": 3}, False),
+])
+def test_which_lanes_take_the_relay(tmp_path, spaced_stream, lane, relayed):
+    size = spaced_stream.index(b"\n\n") + 2
+    lanes = {"standard": {"priority": 1, **lane}}
+    with scripted_upstream(spaced_stream, size, pause_s=0.02) as up, gateway(tmp_path, [up], lanes=lanes) as gw:
+        r, chunks = _answer(gw.url)
+        rec = record(gw, r)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "".join(TEXTS) and rec["output_tokens"] == 8
+    assert bool(rec["gateway"].get("direct_tokens")) is relayed
+
+
+def test_the_stall_watch_counts_relayed_tokens_and_a_fallback_continues_from_their_text(tmp_path, spaced_stream):
+    """Tokens 20 ms apart under a 50 ms inter-token deadline: never a stall, though none passes the watch itself.
+    Then a replica that stalls after four tokens (relayed directly): the continuation sent to the other replica
+    carries their text."""
+    size = spaced_stream.index(b"\n\n") + 2
+    lanes = {"standard": {"priority": 1, "itl_deadline_s": 0.05, "ttft_deadline_s": 5.0}}
+    with scripted_upstream(spaced_stream, size, pause_s=0.02) as up, gateway(tmp_path, [up], lanes=lanes) as gw:
+        r, chunks = _answer(gw.url)
+        rec = record(gw, r)
+    assert not rec["degraded"] and rec["gateway"].get("direct_tokens") == len(TEXTS) - 2
+    assert "itl_misses" not in rec["gateway"]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "".join(TEXTS)
+
+    bodies: list[dict] = []
+    # Writes: the role chunk, then one token each: a stall after the fifth write follows four tokens.
+    with scripted_upstream(spaced_stream, size, pause_s=0.02, stall_after=5, stall_s=3.0) as stalls, \
+            scripted_upstream(spaced_stream, size, pause_s=0.02, bodies=bodies) as healthy, \
+            gateway(tmp_path, [stalls, healthy], lanes=lanes, routing={"policy": "prefix"}) as gw:
+        pool = gw.state.engine.pool
+        name = next(rep.name for rep in pool.replicas if rep.url.rstrip("/") == stalls)
+        user = next(f"u{i}" for i in range(500) if pool.pick(pool.affinity_key(f"u{i}", "")).name == name)
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+            "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
+            "user": user})
+        assert r.status_code == 200, r.text
+        rec = record(gw, r)
+    assert rec["slo_action"]["mode"] == "fallback" and rec["gateway"]["fallback"]["after_tokens"] == 4
+    cont = bodies[-1]
+    assert cont["messages"][-1] == {"role": "assistant", "content": "".join(TEXTS[:4])}
+    assert cont["continue_final_message"] is True and cont["max_tokens"] == 4

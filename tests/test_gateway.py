@@ -352,11 +352,12 @@ def test_tenant_rate_limits_on_the_embedded_engine(tmp_path):
 
 
 @contextlib.contextmanager
-def scripted_upstream(stream: bytes, cut: int, pause_s: float = 0.003, bodies: list[dict] | None = None
-                      ) -> Iterator[str]:
+def scripted_upstream(stream: bytes, cut: int, pause_s: float = 0.003, bodies: list[dict] | None = None,
+                      stall_after: int | None = None, stall_s: float = 0.0) -> Iterator[str]:
     """An OpenAI-compatible upstream that answers every completion with ``stream``, written ``cut`` bytes at a time
     with a pause in between (so that the gateway's reads see events cut anywhere, and several in one read).
-    ``bodies``: the request bodies it received are appended there."""
+    ``bodies``: the request bodies it received are appended there. ``stall_after``: after that many writes, a pause
+    of ``stall_s`` (a stream that stalls mid-way)."""
     import asyncio
     import threading
 
@@ -372,9 +373,9 @@ def scripted_upstream(stream: bytes, cut: int, pause_s: float = 0.003, bodies: l
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         with contextlib.suppress(ConnectionError):  # the gateway may hang up once it has read [DONE]
-            for i in range(0, len(stream), cut):
+            for n, i in enumerate(range(0, len(stream), cut)):
                 await resp.write(stream[i:i + cut])
-                await asyncio.sleep(pause_s)
+                await asyncio.sleep(stall_s if n + 1 == stall_after else pause_s)
             await resp.write_eof()
         return resp
 

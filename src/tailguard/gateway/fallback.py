@@ -65,19 +65,24 @@ async def stall_fallback(backend: UpstreamBackend, request: UpstreamRequest,
     """The request's events, through ``guard`` (the stall watch); after a stall, the continuation's events.
     ``wanted``: False once the client has gone (no continuation is sent for nobody)."""
     tried: list[str] = []
-    texts: list[str] = []
-    sent = 0
+    texts: list[str] = []  # every text sent, in order: the stream's and the direct relay's (its ``sink``)
+    relay = request.relay
+    if relay is not None:
+        relay.sink = texts
     first = guard(request.send(backend, tried=tried))
     try:
         async with aclosing(first):
             async for ev in first:
                 if getattr(ev, "token_id", None) is not None:
-                    sent += 1
                     texts.append(ev.text)
                 yield ev
         return
     except Stalled as exc:
         stalled = exc
+    finally:
+        if relay is not None:
+            relay.sink = None
+    sent = len(texts)
     stalled_on = tried[-1] if tried else None
     backend.stalled(stalled_on)
     if sent >= request.max_tokens:  # every token had come: only the stream's end was missing

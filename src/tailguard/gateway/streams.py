@@ -34,7 +34,9 @@ class Stalled(Exception):
 
 async def watch(events: AsyncIterator[Any], *, ttft_deadline: float | None, itl_deadline: float | None,
                 misses: int = 3, keepalive: float | None = None,
-                on_miss: Callable[[str], None] | None = None) -> AsyncIterator[Any]:
+                on_miss: Callable[[str], None] | None = None, relay: Any = None) -> AsyncIterator[Any]:
+    """``relay``: the client's direct relay (``serving/client_relay.py``), whose tokens never pass here: it tells the
+    inter-token clock of each (``on_token``)."""
     it = events.__aiter__()
     try:
         ev = None
@@ -48,7 +50,7 @@ async def watch(events: AsyncIterator[Any], *, ttft_deadline: float | None, itl_
             async for ev in it:  # nothing to time between tokens: the events pass as they are
                 yield ev
             return
-        async with aclosing(_between_tokens(it, itl_deadline, misses, on_miss)) as rest:
+        async with aclosing(_between_tokens(it, itl_deadline, misses, on_miss, relay)) as rest:
             async for ev in rest:
                 yield ev
     finally:
@@ -108,7 +110,7 @@ async def _until_first_token(it: AsyncIterator[Any], deadline: float | None, mis
 
 
 async def _between_tokens(it: AsyncIterator[Any], deadline: float, misses: int,
-                          on_miss: Callable[[str], None] | None) -> AsyncIterator[Any]:
+                          on_miss: Callable[[str], None] | None, relay: Any = None) -> AsyncIterator[Any]:
     """Events after the first token, each awaited in the caller's own task. One timer keeps the deadlines: it is
     armed once and, when it fires, counts a miss only if the current wait has lasted a full deadline, else moves to
     where that wait's deadline falls; a token costs a clock read, not a task and a timer. At the last miss the timer
@@ -142,6 +144,16 @@ async def _between_tokens(it: AsyncIterator[Any], deadline: float, misses: int,
             due = wait_start + (missed_here + 1) * deadline
         timer = loop.call_at(due, fire)
 
+    def relayed() -> None:
+        """A token went by the direct relay during this wait: as if it had come here, and the wait starts again."""
+        nonlocal wait_start, missed_here, streak
+        if not missed_here:
+            streak = 0
+        wait_start = loop.time()
+        missed_here = 0
+
+    if relay is not None:
+        relay.on_token = relayed
     try:
         while True:
             wait_start = loop.time()
@@ -164,5 +176,7 @@ async def _between_tokens(it: AsyncIterator[Any], deadline: float, misses: int,
                 streak = 0
             yield ev
     finally:
+        if relay is not None:
+            relay.on_token = None
         if timer is not None:
             timer.cancel()

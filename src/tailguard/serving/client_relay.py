@@ -70,10 +70,12 @@ class RelayFlusher:
 class ClientRelay:
     """Takes token chunks for the client's connection while ``armed`` (set by the server's stream)."""
 
-    __slots__ = ("armed", "_cycle", "_flusher", "_tl", "_content", "_output")
+    __slots__ = ("armed", "on_token", "sink", "_cycle", "_flusher", "_tl", "_content", "_output")
 
     def __init__(self, cycle: Any, flusher: RelayFlusher) -> None:
         self.armed = False
+        self.on_token: Callable[[], None] | None = None  # the stall watch's clock: a token came (``watch``)
+        self.sink: list[str] | None = None  # the texts sent, for a stall fallback's continuation (``stall_fallback``)
         self._cycle = cycle
         self._flusher = flusher
         self._tl: Timeline | None = None
@@ -103,6 +105,10 @@ class ClientRelay:
         self._tl.token_times.append(produced)
         if self._output is not None:
             self._output.append(text)
+        if self.sink is not None:
+            self.sink.append(text)
+        if self.on_token is not None:
+            self.on_token()
         return True
 
     def settle(self) -> None:

@@ -404,18 +404,21 @@ class CompletionEndpoint:
         tl.queued = perf_counter()
         priority = self._priority(ex, p.priority)
         lane = ex.lane
+        takes_text = getattr(engine, "takes_text", False)
+        if takes_text and p.stream and self._relays(lane, p):
+            ex.relay = ClientRelay.for_send(ex.send, st.relay_flusher)
         guard: Callable[[AsyncIterator[Any]], AsyncIterator[Any]] | None = None
         if lane is not None and lane.watches:
             guard = partial(watch, ttft_deadline=lane.ttft_deadline_s, itl_deadline=lane.itl_deadline_s,
                             misses=lane.stall_misses, keepalive=lane.keepalive_s if p.stream else None,
-                            on_miss=self._on_miss(tl))
-        if getattr(engine, "takes_text", False):
+                            on_miss=self._on_miss(tl), relay=ex.relay)
+        if takes_text:
             up = UpstreamRequest(
                 prep.body, self.chat, engine_id, p.max_tokens or 1, priority=priority,
                 est_tokens=tl.num_prompt_tokens + (p.max_tokens or 0),
                 affinity_key=engine.pool.affinity_key(p.user or request.headers.get("x-session-id"),  # type: ignore
                                                       prep.text or ""),
-                headers=_forwarded(request))
+                headers=_forwarded(request), relay=ex.relay)
             if guard is not None and lane is not None and lane.stall_fallback == "replica" and \
                     (lane.ttft_deadline_s or lane.itl_deadline_s):
                 # A stall continues the answer on another replica (the template only when that fails too).
@@ -423,8 +426,6 @@ class CompletionEndpoint:
                                       wanted=lambda: ex.phase < Phase.ABANDONED)
                 guard = None
             else:
-                if guard is None and p.stream and self._relays(lane, p):
-                    up.relay = ex.relay = ClientRelay.for_send(ex.send, st.relay_flusher)
                 agen = up.send(engine)  # type: ignore[arg-type]
         else:
             agen = engine.generate(ids, prep.sampling, engine_id, priority=priority, arrival_time=tl.received)
@@ -456,8 +457,10 @@ class CompletionEndpoint:
             st.audit.submit(engine, tl.request_id, ids, prep.sampling, ex.audit_ids)
 
     def _relays(self, lane: LaneConfig | None, p: Parsed) -> bool:
-        """Whether plain tokens may take the direct relay: not when anything acts on each token (pacing, flushing
-        every N, logprobs; the stall watch is checked by the caller)."""
+        """Whether plain tokens may take the direct relay: not when something holds or rewrites each token after
+        the first (pacing, flushing every N, logprobs). The stall watch counts the relay's tokens (its
+        ``on_token``) and a stall fallback continues from its texts (``sink``); after the first token no loop turn
+        passes between their generators and the stream (no task of their own), which keeps the relay's order."""
         return self.state.config.direct_relay and p.logprobs is None and (
             lane is None or (not lane.pace_itl_s and lane.flush_every <= 1))
 
