@@ -301,6 +301,7 @@ class CompletionEndpoint:
         tl = self._timeline(request, received)
         ex = Exchange(st, send, tl)
         st.admission.in_flight += 1
+        shutting_down = False
         try:
             await self._exchange(ex, request)
         except APIError as err:
@@ -327,6 +328,7 @@ class CompletionEndpoint:
         except asyncio.CancelledError:
             tl.error = "cancelled by the server (shutdown)"
             tl.finalize(503, Outcome.ABORTED)
+            shutting_down = True
             raise
         except Exception:
             log.exception("request %s failed", tl.request_id)
@@ -341,11 +343,14 @@ class CompletionEndpoint:
             if ex.charged is not None:  # output tokens charged but never produced go back to the tenant
                 tenant, max_out, shared = ex.charged
                 st.shared.refund(tenant, max_out - tl.num_output_tokens, shared)
-            try:
-                st.close_record(tl)
-            finally:
-                # Last, so that "nothing in flight" means every record has reached the store's queue.
-                st.admission.in_flight -= 1
+            if shutting_down:
+                try:
+                    st.close_record(tl)
+                finally:
+                    # Last, so that "nothing in flight" means every record has reached the store's queue.
+                    st.admission.in_flight -= 1
+            else:
+                st.close_record_soon(tl)  # and in_flight with it, after the work this turn made ready
 
     def _timeline(self, request: Request, received: float) -> Timeline:
         st, hdrs = self.state, request.headers

@@ -157,6 +157,7 @@ class Lifespan:
         try:
             yield
         finally:
+            state.flush_closes()  # the records of the last requests, before anything they feed closes
             sampling.cancel()
             if self.collecting is not None:
                 self.collecting.cancel()
