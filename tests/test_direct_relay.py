@@ -270,3 +270,32 @@ def test_the_stall_watch_counts_relayed_tokens_and_a_fallback_continues_from_the
     cont = bodies[-1]
     assert cont["messages"][-1] == {"role": "assistant", "content": "".join(TEXTS[:4])}
     assert cont["continue_final_message"] is True and cont["max_tokens"] == 4
+
+
+def test_a_relay_that_fails_leaves_the_token_to_the_reader():
+    class Broken(ScriptedRelay):
+        def token(self, text: str, produced: float) -> bool:
+            raise RuntimeError("boom")
+
+    relay = Broken()
+    feed = UpstreamFeed(chat=True, relay=relay)
+    assert feed(sse(_upstream_chunk({"content": "a"})) + sse(_upstream_chunk({"content": "b"})))
+    assert not relay.armed and feed.relayed == 0 and len(feed.take()) == 2
+
+
+def test_a_failed_write_costs_only_its_own_stream():
+    async def main() -> None:
+        log: list = []
+        flusher = RelayFlusher()
+        bad, bad_tl = _relay(log, flusher)
+        good, good_tl = _relay(log, flusher)
+
+        def fail(data: bytes) -> None:
+            raise OSError("broken pipe")
+
+        bad._cycle.transport.write = fail
+        assert bad.token("x", 1.0) and good.token("y", 1.0)
+        flusher.flush()
+        assert log == [b"1\r\ny\r\n"] and len(good_tl.token_sent) == 1 and bad_tl.token_sent == []
+
+    asyncio.run(main())

@@ -15,12 +15,14 @@ reader as before, in order. Measured in docs/benchmarks.md ("The direct relay").
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Protocol
 
 from tailguard.gateway.sse import DONE, SSELines, TokenTexts
 
+log = logging.getLogger("tailguard.gateway")
 _HIGH_WATER = 1 << 20  # payload bytes queued for the reader before the socket stops being read (it is behind)
 
 
@@ -61,7 +63,7 @@ class UpstreamFeed:
         for payload in self.lines.feed(data):
             if relay is not None and relay.armed and not queue and not self.ended:
                 text = self.token_text(payload)
-                if text and relay.token(text, now):
+                if text and self._relayed(relay, text, now):
                     self.relayed += 1
                     if self._replica is not None:
                         self._replica.outstanding_tokens -= 1  # type: ignore[attr-defined]
@@ -74,6 +76,15 @@ class UpstreamFeed:
         if self.queued_bytes > _HIGH_WATER and self._conn is not None:
             self._conn.pause_reading(True)  # type: ignore[attr-defined]
         return queued
+
+    @staticmethod
+    def _relayed(relay: Relay, text: str, now: float) -> bool:
+        try:
+            return relay.token(text, now)
+        except Exception:  # noqa: BLE001 - inside the connection's read callback: the token goes the general way
+            log.exception("direct relay: a token could not be taken; the relay is off for this wait")
+            relay.armed = False
+            return False
 
     def take(self) -> list[tuple[bytes, float]]:
         """Everything queued, oldest first (and the socket read again if it was paused for it)."""

@@ -20,12 +20,14 @@ whatever is held before it writes anything itself (``settle``), so nothing overt
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from tailguard.observe.timeline import Timeline
 
+log = logging.getLogger("tailguard.gateway")
 perf_counter = time.perf_counter
 _UVICORN_CYCLE = ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle")
 
@@ -62,9 +64,15 @@ class RelayFlusher:
         now = perf_counter()
         for relay, data in items:
             transport = relay._cycle.transport
-            if not transport.is_closing():
+            if transport.is_closing():
+                continue
+            try:
                 transport.write(data)
-                relay._tl.token_sent.append(now)  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001 - one client's broken connection must not cost the others their tokens
+                log.warning("direct relay: a write failed; the stream's own path reports the connection",
+                            exc_info=True)
+                continue
+            relay._tl.token_sent.append(now)  # type: ignore[union-attr]
 
 
 class ClientRelay:
