@@ -129,6 +129,13 @@ def _relay(log: list, flusher: RelayFlusher) -> tuple[ClientRelay, Timeline]:
     return relay, tl
 
 
+def _two_relays() -> tuple[list, RelayFlusher, tuple[ClientRelay, Timeline], tuple[ClientRelay, Timeline]]:
+    """Two clients' relays on one loop's flusher, writing into one log."""
+    log: list = []
+    flusher = RelayFlusher()
+    return log, flusher, _relay(log, flusher), _relay(log, flusher)
+
+
 def test_relayed_chunks_leave_after_the_work_their_turn_made_ready():
     """A burst of tokens must not go ahead of a new request's first step or a first token (the TTFT path)."""
     async def main() -> list:
@@ -150,10 +157,7 @@ def test_relayed_chunks_leave_after_the_work_their_turn_made_ready():
 
 def test_the_stream_settles_what_is_held_before_it_writes_and_a_gone_client_gets_nothing():
     async def main() -> None:
-        log: list = []
-        flusher = RelayFlusher()
-        relay, tl = _relay(log, flusher)
-        other, _ = _relay(log, flusher)
+        log, flusher, (relay, tl), (other, _) = _two_relays()
         assert relay.token("a", 1.0) and other.token("b", 1.0)
         relay.settle()  # the server's stream is about to write: held chunks first, in order
         assert log == [b"1\r\na\r\n", b"1\r\nb\r\n"]
@@ -285,10 +289,7 @@ def test_a_relay_that_fails_leaves_the_token_to_the_reader():
 
 def test_a_failed_write_costs_only_its_own_stream():
     async def main() -> None:
-        log: list = []
-        flusher = RelayFlusher()
-        bad, bad_tl = _relay(log, flusher)
-        good, good_tl = _relay(log, flusher)
+        log, flusher, (bad, bad_tl), (good, good_tl) = _two_relays()
 
         def fail(data: bytes) -> None:
             raise OSError("broken pipe")
