@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from tailguard.gateway.sse import DONE, SSELines, TokenTexts
@@ -30,6 +31,8 @@ class Relay(Protocol):
     """The client's side: armed by the server only while its stream waits for the next event."""
 
     armed: bool
+    on_token: Callable[[], None] | None  # told of each token taken (the stall watch's inter-token clock)
+    sink: list[str] | None  # each token's text appended (a stall fallback's continuation)
 
     def token(self, text: str, produced: float) -> bool:
         """Write one token's chunk now; False (nothing written) when it cannot, and the token goes to the reader."""
