@@ -37,7 +37,7 @@ from urllib.parse import unquote, urlsplit
 
 import httptools
 
-_HIGH_WATER = 1 << 20  # body bytes buffered before the socket stops being read (the reader is behind)
+HIGH_WATER = 1 << 20  # body bytes waiting for the reader (or the tap's) before the socket stops being read
 DRAIN_TIMEOUT_S = 1.0  # the longest an answer's unread end is waited for before its connection is closed instead
 
 
@@ -122,7 +122,7 @@ class Connection(asyncio.Protocol):
             return
         self._body.append(body)
         self._buffered += len(body)
-        if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
+        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
 

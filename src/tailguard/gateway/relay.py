@@ -21,10 +21,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+from tailguard.gateway.http1 import HIGH_WATER
 from tailguard.gateway.sse import DONE, SSELines, TokenTexts
 
 log = logging.getLogger("tailguard.gateway")
-_HIGH_WATER = 1 << 20  # payload bytes queued for the reader before the socket stops being read (it is behind)
 
 
 class Relay(Protocol):
@@ -76,7 +76,7 @@ class UpstreamFeed:
             queue.append((payload, now))
             self.queued_bytes += len(payload)
             queued = True
-        if self.queued_bytes > _HIGH_WATER and self._conn is not None:
+        if self.queued_bytes > HIGH_WATER and self._conn is not None:
             self._conn.pause_reading(True)  # type: ignore[attr-defined]
         return queued
 
@@ -93,7 +93,7 @@ class UpstreamFeed:
         """Everything queued, oldest first (and the socket read again if it was paused for it)."""
         out = list(self.queue)
         self.queue.clear()
-        if self.queued_bytes > _HIGH_WATER and self._conn is not None:
+        if self.queued_bytes > HIGH_WATER and self._conn is not None:
             self._conn.pause_reading(False)  # type: ignore[attr-defined]
         self.queued_bytes = 0
         return out

@@ -13,66 +13,45 @@ buffer is above uvicorn's high-water mark (its ``send`` would wait there: the wa
 that the poll made ready, so writing there put each burst of tokens ahead of the new requests' first steps and the
 first tokens (the TTFT path) that arrived with it: in paired rounds at 256 streams the added P99 TTFT rose by ~1 ms
 over the relay-free path. A ``RelayFlusher`` holds the accepted chunks and writes them, in order, one turn later,
-after the tasks of the turn that received them (docs/benchmarks.md, "The direct relay"). The server's stream flushes
-whatever is held before it writes anything itself (``settle``), so nothing overtakes.
+after the tasks of the turn that received them (``serving/next_turn.py``; docs/benchmarks.md, "The direct relay").
+The server's stream flushes whatever is held before it writes anything itself (``settle``), so nothing overtakes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from tailguard.observe.timeline import Timeline
+from tailguard.serving.next_turn import NextTurn
 
 log = logging.getLogger("tailguard.gateway")
 perf_counter = time.perf_counter
 _UVICORN_CYCLE = ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle")
 
 
-class RelayFlusher:
-    """The chunks the relays of one event loop accepted this turn, written at the end of the next one's ready work."""
+class RelayFlusher(NextTurn["tuple[ClientRelay, bytes]"]):
+    """The chunks the relays of one event loop accepted, written after the ready work of the turn that took them."""
 
-    __slots__ = ("pending", "_scheduled", "_loop")
+    __slots__ = ()
 
     def __init__(self) -> None:
-        self.pending: list[tuple[ClientRelay, bytes]] = []
-        self._scheduled = False
-        self._loop: asyncio.AbstractEventLoop | None = None
+        super().__init__(self._write)
 
-    def add(self, relay: ClientRelay, data: bytes) -> None:
-        self.pending.append((relay, data))
-        if not self._scheduled:
-            self._scheduled = True
-            if self._loop is None:
-                self._loop = asyncio.get_running_loop()
-            # Two hops: the first runs among the work this turn made ready, the second after all of it (the next
-            # turn's ready work starts with it).
-            self._loop.call_soon(self._behind)
-
-    def _behind(self) -> None:
-        self._loop.call_soon(self._due)  # type: ignore[union-attr]
-
-    def _due(self) -> None:
-        self._scheduled = False
-        self.flush()
-
-    def flush(self) -> None:
-        items, self.pending = self.pending, []
-        now = perf_counter()
-        for relay, data in items:
-            transport = relay._cycle.transport
-            if transport.is_closing():
-                continue
-            try:
-                transport.write(data)
-            except Exception:  # noqa: BLE001 - one client's broken connection must not cost the others their tokens
-                log.warning("direct relay: a write failed; the stream's own path reports the connection",
-                            exc_info=True)
-                continue
-            relay._tl.token_sent.append(now)  # type: ignore[union-attr]
+    @staticmethod
+    def _write(item: tuple[ClientRelay, bytes]) -> None:
+        relay, data = item
+        transport = relay._cycle.transport
+        if transport.is_closing():
+            return
+        try:
+            transport.write(data)
+        except Exception:  # noqa: BLE001 - one client's broken connection must not cost the others their tokens
+            log.warning("direct relay: a write failed; the stream's own path reports the connection", exc_info=True)
+            return
+        relay._tl.token_sent.append(perf_counter())  # type: ignore[union-attr]
 
 
 class ClientRelay:
@@ -109,7 +88,7 @@ class ClientRelay:
             return False
         assert self._content is not None and self._tl is not None
         chunk = self._content(text)
-        self._flusher.add(self, b"%x\r\n%b\r\n" % (len(chunk), chunk))  # uvicorn's chunk framing
+        self._flusher.add((self, b"%x\r\n%b\r\n" % (len(chunk), chunk)))  # uvicorn's chunk framing
         self._tl.token_times.append(produced)
         if self._output is not None:
             self._output.append(text)
