@@ -147,6 +147,10 @@ async def one(session: aiohttp.ClientSession, url: str, tokens: int) -> tuple[fl
             return f"{resp.status}: {(await resp.text())[:300]}"
         async for line in resp.content:
             if line.startswith(b"data: {") and b'"content"' in line:
+                # A chunk with text is a token; the role chunk (empty content), which a server may send before the
+                # first token (vLLM, the gateway at the replica's head), is not. Parsed until the first token only.
+                if not times and not (json.loads(line[6:])["choices"] or [{}])[0].get("delta", {}).get("content"):
+                    continue
                 times.append(time.perf_counter())
     if not times:
         return "no token"

@@ -300,3 +300,82 @@ def test_a_failed_write_costs_only_its_own_stream():
         assert log == [b"1\r\ny\r\n"] and len(good_tl.token_sent) == 1 and bad_tl.token_sent == []
 
     asyncio.run(main())
+
+
+# --- the stream starts when the replica accepts ---------------------------------------------------------------------
+def _lines_with_times(url: str) -> tuple[httpx.Response, float, list[tuple[float, str]]]:
+    """The response, when its head arrived, and each data line with its arrival time."""
+    import time
+
+    out = []
+    with httpx.Client(timeout=30) as c, c.stream("POST", url + "/v1/chat/completions", json={
+            "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}) as r:
+        head = time.perf_counter()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append((time.perf_counter(), line[6:]))
+        return r, head, out
+
+
+def test_the_status_leaves_at_the_replicas_head_and_the_queue_slot_is_kept_until_the_first_token(tmp_path,
+                                                                                                 spaced_stream):
+    size = spaced_stream.index(b"\n\n") + 2
+    # The replica writes its role chunk (its head goes with it), then takes 1.5 s to its first token.
+    with scripted_upstream(spaced_stream, size, pause_s=0.01, stall_after=1, stall_s=1.5) as up, \
+            gateway(tmp_path, [up]) as gw:
+        depth_during: list[int] = []
+
+        def watch_queue() -> None:
+            import time
+
+            time.sleep(0.75)
+            depth_during.append(gw.state.admission.depth)
+
+        import threading
+
+        t = threading.Thread(target=watch_queue)
+        t.start()
+        resp, head, lines = _lines_with_times(gw.url)
+        t.join()
+        assert resp.status_code == 200 and lines[-1][1] == "[DONE]"
+        # The status and headers came while the replica was still silent, long before the first token ...
+        assert lines[0][0] - head > 0.75
+        # ... but the role chunk waited for the first token, and left with it: a client timing its first SSE event
+        # still times the first token.
+        chunks = [json.loads(x) for _, x in lines[:-1]]
+        roles = [i for i, c in enumerate(chunks) if c["choices"] and "role" in c["choices"][0]["delta"]]
+        assert roles == [0] and chunks[1]["choices"][0]["delta"]["content"] == TEXTS[0]
+        assert lines[1][0] - lines[0][0] < 0.5
+        # The request held its queue slot all along: it waits for the engine until its first token.
+        assert depth_during == [1] and gw.state.admission.depth == 0
+        rec = record(gw, resp)
+        assert rec["status"] == 200 and rec["output_tokens"] == 8 and rec["ttft"] > 1.0
+
+
+def test_a_replica_that_dies_after_its_head_is_retried_and_else_ends_the_stream_with_an_error_event(
+        tmp_path, spaced_stream):
+    size = spaced_stream.index(b"\n\n") + 2
+    # Alone: the status (200) is out once the head came; the failure is an error event, then [DONE].
+    with scripted_upstream(spaced_stream, size, die_after=1) as dying, gateway(tmp_path, [dying]) as gw:
+        resp, _, lines = _lines_with_times(gw.url)
+        assert resp.status_code == 200 and lines[-1][1] == "[DONE]"
+        err = json.loads(lines[-2][1])["error"]
+        assert err["code"] in ("upstream_unreachable", "upstream_error")
+        assert gw.state.admission.depth == 0 and record(gw, resp)["status"] == 502
+    # With a live replica beside it: retried there, the client sees one whole answer with one role chunk.
+    with scripted_upstream(spaced_stream, size, die_after=1) as dying, \
+            scripted_upstream(spaced_stream, size, pause_s=0.002) as live, \
+            gateway(tmp_path, [dying, live], routing={"health_interval_s": 60, "breaker_failures": 100}) as gw:
+        attempts = []
+        for _ in range(40):  # power-of-two choices between two idle replicas is a coin toss
+            resp, _, lines = _lines_with_times(gw.url)
+            chunks = [json.loads(x) for _, x in lines[:-1]]
+            assert resp.status_code == 200 and lines[-1][1] == "[DONE]", lines
+            assert sum(1 for c in chunks if c["choices"] and "role" in c["choices"][0]["delta"]) == 1
+            assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == \
+                "".join(TEXTS)
+            rec = record(gw, resp)
+            attempts.append(rec["gateway"]["attempts"])
+            if 2 in attempts:
+                break
+        assert 2 in attempts

@@ -353,11 +353,13 @@ def test_tenant_rate_limits_on_the_embedded_engine(tmp_path):
 
 @contextlib.contextmanager
 def scripted_upstream(stream: bytes, cut: int, pause_s: float = 0.003, bodies: list[dict] | None = None,
-                      stall_after: int | None = None, stall_s: float = 0.0) -> Iterator[str]:
+                      stall_after: int | None = None, stall_s: float = 0.0,
+                      die_after: int | None = None) -> Iterator[str]:
     """An OpenAI-compatible upstream that answers every completion with ``stream``, written ``cut`` bytes at a time
     with a pause in between (so that the gateway's reads see events cut anywhere, and several in one read).
     ``bodies``: the request bodies it received are appended there. ``stall_after``: after that many writes, a pause
-    of ``stall_s`` (a stream that stalls mid-way)."""
+    of ``stall_s`` (a stream that stalls mid-way). ``die_after``: after that many writes the connection is dropped
+    (a replica that dies mid-answer: the body never ends)."""
     import asyncio
     import threading
 
@@ -375,6 +377,10 @@ def scripted_upstream(stream: bytes, cut: int, pause_s: float = 0.003, bodies: l
         with contextlib.suppress(ConnectionError):  # the gateway may hang up once it has read [DONE]
             for n, i in enumerate(range(0, len(stream), cut)):
                 await resp.write(stream[i:i + cut])
+                if n + 1 == die_after:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return resp
                 await asyncio.sleep(stall_s if n + 1 == stall_after else pause_s)
             await resp.write_eof()
         return resp

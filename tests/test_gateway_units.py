@@ -314,6 +314,32 @@ def test_watch_without_an_inter_token_deadline_passes_late_tokens_after_the_firs
     run(main())
 
 
+def test_watch_keeps_the_ttft_clock_across_the_replicas_head():
+    """The replica's head (``accepted``, not a token) neither restarts the TTFT deadline nor clears the streak: the
+    deadlines stay counted from the request's start (0.5 and 1.0 s here, not 0.5 and 1.25 s after a head at 0.75 s)."""
+    class _Head(_Ev):
+        accepted = True
+
+    async def head_then_silence():
+        await asyncio.sleep(0.75)
+        yield _Head(None)
+        await asyncio.sleep(30)
+        yield _Ev(1)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        at: list[float] = []
+        got = []
+        with pytest.raises(Stalled) as exc:
+            async for ev in watch(head_then_silence(), ttft_deadline=0.5, itl_deadline=None, misses=2,
+                                  on_miss=lambda kind: at.append(loop.time() - t0)):
+                got.append(ev)
+        assert [type(e) for e in got] == [_Head] and exc.value.before_first_token
+        assert len(at) == 2 and at[1] < 1.2, at
+    run(main())
+
+
 # --- the upstream's SSE bytes ---------------------------------------------------------------------------------------
 def _chat_chunk(delta: dict, finish: str | None = None, **extra) -> dict:
     return {"id": "chatcmpl-up", "object": "chat.completion.chunk", "created": 1, "model": "m",

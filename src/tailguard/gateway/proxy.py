@@ -43,6 +43,9 @@ class UpstreamEvent(TokenEvent):
     attempts: int = 1
     sent: float | None = None  # on the final event: when the answering attempt's request left for the replica
     relayed: int = 0  # on the final event: the tokens the client's direct relay wrote (not among these events)
+    # The replica answered 200 (its head): the server may send the client's status and headers before the first
+    # token, as the replica did. Neither a token nor the end; once per attempt.
+    accepted: bool = False
 
 
 class UpstreamError(Exception):
@@ -227,6 +230,7 @@ class UpstreamBackend:
                     # is armed, everything else queued here, in order.
                     feed = UpstreamFeed(chat, relay, resp, r)
                     resp.set_tap(feed)
+                    yield [UpstreamEvent(request_id, None, "", perf_counter(), accepted=True)]
                     token_text = feed.token_text
                     while True:
                         # Whatever arrived since the last wake-up, at once: one resumption for the tokens it holds.

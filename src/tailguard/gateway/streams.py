@@ -66,13 +66,14 @@ async def _until_first_token(it: AsyncIterator[Any], deadline: float | None, mis
     while it lasts (once per request: the tokens after it are timed without a task each)."""
     streak = 0
     pending: asyncio.Future | None = None
+    # One clock for the whole wait: an event that is not a token (the replica's head, ``accepted``) neither restarts
+    # the TTFT deadline nor clears the streak.
+    wait_start = time.perf_counter()
+    next_miss = wait_start + deadline if deadline else None
+    next_ping = wait_start + keepalive if keepalive else None
     try:
         while True:
             pending = asyncio.ensure_future(it.__anext__())
-            wait_start = time.perf_counter()
-            next_miss = wait_start + deadline if deadline else None
-            next_ping = wait_start + keepalive if keepalive else None
-            missed_here = False
             while not pending.done():
                 wakes = [t for t in (next_miss, next_ping) if t is not None]
                 timeout = max(0.0, min(wakes) - time.perf_counter()) if wakes else None
@@ -82,7 +83,6 @@ async def _until_first_token(it: AsyncIterator[Any], deadline: float | None, mis
                 now = time.perf_counter()
                 if next_miss is not None and now >= next_miss:
                     streak += 1
-                    missed_here = True
                     if on_miss is not None:
                         on_miss("ttft")
                     if streak >= misses:
@@ -97,8 +97,6 @@ async def _until_first_token(it: AsyncIterator[Any], deadline: float | None, mis
                 pending = None
                 return
             pending = None
-            if not missed_here:
-                streak = 0
             yield ev
             if getattr(ev, "token_id", None) is not None:
                 return

@@ -2,9 +2,11 @@
 
 An exchange moves through ``Phase`` in one direction: RECEIVED (read, validate, tokenize; no queue slot) -> QUEUED
 (holds an admission slot, handed to the engine) -> GENERATING (the engine's first event came back) -> RESPONDING
-(response headers sent: the status cannot change any more) -> CLOSED (the last byte handed over, or the exchange
-ended any other way), or ABANDONED (the client left first). ``Exchange.move`` is the only place a queue slot is
-given back, whatever ends the wait.
+(the engine answered and the response headers are out) -> CLOSED (the last byte handed over, or the exchange ended
+any other way), or ABANDONED (the client left first). ``Exchange.move`` is the only place a queue slot is given back,
+whatever ends the wait. The headers may leave before RESPONDING (``Exchange.started``): a stream's status and
+headers go out when an upstream replica accepts the request (its 200 head, before its first token, as the replica
+sent them) or with a keep-alive; the request keeps its queue slot until the engine's first event all the same.
 
 While the engine works, Starlette's disconnect listener runs beside the response the way ``StreamingResponse`` runs
 it (one task group, cancelled when either side ends): it notices the client going away during the queue wait and
@@ -78,7 +80,7 @@ class Phase(enum.IntEnum):
     RECEIVED = 0  # reading, validating, tokenizing: no queue slot
     QUEUED = 1  # holds an admission slot; the engine has not answered yet
     GENERATING = 2  # the engine's first event came back; no response headers yet
-    RESPONDING = 3  # response headers sent: the status is fixed, the body is not complete
+    RESPONDING = 3  # the engine answered, the headers are out (they may leave sooner: ``Exchange.started``)
     ABANDONED = 4  # the client left before the last byte; waiting for the engine's word on where the request was
     CLOSED = 5  # the last byte handed over, or the exchange is over
 
@@ -138,6 +140,7 @@ class Exchange:
     charged: tuple[Any, int, bool] | None = None  # (tenant, output tokens charged, charged in the shared store)
     audit_ids: list[int] | None = None  # the output token ids, kept when the speculation audit will rerun it
     relay: ClientRelay | None = None  # the gateway's direct relay of plain tokens, when the request has one
+    started: bool = False  # the status and headers are out: the status cannot change any more
 
     def move(self, to: Phase) -> None:
         """Go forward to ``to``. Leaving QUEUED gives the queue slot back: here and nowhere else."""
@@ -166,7 +169,11 @@ class Exchange:
         return True
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.move(Phase.RESPONDING)
+        """Send the status and headers. Still waiting for the engine (an upstream's head, a keep-alive), the request
+        stays QUEUED and keeps its slot until the engine's first event (``_take``)."""
+        self.started = True
+        if self.phase is not Phase.QUEUED:
+            self.move(Phase.RESPONDING)
         await self.send({"type": "http.response.start", "status": status,
                          "headers": [*headers, (b"x-request-id", self.tl.request_id.encode())]})
 
@@ -182,7 +189,7 @@ class Exchange:
         if self.phase is Phase.CLOSED:
             return
         with contextlib.suppress(Exception):  # the connection may be gone already
-            if self.phase is Phase.RESPONDING:
+            if self.started:
                 await self.last(sse_error(err.message, err.type, err.code))
                 return
             body = err.body()
@@ -314,7 +321,7 @@ class CompletionEndpoint:
         except UpstreamError as exc:
             tl.error = _clean_str(exc.message, 1000)
             gm = st.gateway_metrics
-            if gm is not None and ex.phase is Phase.RESPONDING:
+            if gm is not None and ex.started:
                 gm.interrupted.labels(gm.model, tl.lane).inc()
             headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else {}
             await ex.fail(APIError(exc.status, f"{exc.message}; request id {tl.request_id}", code=exc.code,
@@ -693,7 +700,7 @@ class CompletionEndpoint:
         """Put one engine event on the timeline (and its logprobs in ``lp_items`` and the audit); True for a token."""
         tl = ex.tl
         if ex.phase is Phase.QUEUED:
-            ex.move(Phase.GENERATING)
+            ex.move(Phase.RESPONDING if ex.started else Phase.GENERATING)
             if ev.token_id is not None:
                 tl.first_token = ev.time
         if ev.token_id is None:
@@ -789,7 +796,7 @@ class CompletionEndpoint:
 
         async def begin() -> bytes:
             nonlocal role_sent
-            if ex.phase is not Phase.RESPONDING:
+            if not ex.started:
                 await ex.start(200, _SSE_HEADERS + _degraded_headers(tl))
             if role_sent:
                 return b""
@@ -819,7 +826,7 @@ class CompletionEndpoint:
                         relay.settle()  # what it holds leaves before anything this loop writes
                 if ev is KEEPALIVE:
                     if ex.phase is not Phase.ABANDONED:
-                        if ex.phase is not Phase.RESPONDING:
+                        if not ex.started:
                             await ex.start(200, _SSE_HEADERS)
                         await ex.chunk(b": keep-alive\n\n")
                     continue
@@ -827,6 +834,14 @@ class CompletionEndpoint:
                     if ev.finished:
                         self._abandoned(ex, ev)
                         return
+                    continue
+                if ev.token_id is None and getattr(ev, "accepted", False):
+                    # The replica took the request: the status and headers leave now, as the replica's did, and
+                    # the first token goes out with the role chunk alone, in one write. The role chunk itself waits
+                    # for the first token (as vLLM sends it), so that a client timing its first SSE event, as some
+                    # benchmarks do, still times the first token.
+                    if not ex.started:
+                        await ex.start(200, _SSE_HEADERS + _degraded_headers(tl))
                     continue
                 if self._take(ex, ev, lp_items if want_lp else None):
                     pending += 1
@@ -850,7 +865,7 @@ class CompletionEndpoint:
                         text = "".join(held)
                         held.clear()
                     chunk = fmt.content(text)
-                if not role_sent or ex.phase is not Phase.RESPONDING:
+                if not role_sent or not ex.started:
                     chunk = await begin() + chunk
                 await ex.chunk(chunk)
                 last_sent = perf_counter()
@@ -889,7 +904,7 @@ class CompletionEndpoint:
             body = fmt.finish(last_text, reason, lp) + fmt.usage(self._usage(tl), **self._extra(tl))
         else:
             body = fmt.finish(last_text, reason, lp, **self._extra(tl))
-        if not role_sent or ex.phase is not Phase.RESPONDING:
+        if not role_sent or not ex.started:
             body = await begin() + body
         await ex.last(body + DONE)
         now = perf_counter()
@@ -906,7 +921,7 @@ class CompletionEndpoint:
         stalled: str | None = None
         try:
             async for ev in events:
-                if ev is KEEPALIVE:
+                if ev is KEEPALIVE or getattr(ev, "accepted", False):
                     continue
                 if ex.phase is Phase.ABANDONED:
                     if ev.finished:
