@@ -63,6 +63,11 @@ def test_plain_tokens_go_to_the_relay_and_the_rest_to_the_reader_in_order():
     feed(b"".join(sse(_upstream_chunk({"content": t})) for t in ("c", "d")) + LAST + sse(b"[DONE]"))
     assert relay.written == [] and feed.ended  # [DONE] came before: nothing after it is relayed
     feed2 = UpstreamFeed(chat=True, relay=relay, replica=rep)
+    # An attempt's first token is the reader's, even with the relay armed and nothing queued (the stall watch's
+    # first-token phase must see it: a fallback's continuation starts with the relay armed).
+    feed2(sse(_upstream_chunk({"content": "b0"})))
+    assert relay.written == [] and [json.loads(p)["choices"][0]["delta"]["content"] for p in payloads(feed2)] == \
+        ["b0"]
     feed2(b"".join(sse(_upstream_chunk({"content": t})) for t in ("c", "d")) + LAST + sse(b"[DONE]"))
     assert relay.written == ["c", "d"] and feed2.relayed == 2 and rep.outstanding_tokens == 8
     assert [json.loads(p)["choices"][0]["finish_reason"] for p in payloads(feed2)[:1]] == ["stop"]
@@ -71,6 +76,8 @@ def test_plain_tokens_go_to_the_relay_and_the_rest_to_the_reader_in_order():
 def test_a_disarmed_or_refusing_relay_leaves_tokens_to_the_reader():
     relay = ScriptedRelay(refuse={"b"})
     feed = UpstreamFeed(chat=True, relay=relay)
+    feed(sse(_upstream_chunk({"content": "first"})))  # the attempt's first token: the reader's
+    assert len(payloads(feed)) == 1
     feed(sse(_upstream_chunk({"content": "a"})) + sse(_upstream_chunk({"content": "b"}))
          + sse(_upstream_chunk({"content": "c"})))
     # "b" refused: queued, and "c" behind it queued too.
@@ -276,6 +283,33 @@ def test_the_stall_watch_counts_relayed_tokens_and_a_fallback_continues_from_the
     assert cont["continue_final_message"] is True and cont["max_tokens"] == 4
 
 
+def test_a_continuation_is_watched_from_its_own_first_token_and_its_relayed_tokens_are_counted(tmp_path,
+                                                                                                spaced_stream):
+    """A fallback's continuation starts while the client's relay is armed. Its first token must still reach the stall
+    watch (whose first-token phase is told of no relayed token): else a continuation longer than the TTFT deadlines
+    was declared stalled too. And the record's direct_tokens counts the relayed tokens of both attempts."""
+    size = spaced_stream.index(b"\n\n") + 2
+    lanes = {"standard": {"priority": 1, "itl_deadline_s": 0.2, "ttft_deadline_s": 0.1}}
+    # The continuation's 8 tokens take ~0.5 s, past three 0.1 s first-token deadlines.
+    with scripted_upstream(spaced_stream, size, pause_s=0.02, stall_after=5, stall_s=3.0) as stalls, \
+            scripted_upstream(spaced_stream, size, pause_s=0.06) as healthy, \
+            gateway(tmp_path, [stalls, healthy], lanes=lanes, routing={"policy": "prefix"}) as gw:
+        pool = gw.state.engine.pool
+        name = next(rep.name for rep in pool.replicas if rep.url.rstrip("/") == stalls)
+        user = next(f"u{i}" for i in range(500) if pool.pick(pool.affinity_key(f"u{i}", "")).name == name)
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+            "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
+            "user": user})
+        assert r.status_code == 200, r.text
+        rec = record(gw, r)
+    data = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in data if c["choices"])
+    assert rec["gateway"]["fallback"]["outcome"] == "ok", rec["gateway"]
+    assert text == "".join(TEXTS[:4]) + "".join(TEXTS)  # this scripted replica ignores the continuation's limit
+    # The continuation alone could relay 6 (not its first token, not the last with the finish reason).
+    assert rec["gateway"]["direct_tokens"] > 6
+
+
 def test_a_relay_that_fails_leaves_the_token_to_the_reader():
     class Broken(ScriptedRelay):
         def token(self, text: str, produced: float) -> bool:
@@ -283,6 +317,8 @@ def test_a_relay_that_fails_leaves_the_token_to_the_reader():
 
     relay = Broken()
     feed = UpstreamFeed(chat=True, relay=relay)
+    feed(sse(_upstream_chunk({"content": "first"})))  # the attempt's first token: the reader's
+    assert len(feed.take()) == 1
     assert feed(sse(_upstream_chunk({"content": "a"})) + sse(_upstream_chunk({"content": "b"})))
     assert not relay.armed and feed.relayed == 0 and len(feed.take()) == 2
 

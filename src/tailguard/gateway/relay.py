@@ -42,9 +42,12 @@ class UpstreamFeed:
     """One attempt's stream as payloads: relayed directly when the relay allows, else queued for the reader.
 
     ``queue`` holds (payload, arrival time) in arrival order; ``relayed`` counts the tokens written directly (the
-    attempt's token count includes them)."""
+    attempt's token count includes them). The attempt's first token is always the reader's: until it has passed, the
+    server's stream and the stall watch (whose first-token phase is not told of relayed tokens) must see every token;
+    this matters for a stall fallback's continuation, which starts while the relay is already armed."""
 
-    __slots__ = ("lines", "token_text", "relay", "queue", "queued_bytes", "relayed", "ended", "_conn", "_replica")
+    __slots__ = ("lines", "token_text", "relay", "queue", "queued_bytes", "relayed", "ended", "opened", "_conn",
+                 "_replica")
 
     def __init__(self, chat: bool, relay: Relay | None, conn: object | None = None, replica: object | None = None
                  ) -> None:
@@ -55,6 +58,7 @@ class UpstreamFeed:
         self.queued_bytes = 0
         self.relayed = 0
         self.ended = False  # [DONE] came: nothing after it is relayed
+        self.opened = False  # the attempt's first token was queued for the reader: later ones may be relayed
         self._conn = conn  # paused while the reader is behind (``pause_reading``)
         self._replica = replica  # its outstanding tokens count down as they come (routing reads them)
 
@@ -64,7 +68,7 @@ class UpstreamFeed:
         queue, relay = self.queue, self.relay
         queued = False
         for payload in self.lines.feed(data):
-            if relay is not None and relay.armed and not queue and not self.ended:
+            if relay is not None and relay.armed and not queue and not self.ended and self.opened:
                 text = self.token_text(payload)
                 if text and self._relayed(relay, text, now):
                     self.relayed += 1
@@ -73,6 +77,8 @@ class UpstreamFeed:
                     continue
             if payload == DONE:
                 self.ended = True
+            elif not self.opened:
+                self.opened = bool(self.token_text(payload))
             queue.append((payload, now))
             self.queued_bytes += len(payload)
             queued = True

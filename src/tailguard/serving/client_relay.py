@@ -57,12 +57,13 @@ class RelayFlusher(NextTurn["tuple[ClientRelay, bytes]"]):
 class ClientRelay:
     """Takes token chunks for the client's connection while ``armed`` (set by the server's stream)."""
 
-    __slots__ = ("armed", "on_token", "sink", "_cycle", "_flusher", "_tl", "_content", "_output")
+    __slots__ = ("armed", "on_token", "sink", "taken", "_cycle", "_flusher", "_tl", "_content", "_output")
 
     def __init__(self, cycle: Any, flusher: RelayFlusher) -> None:
         self.armed = False
         self.on_token: Callable[[], None] | None = None  # the stall watch's clock: a token came (``watch``)
         self.sink: list[str] | None = None  # the texts sent, for a stall fallback's continuation (``stall_fallback``)
+        self.taken = 0  # tokens relayed, every attempt of the request together (the record's direct_tokens)
         self._cycle = cycle
         self._flusher = flusher
         self._tl: Timeline | None = None
@@ -90,6 +91,7 @@ class ClientRelay:
         chunk = self._content(text)
         self._flusher.add((self, b"%x\r\n%b\r\n" % (len(chunk), chunk)))  # uvicorn's chunk framing
         self._tl.token_times.append(produced)
+        self.taken += 1
         if self._output is not None:
             self._output.append(text)
         if self.sink is not None:

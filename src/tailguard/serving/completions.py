@@ -737,8 +737,6 @@ class CompletionEndpoint:
             g = tl.gateway = tl.gateway or {}
             g["replica"] = replica
             g["attempts"] = getattr(ev, "attempts", 1)
-            if getattr(ev, "relayed", 0):  # tokens the direct relay wrote (gateway/relay.py)
-                g["direct_tokens"] = ev.relayed
             sent = getattr(ev, "sent", None)
             if sent is not None:  # the TTFT split: the gateway's own time before the replica, then the replica's
                 g["upstream_sent"] = round(sent - tl.received, 6)
@@ -889,6 +887,7 @@ class CompletionEndpoint:
                 body += fmt.finish("", "stop", None, **self._extra(tl))
             await ex.last(body + DONE)
             tl.add_tokens_sent(pending, now)
+            self._relayed(tl, relay)
             tl.finalize(200, Outcome.SUCCESS, at=now)
             return
         if final is None:
@@ -909,7 +908,15 @@ class CompletionEndpoint:
         await ex.last(body + DONE)
         now = perf_counter()
         tl.add_tokens_sent(pending, now)
+        self._relayed(tl, relay)
         tl.finalize(200, Outcome.SUCCESS, at=now)
+
+    @staticmethod
+    def _relayed(tl: Timeline, relay: ClientRelay | None) -> None:
+        """The record's ``gateway.direct_tokens``: the tokens the direct relay wrote, every attempt's together."""
+        if relay is not None and relay.taken:
+            g = tl.gateway = tl.gateway or {}
+            g["direct_tokens"] = relay.taken
 
     async def _full(self, ex: Exchange, p: Parsed, events: AsyncIterator[TokenEvent]) -> None:
         tl = ex.tl
