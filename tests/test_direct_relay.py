@@ -251,6 +251,24 @@ def test_which_lanes_take_the_relay(tmp_path, spaced_stream, lane, relayed):
     assert bool(rec["gateway"].get("direct_tokens")) is relayed
 
 
+def _stalls_then_falls_back(tmp_path, stream: bytes, lanes: dict, healthy_pause_s: float,
+                            bodies: list[dict] | None = None) -> tuple[httpx.Response, dict]:
+    """One streamed answer from a replica that stalls after its fifth write (the role chunk and four tokens, 20 ms
+    apart), continued on a healthy one writing every ``healthy_pause_s``; the answer and its record."""
+    size = stream.index(b"\n\n") + 2
+    with scripted_upstream(stream, size, pause_s=0.02, stall_after=5, stall_s=3.0) as stalls, \
+            scripted_upstream(stream, size, pause_s=healthy_pause_s, bodies=bodies) as healthy, \
+            gateway(tmp_path, [stalls, healthy], lanes=lanes, routing={"policy": "prefix"}) as gw:
+        pool = gw.state.engine.pool
+        name = next(rep.name for rep in pool.replicas if rep.url.rstrip("/") == stalls)
+        user = next(f"u{i}" for i in range(500) if pool.pick(pool.affinity_key(f"u{i}", "")).name == name)
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+            "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
+            "user": user})
+        assert r.status_code == 200, r.text
+        return r, record(gw, r)
+
+
 def test_the_stall_watch_counts_relayed_tokens_and_a_fallback_continues_from_their_text(tmp_path, spaced_stream):
     """Tokens 20 ms apart under a 50 ms inter-token deadline: never a stall, though none passes the watch itself.
     Then a replica that stalls after four tokens (relayed directly): the continuation sent to the other replica
@@ -265,18 +283,7 @@ def test_the_stall_watch_counts_relayed_tokens_and_a_fallback_continues_from_the
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "".join(TEXTS)
 
     bodies: list[dict] = []
-    # Writes: the role chunk, then one token each: a stall after the fifth write follows four tokens.
-    with scripted_upstream(spaced_stream, size, pause_s=0.02, stall_after=5, stall_s=3.0) as stalls, \
-            scripted_upstream(spaced_stream, size, pause_s=0.02, bodies=bodies) as healthy, \
-            gateway(tmp_path, [stalls, healthy], lanes=lanes, routing={"policy": "prefix"}) as gw:
-        pool = gw.state.engine.pool
-        name = next(rep.name for rep in pool.replicas if rep.url.rstrip("/") == stalls)
-        user = next(f"u{i}" for i in range(500) if pool.pick(pool.affinity_key(f"u{i}", "")).name == name)
-        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
-            "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
-            "user": user})
-        assert r.status_code == 200, r.text
-        rec = record(gw, r)
+    _, rec = _stalls_then_falls_back(tmp_path, spaced_stream, lanes, healthy_pause_s=0.02, bodies=bodies)
     assert rec["slo_action"]["mode"] == "fallback" and rec["gateway"]["fallback"]["after_tokens"] == 4
     cont = bodies[-1]
     assert cont["messages"][-1] == {"role": "assistant", "content": "".join(TEXTS[:4])}
@@ -288,20 +295,9 @@ def test_a_continuation_is_watched_from_its_own_first_token_and_its_relayed_toke
     """A fallback's continuation starts while the client's relay is armed. Its first token must still reach the stall
     watch (whose first-token phase is told of no relayed token): else a continuation longer than the TTFT deadlines
     was declared stalled too. And the record's direct_tokens counts the relayed tokens of both attempts."""
-    size = spaced_stream.index(b"\n\n") + 2
     lanes = {"standard": {"priority": 1, "itl_deadline_s": 0.2, "ttft_deadline_s": 0.1}}
     # The continuation's 8 tokens take ~0.5 s, past three 0.1 s first-token deadlines.
-    with scripted_upstream(spaced_stream, size, pause_s=0.02, stall_after=5, stall_s=3.0) as stalls, \
-            scripted_upstream(spaced_stream, size, pause_s=0.06) as healthy, \
-            gateway(tmp_path, [stalls, healthy], lanes=lanes, routing={"policy": "prefix"}) as gw:
-        pool = gw.state.engine.pool
-        name = next(rep.name for rep in pool.replicas if rep.url.rstrip("/") == stalls)
-        user = next(f"u{i}" for i in range(500) if pool.pick(pool.affinity_key(f"u{i}", "")).name == name)
-        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
-            "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
-            "user": user})
-        assert r.status_code == 200, r.text
-        rec = record(gw, r)
+    r, rec = _stalls_then_falls_back(tmp_path, spaced_stream, lanes, healthy_pause_s=0.06)
     data = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in data if c["choices"])
     assert rec["gateway"]["fallback"]["outcome"] == "ok", rec["gateway"]
