@@ -42,7 +42,6 @@ class UpstreamEvent(TokenEvent):
     replica: str | None = None  # on the final event: the replica that answered, after how many attempts
     attempts: int = 1
     sent: float | None = None  # on the final event: when the answering attempt's request left for the replica
-    relayed: int = 0  # on the final event: the tokens the client's direct relay wrote (not among these events)
     # The replica answered 200 (its head): the server may send the client's status and headers before the first
     # token, as the replica did. Neither a token nor the end; once per attempt.
     accepted: bool = False
@@ -295,7 +294,7 @@ class UpstreamBackend:
                 request_id, None, "", now, finished=True, finish_reason=finish or "stop",  # type: ignore[arg-type]
                 num_prompt_tokens=int((usage or {}).get("prompt_tokens") or 0),
                 num_output_tokens=int((usage or {}).get("completion_tokens") or n_out + feed.relayed),
-                first_token=first, replica=r.name, attempts=attempt, sent=sent, relayed=feed.relayed,
+                first_token=first, replica=r.name, attempts=attempt, sent=sent,
             )]
         except UpstreamError as exc:
             outcome = "error" if exc.status >= 500 else "refused"

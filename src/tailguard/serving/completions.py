@@ -792,10 +792,13 @@ class CompletionEndpoint:
         stalled: str | None = None
         role_sent = False
 
-        async def begin() -> bytes:
-            nonlocal role_sent
+        async def start() -> None:
             if not ex.started:
                 await ex.start(200, _SSE_HEADERS + _degraded_headers(tl))
+
+        async def begin() -> bytes:
+            nonlocal role_sent
+            await start()
             if role_sent:
                 return b""
             role_sent = True
@@ -824,8 +827,7 @@ class CompletionEndpoint:
                         relay.settle()  # what it holds leaves before anything this loop writes
                 if ev is KEEPALIVE:
                     if ex.phase is not Phase.ABANDONED:
-                        if not ex.started:
-                            await ex.start(200, _SSE_HEADERS)
+                        await start()
                         await ex.chunk(b": keep-alive\n\n")
                     continue
                 if ex.phase is Phase.ABANDONED:
@@ -838,8 +840,7 @@ class CompletionEndpoint:
                     # the first token goes out with the role chunk alone, in one write. The role chunk itself waits
                     # for the first token (as vLLM sends it), so that a client timing its first SSE event, as some
                     # benchmarks do, still times the first token.
-                    if not ex.started:
-                        await ex.start(200, _SSE_HEADERS + _degraded_headers(tl))
+                    await start()
                     continue
                 if self._take(ex, ev, lp_items if want_lp else None):
                     pending += 1
