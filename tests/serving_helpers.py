@@ -7,8 +7,9 @@ import contextlib
 import functools
 import json
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,24 @@ def fake_server(tmp: Path, timing: FakeTiming | None = None, engine: Any | None 
     engine = engine or FakeEngine(timing or FakeTiming(ttft=0.005, itl=0.001))
     with ThreadedServer(make_config(tmp, **cfg), engine, redactor=redactor) as server:
         yield server
+
+
+@contextlib.contextmanager
+def read_during(delay_s: float, read: Callable[[], Any]) -> Iterator[list]:
+    """``read()`` once, ``delay_s`` into the block, from a thread (while the block waits on a request); the list
+    holds what it returned once the block is left."""
+    got: list = []
+
+    def run() -> None:
+        time.sleep(delay_s)
+        got.append(read())
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        yield got
+    finally:
+        t.join()
 
 
 def settle(server: ThreadedServer, timeout: float = 10.0) -> None:

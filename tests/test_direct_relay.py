@@ -17,6 +17,7 @@ import pytest
 from tailguard.gateway.relay import UpstreamFeed
 from tailguard.observe.timeline import Timeline
 from tailguard.serving.client_relay import ClientRelay, RelayFlusher
+from tests.serving_helpers import read_during
 from tests.test_gateway import _upstream_chunk, gateway, record, scripted_upstream
 
 
@@ -355,20 +356,8 @@ def test_the_status_leaves_at_the_replicas_head_and_the_queue_slot_is_kept_until
     # The replica writes its role chunk (its head goes with it), then takes 1.5 s to its first token.
     with scripted_upstream(spaced_stream, size, pause_s=0.01, stall_after=1, stall_s=1.5) as up, \
             gateway(tmp_path, [up]) as gw:
-        depth_during: list[int] = []
-
-        def watch_queue() -> None:
-            import time
-
-            time.sleep(0.75)
-            depth_during.append(gw.state.admission.depth)
-
-        import threading
-
-        t = threading.Thread(target=watch_queue)
-        t.start()
-        resp, head, lines = _lines_with_times(gw.url)
-        t.join()
+        with read_during(0.75, lambda: gw.state.admission.depth) as depth_during:
+            resp, head, lines = _lines_with_times(gw.url)
         assert resp.status_code == 200 and lines[-1][1] == "[DONE]"
         # The status and headers came while the replica was still silent, long before the first token ...
         assert lines[0][0] - head > 0.75

@@ -4,36 +4,27 @@ engine, whatever the client has been sent)."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 
 from tailguard.engine.fake import FakeTiming
-from tests.serving_helpers import fake_server, settle
+from tests.serving_helpers import fake_server, read_during, settle
 
 
 def test_keepalives_come_before_the_first_token_and_the_request_keeps_its_queue_slot(tmp_path):
     lanes = {"standard": {"priority": 1, "keepalive_s": 0.1}}
     with fake_server(tmp_path, FakeTiming(ttft=1.0, itl=0.001), lanes=lanes, default_lane="standard") as server:
-        depth_during: list[int] = []
-
-        def watch_queue() -> None:
-            time.sleep(0.6)
-            depth_during.append(server.state.admission.depth)
-
-        t = threading.Thread(target=watch_queue)
-        t.start()
         lines: list[tuple[float, str]] = []
         t0 = time.perf_counter()
-        with httpx.Client(timeout=30) as c, c.stream("POST", server.url + "/v1/chat/completions", json={
-                "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                "stream": True}) as r:
+        with read_during(0.6, lambda: server.state.admission.depth) as depth_during, httpx.Client(timeout=30) as c, \
+                c.stream("POST", server.url + "/v1/chat/completions", json={
+                    "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                    "stream": True}) as r:
             head = time.perf_counter() - t0
             for line in r.iter_lines():
                 if line:
                     lines.append((time.perf_counter() - t0, line))
-        t.join()
         assert r.status_code == 200
         pings = [at for at, line in lines if line == ": keep-alive"]
         first = next(at for at, line in lines if line.startswith("data: {") and '"content":"' in line
