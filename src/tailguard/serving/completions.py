@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -111,9 +111,26 @@ def _prompt_text(p: Parsed) -> str:
     return p.prompt or ""
 
 
-def _forwarded(request: Request) -> dict[str, str]:
+class _Incoming:
+    """What a completion handler reads of its HTTP request: the ASGI ``receive`` and the headers, decoded once into a
+    dict (Starlette's ``Request.headers`` scans the raw list again at each lookup, and a request looks up a dozen)."""
+
+    __slots__ = ("receive", "headers")
+
+    def __init__(self, scope: Scope, receive: Receive) -> None:
+        self.receive = receive
+        headers: dict[str, str] = {}
+        for name, value in scope["headers"]:  # lower-case names (ASGI); the first of repeated ones, as Starlette's
+            key = name.decode("latin-1")
+            if key not in headers:
+                headers[key] = value.decode("latin-1")
+        self.headers = headers
+
+
+def _forwarded(request: _Incoming) -> dict[str, str]:
     """Headers an upstream should see: the W3C trace context and the caller's session (never the API key)."""
-    return {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
+    hdrs = request.headers
+    return {k: v for k in ("traceparent", "tracestate") if (v := hdrs.get(k))}
 
 
 def _clean_str(value: str | None, limit: int = 256) -> str | None:
@@ -304,7 +321,7 @@ class CompletionEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         received = perf_counter()
         st = self.state
-        request = Request(scope, receive)
+        request = _Incoming(scope, receive)
         tl = self._timeline(request, received)
         ex = Exchange(st, send, tl)
         st.admission.in_flight += 1
@@ -359,7 +376,7 @@ class CompletionEndpoint:
             else:
                 st.close_record_soon(tl)  # and in_flight with it, after the work this turn made ready
 
-    def _timeline(self, request: Request, received: float) -> Timeline:
+    def _timeline(self, request: _Incoming, received: float) -> Timeline:
         st, hdrs = self.state, request.headers
         tl = Timeline(request_id=request_id_from(hdrs.get("x-request-id")), endpoint=self.endpoint,
                       received=received, model=st.model_label)
@@ -373,7 +390,7 @@ class CompletionEndpoint:
         return tl
 
     # --- the exchange -------------------------------------------------------------------------------------------------
-    async def _exchange(self, ex: Exchange, request: Request) -> None:
+    async def _exchange(self, ex: Exchange, request: _Incoming) -> None:
         st, tl = self.state, ex.tl
         caller = st.keys.client(request.headers.get("authorization"))
         tl.owner = caller.key_id
@@ -477,7 +494,7 @@ class CompletionEndpoint:
             lane is None or (not lane.pace_itl_s and lane.flush_every <= 1))
 
     # --- lanes, tenants, stalls -----------------------------------------------------------------------------------
-    def _lane(self, ex: Exchange, request: Request, caller: Any) -> None:
+    def _lane(self, ex: Exchange, request: _Incoming, caller: Any) -> None:
         """The request's lane: its tenant's, else the default lane. A claimed lane header is ignored and recorded."""
         st, tl = self.state, ex.tl
         if st.lanes is None:
@@ -578,18 +595,23 @@ class CompletionEndpoint:
         tl.error = "client disconnected"
         tl.finalize(499, Outcome.ABORTED, at=gone)
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, request: _Incoming) -> bytes:
         limit = self.state.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"the request body is larger than {limit} bytes")
         chunks, size = [], 0
-        async for part in request.stream():  # raises ClientDisconnect if the client leaves
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            part = message.get("body", b"")
             size += len(part)
             if size > limit:
                 raise APIError(413, f"the request body is larger than {limit} bytes")
             chunks.append(part)
-        return b"".join(chunks)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _shed(self, tl: Timeline, btype: str, tenant: str | None) -> None:
         mon = self.state.slo
