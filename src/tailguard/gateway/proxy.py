@@ -263,8 +263,8 @@ class UpstreamBackend:
                                 usage = chunk.usage or usage
                                 finish = chunk.finish_reason or finish
                                 text = chunk.text
-                                if not text:
-                                    continue
+                            if not text:  # a chunk without a token (the role chunk, a last chunk's usage)
+                                continue
                             if first is None:
                                 first = now
                                 r.ttft_ewma = (now - sent) if r.ttft_ewma is None else \

@@ -68,10 +68,11 @@ class Chunk:
 
 
 def _plain_text(payload: bytes, chat: bool) -> re.Match[bytes] | None:
-    """The match of a plain token chunk's text string, or None when the chunk needs the full parse."""
+    """The match of a plain chunk's text string (empty: the role chunk's, no token), or None when the chunk needs
+    the full parse."""
     m = (_CHAT_TEXT if chat else _COMPLETION_TEXT).search(payload)
-    if m is None or not m.group(1) or not _FINISH_NULL.search(payload) or payload.count(b'"index"') > 1:
-        return None  # not a plain chunk of one choice (an empty text is the role chunk's: no token)
+    if m is None or not _FINISH_NULL.search(payload) or payload.count(b'"index"') > 1:
+        return None  # not a plain chunk of one choice
     if b'"usage"' in payload and not _USAGE_NULL.search(payload):
         return None
     return m
@@ -88,8 +89,8 @@ def _decode(raw: bytes) -> str | None:
 
 
 def token_text(payload: bytes, chat: bool) -> str | None:
-    """The token text of a plain token chunk, or None when the chunk needs the full parse (not that it has no
-    token: ``read_chunk`` decides that)."""
+    """The token text of a plain chunk ("" for one without a token, as the role chunk that opens a stream), or None
+    when the chunk needs the full parse (not that it has no token: ``read_chunk`` decides that)."""
     m = _plain_text(payload, chat)
     return None if m is None else _decode(m.group(1))
 
@@ -117,7 +118,8 @@ class TokenTexts:
         m = _plain_text(payload, self.chat)
         if m is None:
             return None
-        self._head, self._tail = payload[:m.start(1)], payload[m.end(1):]
+        if m.end(1) > m.start(1):  # the role chunk's shape (empty text, a role) is not the tokens'
+            self._head, self._tail = payload[:m.start(1)], payload[m.end(1):]
         return _decode(m.group(1))
 
 
