@@ -27,6 +27,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from tailguard import fast_json
 from tailguard.engine.events import EngineStats, TokenEvent
 from tailguard.gateway.relay import Relay, UpstreamFeed
 from tailguard.gateway.sse import DONE, read_chunk
@@ -213,7 +214,7 @@ class UpstreamBackend:
         feed: UpstreamFeed | None = None
         try:
             try:
-                async with r.conns.request("POST", path, json.dumps(body).encode(), headers) as resp:
+                async with r.conns.request("POST", path, fast_json.dumps(body), headers) as resp:
                     if call is not None:
                         call.attributes["http.response.status_code"] = resp.status
                     if resp.status != 200:

@@ -11,10 +11,11 @@ check falls back to the parse whenever it is not sure, so the answer is the pars
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from tailguard import fast_json
 
 DONE = b"[DONE]"
 # The token's text: a chat chunk's ``delta.content`` or a completion chunk's ``text``, a JSON string with its escapes.
@@ -81,7 +82,7 @@ def _plain_text(payload: bytes, chat: bool) -> re.Match[bytes] | None:
 def _decode(raw: bytes) -> str | None:
     """A JSON string's body as text (None: not valid UTF-8, for the parse to report)."""
     if b"\\" in raw:
-        return json.loads(b'"' + raw + b'"')
+        return fast_json.loads(b'"' + raw + b'"')
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -125,7 +126,7 @@ class TokenTexts:
 
 def read_chunk(payload: bytes, chat: bool) -> Chunk:
     """Parse one payload in full (raises ``ValueError`` for data that is not JSON)."""
-    obj: Any = json.loads(payload)
+    obj: Any = fast_json.loads(payload)
     if not isinstance(obj, dict):
         raise ValueError("an SSE data payload that is not a JSON object")
     out = Chunk()

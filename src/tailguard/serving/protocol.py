@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tailguard import fast_json
 from tailguard.serving.errors import APIError
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -137,7 +138,7 @@ def decode_json(body: bytes) -> dict[str, Any]:
     if not body:
         raise APIError(400, "the request body is empty; expected a JSON object")
     try:
-        data = json.loads(body)
+        data = fast_json.loads(body)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise APIError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
