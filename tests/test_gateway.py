@@ -523,6 +523,7 @@ def test_upstream_connections_are_reused_across_streams(tmp_path):
             assert r.status_code == 200 and "[DONE]" in r.text
             time.sleep(0.1)  # the body's end arrives 50 ms after [DONE]: read in the background, then pooled
         assert pool.opened == opened  # five more streams, no new connection
+        assert pool.sent_ahead >= 5  # each written on an idle connection before its stream was built
         assert pool.opened_on_demand <= 1  # only the first stream can have waited for a connect (the spares are
         # opened from the start)
         text = httpx.get(gw.url + "/metrics").text

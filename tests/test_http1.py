@@ -141,6 +141,56 @@ async def test_a_reused_connection_closed_under_the_request_is_retried_once_on_a
         pool.close()
 
 
+async def read_sent(pool: ConnectionPool, body: bytes) -> tuple[int, bytes]:
+    """A request written at once by ``send_now`` (there is an idle connection), its answer read by ``request``."""
+    sent = pool.send_now("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert sent is not None
+    async with pool.request("POST", "", b"", {}, sent=sent) as resp:
+        parts = []
+        while data := await resp.read():
+            parts.append(data)
+        return resp.status, b"".join(parts)
+
+
+@sync
+async def test_a_request_written_ahead_is_answered_on_its_connection_and_an_unread_one_is_closed() -> None:
+    srv = ScriptedServer(stream_answer)
+    async with srv as url:
+        pool = ConnectionPool(url, spare=0)
+        assert pool.send_now("POST", "/v1/completions", b"x", {}) is None  # no idle connection: nothing written
+        assert srv.requests == [] and pool.in_use == 0
+        await read_body(pool, b"first")
+        status, body = await read_sent(pool, b"ahead")
+        assert status == 200 and body.endswith(b"data: ahead\n\n")
+        assert srv.connections == 1 and pool.in_use == 0 and len(pool.idle) == 1
+        assert srv.requests[1].startswith(b"POST /v1/completions HTTP/1.1\r\n") and srv.requests[1].endswith(b"ahead")
+        # Written, then nothing took it up: abandoning it closes the connection (the upstream sees it abandoned).
+        sent = pool.send_now("POST", "/v1/completions", b"orphan", {})
+        assert sent is not None and pool.in_use == 1
+        sent.abandon()
+        sent.abandon()  # once only
+        assert pool.in_use == 0 and not pool.idle and sent.conn.closed
+        await asyncio.wait_for(srv.eof_seen.wait(), 5)
+        pool.close()
+
+
+@sync
+async def test_a_request_written_ahead_on_a_connection_closed_under_it_is_sent_again() -> None:
+    async def close_second(_c: int, n: int, body: bytes, w: asyncio.StreamWriter) -> bool:
+        if n == 2:
+            return False  # the keep-alive timeout crossing the request: no answer, the connection closed
+        return await stream_answer(_c, n, body, w)
+
+    srv = ScriptedServer(close_second)
+    async with srv as url:
+        pool = ConnectionPool(url, spare=0)
+        await read_body(pool)
+        status, body = await read_sent(pool, b"again")
+        assert status == 200 and body.endswith(b"data: again\n\n")
+        assert pool.reconnects == 1 and srv.connections == 2 and pool.in_use == 0
+        pool.close()
+
+
 @sync
 async def test_a_new_connection_that_fails_is_not_retried() -> None:
     async def close_at_once(*_: object) -> bool:

@@ -21,7 +21,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tailguard.gateway.proxy import UpstreamBackend, UpstreamError, UpstreamEvent, continuation_body
+from tailguard.gateway.proxy import Opening, UpstreamBackend, UpstreamError, UpstreamEvent, continuation_body
 from tailguard.gateway.relay import Relay
 from tailguard.gateway.streams import Stalled
 
@@ -41,14 +41,19 @@ class UpstreamRequest:
     affinity_key: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     relay: Relay | None = None  # the client's direct relay of plain tokens (``gateway/relay.py``), when it has one
+    opening: Opening | None = None  # the first attempt, written already (``UpstreamBackend.open``): the first send's
 
     def send(self, backend: UpstreamBackend, body: dict[str, Any] | None = None, est_tokens: int | None = None,
              tried: list[str] | None = None, exclude: set[str] | None = None) -> AsyncIterator[UpstreamEvent]:
         """The backend's event stream for this request (or for ``body``, a continuation of it)."""
+        opening = None
+        if body is None and exclude is None:
+            opening, self.opening = self.opening, None
         return backend.generate_request(
             self.body if body is None else body, self.chat, self.request_id, priority=self.priority,
             est_tokens=self.est_tokens if est_tokens is None else est_tokens, affinity_key=self.affinity_key,
-            headers=self.headers, tried=tried, exclude=exclude, relay=self.relay)
+            headers=self.headers, tried=tried, exclude=exclude, relay=self.relay,
+            **({"opening": opening} if opening is not None else {}))
 
 
 class FallbackReport(Protocol):

@@ -225,6 +225,23 @@ class Connection(asyncio.Protocol):
         self.closed = True
 
 
+class Sent:
+    """A request already written on an idle connection (``ConnectionPool.send_now``), for ``request`` to wait for its
+    answer; ``abandon`` closes the connection if nothing ever does (the upstream sees the request abandoned)."""
+
+    __slots__ = ("pool", "conn", "data", "at", "taken")
+
+    def __init__(self, pool: ConnectionPool, conn: Connection, data: bytes) -> None:
+        self.pool, self.conn, self.data = pool, conn, data
+        self.at = time.perf_counter()
+        self.taken = False
+
+    def abandon(self) -> None:
+        if not self.taken:
+            self.taken = True
+            self.pool._release(self.conn, False)
+
+
 class ConnectionPool:
     """A replica's connections: idle ones reused first in, first out, spares opened ahead of need."""
 
@@ -254,6 +271,7 @@ class ConnectionPool:
         self.opened = 0  # connections opened, in all
         self.opened_on_demand = 0  # ... of which a request waited for (no idle one was there)
         self.reconnects = 0  # requests sent again because a reused connection had been closed under them
+        self.sent_ahead = 0  # requests written by ``send_now``, before their reader was built
         self.closed = False
         self._preconnect_failed = False  # the last background connect failed: no more until a request's works
         self._tasks: set[asyncio.Task] = set()
@@ -344,12 +362,7 @@ class ConnectionPool:
             conn.close()
         self._top_up()
 
-    @asynccontextmanager
-    async def request(self, method: str, path: str, body: bytes, headers: dict[str, str]
-                      ) -> AsyncIterator[Connection]:
-        """Send a request (``path`` under the url's own path); yields the connection once the answer's head has arrived (``status``, ``headers``,
-        then ``read()``). Leaving by an exception closes the connection (the upstream sees the request abandoned);
-        leaving normally pools it, once the rest of the answer, if any, has been read (in the background)."""
+    def _request_bytes(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
         lines = [f"{method} {self.base_path}{path} HTTP/1.1", f"Host: {self.authority}", f"Content-Length: {len(body)}"]
         if self.basic_auth is not None and not any(k.lower() == "authorization" for k in headers):
             lines.append(f"Authorization: {self.basic_auth}")
@@ -357,14 +370,50 @@ class ConnectionPool:
             if "\r" in k or "\n" in k or "\r" in v or "\n" in v:
                 raise ValueError(f"a line break in the header {k!r}")
             lines.append(f"{k}: {v}")
-        data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+    def send_now(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> Sent | None:
+        """Write a request at once on an idle connection, before the caller has built what reads its answer (which
+        ``request(..., sent=)`` then does); None, and nothing sent, when no idle connection is at hand."""
+        conn = self._take_idle()
+        if conn is None or self.closed:
+            if conn is not None:
+                conn.close()
+            return None
+        data = self._request_bytes(method, path, body, headers)
+        self.in_use += 1
+        conn.in_request = True
+        self._top_up()
+        try:
+            conn.send(data)
+        except OSError:  # closed under us: the caller sends it the usual way
+            self._release(conn, False)
+            return None
+        self.sent_ahead += 1
+        return Sent(self, conn, data)
+
+    @asynccontextmanager
+    async def request(self, method: str, path: str, body: bytes, headers: dict[str, str], sent: Sent | None = None
+                      ) -> AsyncIterator[Connection]:
+        """Send a request (``path`` under the url's own path); yields the connection once the answer's head has arrived (``status``, ``headers``,
+        then ``read()``). Leaving by an exception closes the connection (the upstream sees the request abandoned);
+        leaving normally pools it, once the rest of the answer, if any, has been read (in the background).
+        ``sent``: the request, written already by ``send_now`` (``method``, ``path``, ``body`` and ``headers`` unused)."""
         conn: Connection | None
-        conn, reused = await self._acquire()
+        if sent is not None:
+            sent.taken = True
+            conn, reused, data, written = sent.conn, True, sent.data, True
+        else:
+            data = self._request_bytes(method, path, body, headers)
+            conn, reused = await self._acquire()
+            written = False
         done = False
         try:
             while True:
                 try:
-                    conn.send(data)
+                    if not written:
+                        conn.send(data)
+                    written = False
                     await conn.head()
                     break
                 except OSError:  # UpstreamProtocolError included

@@ -29,6 +29,7 @@ from typing import Any
 
 from tailguard import fast_json
 from tailguard.engine.events import EngineStats, TokenEvent
+from tailguard.gateway.http1 import Sent
 from tailguard.gateway.relay import Relay, UpstreamFeed
 from tailguard.gateway.sse import DONE, read_chunk
 from tailguard.gateway.upstream import NoReplica, Replica, UpstreamPool
@@ -46,6 +47,20 @@ class UpstreamEvent(TokenEvent):
     # The replica answered 200 (its head): the server may send the client's status and headers before the first
     # token, as the replica did. Neither a token nor the end; once per attempt.
     accepted: bool = False
+
+
+@dataclass
+class Opening:
+    """A request's first attempt, written before the server built the stream that reads it (``UpstreamBackend.open``):
+    ``generate_request`` takes it up; ``abandon`` closes its connection if nothing did."""
+
+    replica: Replica
+    body: dict[str, Any]
+    headers: dict[str, str]
+    sent: Sent
+
+    def abandon(self) -> None:
+        self.sent.abandon()
 
 
 class UpstreamError(Exception):
@@ -135,47 +150,78 @@ class UpstreamBackend:
         return EngineStats(running=sum(r.in_flight for r in reps), waiting=int(sum(r.upstream_waiting for r in reps)),
                            kv_blocks_total=0, kv_blocks_used=0, num_preemptions=0, steps=0)
 
+    def open(self, body: dict[str, Any], chat: bool, request_id: str, *, priority: int = 0,
+             affinity_key: str | None = None, headers: dict[str, str] | None = None) -> Opening | None:
+        """Write the request's first attempt now, on an idle connection of the replica the routing picks, so that it
+        leaves before the server builds the stream that will read its answer (that building, ~40 us of the request's
+        turn on the event loop, and more under load, then overlaps the replica's work instead of preceding it); the
+        ``Opening`` goes to ``generate_request``. None, and nothing written, when it cannot be as simple: tracing on
+        (the call's span must exist first: its context travels in the request), no replica, no idle connection;
+        ``generate_request`` then sends it as it always did."""
+        if sys.modules.get("tailguard.observe.tracing") is not None:
+            return None
+        try:
+            r = self.pool.pick(affinity_key, set())
+        except NoReplica:
+            return None
+        out, hdrs = self._outgoing(r, body, request_id, priority, headers)
+        sent = r.conns.send_now("POST", _path(chat), fast_json.dumps(out), hdrs)
+        return None if sent is None else Opening(r, out, hdrs, sent)
+
+    @staticmethod
+    def _outgoing(r: Replica, body: dict[str, Any], request_id: str, priority: int,
+                  headers: dict[str, str] | None) -> tuple[dict[str, Any], dict[str, str]]:
+        """The request's body and headers as replica ``r`` gets them."""
+        out = dict(body)
+        out["stream"] = True
+        out["stream_options"] = {"include_usage": True}
+        if r.model:
+            out["model"] = r.model
+        out.pop("priority", None)  # a client's own claim never travels on: the lane's, where the replica takes it
+        if r.cfg.send_priority:
+            out["priority"] = priority
+        hdrs = {"Content-Type": "application/json", **r.headers(), **(headers or {})}
+        upstream_id = _upstream_request_id(r.cfg.request_id, request_id)
+        if upstream_id is not None:
+            hdrs["X-Request-ID"] = upstream_id
+        return out, hdrs
+
     async def generate_request(self, body: dict[str, Any], chat: bool, request_id: str, *, priority: int = 0,
                                est_tokens: int = 0, affinity_key: str | None = None,
                                headers: dict[str, str] | None = None, tried: list[str] | None = None,
-                               exclude: set[str] | None = None, relay: Relay | None = None
-                               ) -> AsyncIterator[UpstreamEvent]:
+                               exclude: set[str] | None = None, relay: Relay | None = None,
+                               opening: Opening | None = None) -> AsyncIterator[UpstreamEvent]:
         """Stream the request's tokens from a replica; retry elsewhere while no token has come back.
 
         ``tried``: the caller's list, to which each replica is appended as it is sent the request (the last one is
         the replica streaming); ``exclude``: replicas not to use (the stall fallback's stalled one); ``relay``: the
-        client's direct relay (``gateway/relay.py``), which plain tokens may take instead of this stream."""
+        client's direct relay (``gateway/relay.py``), which plain tokens may take instead of this stream;
+        ``opening``: the first attempt, written already (``open``)."""
         pool = self.pool
-        path = "/v1/chat/completions" if chat else "/v1/completions"
+        path = _path(chat)
         tried = [] if tried is None else tried
         avoid = set(exclude or ())
         last: UpstreamError | None = None
         for attempt in range(1, pool.routing.retries + 2):
-            try:
-                r = pool.pick(affinity_key, avoid)
-            except NoReplica as exc:
-                if last is not None:
-                    raise last from None
-                raise UpstreamError(503, str(exc), code="no_upstream", retry_after=5) from None
+            sent: Sent | None = None
+            if opening is not None:
+                r, out, hdrs, sent = opening.replica, opening.body, opening.headers, opening.sent
+                opening = None
+            else:
+                try:
+                    r = pool.pick(affinity_key, avoid)
+                except NoReplica as exc:
+                    if last is not None:
+                        raise last from None
+                    raise UpstreamError(503, str(exc), code="no_upstream", retry_after=5) from None
+                out, hdrs = self._outgoing(r, body, request_id, priority, headers)
             tried.append(r.name)
             avoid.add(r.name)
-            out = dict(body)
-            out["stream"] = True
-            out["stream_options"] = {"include_usage": True}
-            if r.model:
-                out["model"] = r.model
-            out.pop("priority", None)  # a client's own claim never travels on: the lane's, where the replica takes it
-            if r.cfg.send_priority:
-                out["priority"] = priority
-            hdrs = {"Content-Type": "application/json", **r.headers(), **(headers or {})}
-            upstream_id = _upstream_request_id(r.cfg.request_id, request_id)
-            if upstream_id is not None:
-                hdrs["X-Request-ID"] = upstream_id
             produced = False
             try:
                 # Closed at once when the caller leaves: that closes the upstream connection (the abort there).
                 async with aclosing(self._attempt(r, path, out, hdrs, request_id, est_tokens, chat, attempt,
-                                                         relay)) as reads:
+                                                         relay, sent)) as reads:
                     async for events in reads:
                         produced = produced or events[0].token_id is not None
                         for ev in events:
@@ -192,8 +238,8 @@ class UpstreamBackend:
         raise last
 
     async def _attempt(self, r: Replica, path: str, body: dict[str, Any], headers: dict[str, str],
-                       request_id: str, est_tokens: int, chat: bool, attempt: int, relay: Relay | None = None
-                       ) -> AsyncIterator[list[UpstreamEvent]]:
+                       request_id: str, est_tokens: int, chat: bool, attempt: int, relay: Relay | None = None,
+                       written: Sent | None = None) -> AsyncIterator[list[UpstreamEvent]]:
         """One try at one replica: the token events of each read together (one resumption per read, not per token),
         then the final event alone."""
         r.in_flight += 1
@@ -204,7 +250,7 @@ class UpstreamBackend:
         call = span.enter_context(_upstream_call({"url.full": r.shown_url + path, "server.address": r.name}))
         if call is not None:
             headers = {**headers, **call.headers}  # our span is the upstream's parent
-        sent = perf_counter()
+        sent = perf_counter() if written is None else written.at
         first: float | None = None
         n_out = 0
         usage: dict | None = None
@@ -214,7 +260,8 @@ class UpstreamBackend:
         feed: UpstreamFeed | None = None
         try:
             try:
-                async with r.conns.request("POST", path, fast_json.dumps(body), headers) as resp:
+                payload = b"" if written is not None else fast_json.dumps(body)
+                async with r.conns.request("POST", path, payload, headers, sent=written) as resp:
                     if call is not None:
                         call.attributes["http.response.status_code"] = resp.status
                     if resp.status != 200:
@@ -348,6 +395,10 @@ def continuation_body(body: dict[str, Any], chat: bool, sent_text: str, sent_tok
     if isinstance(body.get("min_tokens"), int):
         out["min_tokens"] = max(0, body["min_tokens"] - sent_tokens)
     return out
+
+
+def _path(chat: bool) -> str:
+    return "/v1/chat/completions" if chat else "/v1/completions"
 
 
 def _upstream_request_id(mode: str, request_id: str) -> str | None:

@@ -434,41 +434,51 @@ class CompletionEndpoint:
         priority = self._priority(ex, p.priority)
         lane = ex.lane
         takes_text = getattr(engine, "takes_text", False)
-        if takes_text and p.stream and self._relays(lane, p):
-            ex.relay = ClientRelay.for_send(ex.send, st.relay_flusher)
-        guard: Callable[[AsyncIterator[Any]], AsyncIterator[Any]] | None = None
-        if lane is not None and lane.watches:
-            guard = partial(watch, ttft_deadline=lane.ttft_deadline_s, itl_deadline=lane.itl_deadline_s,
-                            misses=lane.stall_misses, keepalive=lane.keepalive_s if p.stream else None,
-                            on_miss=self._on_miss(tl), relay=ex.relay)
+        opening = None
+        affinity: str | None = None
+        forwarded: dict[str, str] = {}
         if takes_text:
-            up = UpstreamRequest(
-                prep.body, self.chat, engine_id, p.max_tokens or 1, priority=priority,
-                est_tokens=tl.num_prompt_tokens + (p.max_tokens or 0),
-                affinity_key=engine.pool.affinity_key(p.user or request.headers.get("x-session-id"),  # type: ignore
-                                                      prep.text or ""),
-                headers=_forwarded(request), relay=ex.relay)
-            if guard is not None and lane is not None and lane.stall_fallback == "replica" and \
-                    (lane.ttft_deadline_s or lane.itl_deadline_s):
-                # A stall continues the answer on another replica (the template only when that fails too).
-                agen = stall_fallback(engine, up, guard, _FallbackRecord(tl, self.state.gateway_metrics),  # type: ignore
-                                      wanted=lambda: ex.phase < Phase.ABANDONED)
-                guard = None
-            else:
-                agen = up.send(engine)  # type: ignore[arg-type]
-        else:
-            agen = engine.generate(ids, prep.sampling, engine_id, priority=priority, arrival_time=tl.received)
-        if guard is not None:
-            agen = guard(agen)
-        respond = self._stream if p.stream else self._full
-
-        def on_disconnect() -> bool:
-            if not ex.abandon():
-                return False  # the answer was complete: uvicorn reports every closed connection
-            engine.abort(engine_id)
-            return True
-
+            affinity = engine.pool.affinity_key(p.user or request.headers.get("x-session-id"),  # type: ignore
+                                                prep.text or "")
+            forwarded = _forwarded(request)
+            open_now = getattr(engine, "open", None)
+            if open_now is not None:
+                # The request leaves for a replica now; what reads its answer is built while the replica works.
+                opening = open_now(prep.body, self.chat, engine_id, priority=priority, affinity_key=affinity,
+                                   headers=forwarded)
         try:
+            if takes_text and p.stream and self._relays(lane, p):
+                ex.relay = ClientRelay.for_send(ex.send, st.relay_flusher)
+            guard: Callable[[AsyncIterator[Any]], AsyncIterator[Any]] | None = None
+            if lane is not None and lane.watches:
+                guard = partial(watch, ttft_deadline=lane.ttft_deadline_s, itl_deadline=lane.itl_deadline_s,
+                                misses=lane.stall_misses, keepalive=lane.keepalive_s if p.stream else None,
+                                on_miss=self._on_miss(tl), relay=ex.relay)
+            if takes_text:
+                up = UpstreamRequest(
+                    prep.body, self.chat, engine_id, p.max_tokens or 1, priority=priority,
+                    est_tokens=tl.num_prompt_tokens + (p.max_tokens or 0), affinity_key=affinity, headers=forwarded,
+                    relay=ex.relay, opening=opening)
+                if guard is not None and lane is not None and lane.stall_fallback == "replica" and \
+                        (lane.ttft_deadline_s or lane.itl_deadline_s):
+                    # A stall continues the answer on another replica (the template only when that fails too).
+                    agen = stall_fallback(engine, up, guard, _FallbackRecord(tl, self.state.gateway_metrics),  # type: ignore
+                                          wanted=lambda: ex.phase < Phase.ABANDONED)
+                    guard = None
+                else:
+                    agen = up.send(engine)  # type: ignore[arg-type]
+            else:
+                agen = engine.generate(ids, prep.sampling, engine_id, priority=priority, arrival_time=tl.received)
+            if guard is not None:
+                agen = guard(agen)
+            respond = self._stream if p.stream else self._full
+
+            def on_disconnect() -> bool:
+                if not ex.abandon():
+                    return False  # the answer was complete: uvicorn reports every closed connection
+                engine.abort(engine_id)
+                return True
+
             async with aclosing(agen):  # leaving early (error, disconnect) aborts the request in the engine
                 try:
                     await _watched(lambda: respond(ex, p, agen), request.receive, on_disconnect, ABORT_REPORT_WAIT_S)
@@ -479,6 +489,8 @@ class CompletionEndpoint:
             raise APIError(400, str(exc)) from None
         finally:
             st.active_ids.discard(engine_id)
+            if opening is not None:
+                opening.abandon()  # nothing, once the attempt took it up
         if ex.phase is Phase.ABANDONED:  # the engine said nothing in time: where it was is what we saw
             self._abandoned(ex, None)
         elif ex.audit_ids is not None and tl.spec_proposed and tl.outcome is Outcome.SUCCESS and not tl.degraded:
