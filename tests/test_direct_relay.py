@@ -26,11 +26,18 @@ class ScriptedRelay:
         self.armed = True
         self.written: list[str] = []
         self.refuse = refuse or set()
+        self.opening: Any = None
+        self.first: list[str] = []
 
     def token(self, text: str, produced: float) -> bool:
         if text in self.refuse:
             return False
         self.written.append(text)
+        return True
+
+    def first_token(self, text: str) -> bool:
+        self.first.append(text)
+        self.opening = None
         return True
 
 
@@ -57,9 +64,11 @@ def test_plain_tokens_go_to_the_relay_and_the_rest_to_the_reader_in_order():
     feed(stream[:7])  # a line cut anywhere waits for its end
     assert feed.take() == [] and relay.written == []
     feed(stream[7:])
-    # The role chunk is the reader's; behind it in the queue, the tokens must wait too (no overtaking).
+    # The role chunk holds nothing for anyone: dropped. The first token is the reader's; behind it in the queue, the
+    # tokens must wait too (no overtaking).
     got = payloads(feed)
-    assert relay.written == [] and len(got) == 5 and got[-1] == b"[DONE]"
+    assert relay.written == [] and len(got) == 4 and got[-1] == b"[DONE]"
+    assert json.loads(got[0])["choices"][0]["delta"]["content"] == "a"
     # With the queue empty, plain tokens go straight out; the last chunk (a finish reason) and [DONE] do not.
     feed(b"".join(sse(_upstream_chunk({"content": t})) for t in ("c", "d")) + LAST + sse(b"[DONE]"))
     assert relay.written == [] and feed.ended  # [DONE] came before: nothing after it is relayed
@@ -72,6 +81,24 @@ def test_plain_tokens_go_to_the_relay_and_the_rest_to_the_reader_in_order():
     feed2(b"".join(sse(_upstream_chunk({"content": t})) for t in ("c", "d")) + LAST + sse(b"[DONE]"))
     assert relay.written == ["c", "d"] and feed2.relayed == 2 and rep.outstanding_tokens == 8
     assert [json.loads(p)["choices"][0]["finish_reason"] for p in payloads(feed2)[:1]] == ["stop"]
+
+
+def test_the_first_token_is_written_at_once_when_the_stream_waits_for_it_and_still_goes_to_the_reader():
+    relay, rep_ = ScriptedRelay(), Replica()
+    relay.armed = False  # before the first token the relay is never armed for the later tokens
+    relay.opening = lambda text: text.encode()
+    feed = UpstreamFeed(chat=True, relay=relay, replica=rep_)
+    feed(ROLE + sse(_upstream_chunk({"content": "t0"})) + sse(_upstream_chunk({"content": "t1"})))
+    assert relay.first == ["t0"] and relay.written == [] and feed.relayed == 0
+    # The reader still gets it (the timeline, the stall watch, the retry rule), then the next one, in order.
+    assert [json.loads(p)["choices"][0]["delta"]["content"] for p in payloads(feed)] == ["t0", "t1"]
+    # Only an attempt's first token, and only with nothing queued before it (an error, a last chunk).
+    relay.opening = lambda text: text.encode()
+    feed(sse(_upstream_chunk({"content": "t2"})))
+    assert relay.first == ["t0"]
+    late = UpstreamFeed(chat=True, relay=relay)
+    late(sse(_upstream_chunk({"content": "x"}, "stop")) + sse(_upstream_chunk({"content": "y"})))
+    assert relay.first == ["t0"] and len(payloads(late)) == 2
 
 
 def test_a_disarmed_or_refusing_relay_leaves_tokens_to_the_reader():
@@ -230,6 +257,8 @@ def test_the_relay_gives_the_same_answer_and_times_every_token(tmp_path, spaced_
         direct = rec["gateway"].get("direct_tokens", 0)
         # On: all but the first token (it opens the response) and the last (it carries the finish reason).
         assert direct == (len(TEXTS) - 2 if on else 0)
+        # The first token itself, with the role chunk, was written from the upstream's read (on).
+        assert rec["gateway"].get("first_token_direct", False) is on
     assert answers[True] == answers[False]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in answers[True] if c["choices"]) == \
         "".join(TEXTS)
@@ -318,6 +347,20 @@ def test_a_relay_that_fails_leaves_the_token_to_the_reader():
     assert len(feed.take()) == 1
     assert feed(sse(_upstream_chunk({"content": "a"})) + sse(_upstream_chunk({"content": "b"})))
     assert not relay.armed and feed.relayed == 0 and len(feed.take()) == 2
+
+
+def test_client_relay_writes_the_first_token_with_the_role_chunk_at_once():
+    log: list = []
+    relay, tl = _relay(log, RelayFlusher())
+    assert not relay.first_token("x")  # not opened by the stream: nothing written
+    relay.opening = lambda text: b"ROLE|" + text.encode()
+    relay._cycle.flow.write_paused = True
+    assert not relay.first_token("x") and log == []  # the client is behind: the stream's send waits, not this
+    relay._cycle.flow.write_paused = False
+    assert relay.first_token("tok")
+    assert log == [b"8\r\nROLE|tok\r\n"] and relay.first_sent is not None and relay.opening is None
+    assert not relay.first_token("again") and len(log) == 1  # once
+    assert tl.token_times == [] and tl.token_sent == []  # the stream puts the token on the timeline
 
 
 def test_a_failed_write_costs_only_its_own_stream():

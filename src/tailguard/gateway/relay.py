@@ -10,7 +10,9 @@ first token, the last chunks, an error, a token behind one of those, a token the
 reader as before, in order. Measured in docs/benchmarks.md ("The direct relay").
 
 ``UpstreamFeed`` is one attempt's side of it: it takes the body as the connection receives it (the connection's
-``tap``), splits it into ``data:`` payloads and either relays or queues each.
+``tap``), splits it into ``data:`` payloads and either relays or queues each. An attempt's first token is always
+queued for the reader, and also written at once (``Relay.first_token``) when the server's stream is waiting for it
+with nothing else to send first; a plain chunk without a token before it (the role chunk) is dropped.
 """
 
 from __future__ import annotations
@@ -33,9 +35,16 @@ class Relay(Protocol):
     armed: bool
     on_token: Callable[[], None] | None  # told of each token taken (the stall watch's inter-token clock)
     sink: list[str] | None  # each token's text appended (a stall fallback's continuation)
+    # Set by the server while its stream waits for the request's first token, with its status out: the encoder of
+    # the role chunk and the first token's chunk (``first_token``); None otherwise.
+    opening: Callable[[str], bytes] | None
 
     def token(self, text: str, produced: float) -> bool:
         """Write one token's chunk now; False (nothing written) when it cannot, and the token goes to the reader."""
+
+    def first_token(self, text: str) -> bool:
+        """Write the first token (and the role chunk before it) now, from the read callback; the reader still gets
+        the token, for everything else a token means. False (nothing written) when it cannot."""
 
 
 class UpstreamFeed:
@@ -78,7 +87,13 @@ class UpstreamFeed:
             if payload == DONE:
                 self.ended = True
             elif not self.opened:
-                self.opened = bool(self.token_text(payload))
+                text = self.token_text(payload)
+                if text == "":  # a plain chunk without a token (the role chunk): nothing in it for anyone
+                    continue
+                if text:
+                    self.opened = True
+                    if relay is not None and relay.opening is not None and not queue:
+                        self._first(relay, text)  # out at once; queued all the same, for the reader's bookkeeping
             queue.append((payload, now))
             self.queued_bytes += len(payload)
             queued = True
@@ -94,6 +109,14 @@ class UpstreamFeed:
             log.exception("direct relay: a token could not be taken; the relay is off for this wait")
             relay.armed = False
             return False
+
+    @staticmethod
+    def _first(relay: Relay, text: str) -> None:
+        try:
+            relay.first_token(text)
+        except Exception:  # noqa: BLE001 - inside the connection's read callback: the reader sends it instead
+            log.exception("direct relay: the first token could not be written; the stream sends it")
+            relay.opening = None
 
     def take(self) -> list[tuple[bytes, float]]:
         """Everything queued, oldest first (and the socket read again if it was paused for it)."""

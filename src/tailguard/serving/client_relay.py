@@ -15,6 +15,12 @@ first tokens (the TTFT path) that arrived with it: in paired rounds at 256 strea
 over the relay-free path. A ``RelayFlusher`` holds the accepted chunks and writes them, in order, one turn later,
 after the tasks of the turn that received them (``serving/next_turn.py``; docs/benchmarks.md, "The direct relay").
 The server's stream flushes whatever is held before it writes anything itself (``settle``), so nothing overtakes.
+
+**The first token is the exception** (``first_token``): it is the TTFT, so it leaves inside the read callback, with
+the role chunk before it, while the server's stream waits for it with the status already out (the server sets
+``opening`` only then). The token still goes to the reader, which does everything else a first token means (the
+timeline, the queue slot, the stall watch, the retry rule) and writes nothing. Measured in docs/gateway.md ("What
+relaying costs").
 """
 
 from __future__ import annotations
@@ -57,13 +63,16 @@ class RelayFlusher(NextTurn["tuple[ClientRelay, bytes]"]):
 class ClientRelay:
     """Takes token chunks for the client's connection while ``armed`` (set by the server's stream)."""
 
-    __slots__ = ("armed", "on_token", "sink", "taken", "_cycle", "_flusher", "_tl", "_content", "_output")
+    __slots__ = ("armed", "on_token", "sink", "taken", "opening", "first_sent", "_cycle", "_flusher", "_tl",
+                 "_content", "_output")
 
     def __init__(self, cycle: Any, flusher: RelayFlusher) -> None:
         self.armed = False
         self.on_token: Callable[[], None] | None = None  # the stall watch's clock: a token came (``watch``)
         self.sink: list[str] | None = None  # the texts sent, for a stall fallback's continuation (``stall_fallback``)
         self.taken = 0  # tokens relayed, every attempt of the request together (the record's direct_tokens)
+        self.opening: Callable[[str], bytes] | None = None  # set while the stream waits for the first token
+        self.first_sent: float | None = None  # when ``first_token`` wrote the first token
         self._cycle = cycle
         self._flusher = flusher
         self._tl: Timeline | None = None
@@ -98,6 +107,19 @@ class ClientRelay:
             self.sink.append(text)
         if self.on_token is not None:
             self.on_token()
+        return True
+
+    def first_token(self, text: str) -> bool:
+        """The role chunk and the first token's chunk, written now, inside the read callback: ahead of the work the
+        read made ready, as nothing else is (the first token is the TTFT; the later tokens wait a turn, above)."""
+        encode, cycle = self.opening, self._cycle
+        if encode is None or cycle.disconnected or cycle.response_complete or not cycle.chunked_encoding \
+                or cycle.flow.write_paused or cycle.transport.is_closing():
+            return False
+        self.opening = None
+        chunk = encode(text)
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))  # uvicorn's chunk framing
+        self.first_sent = perf_counter()
         return True
 
     def settle(self) -> None:

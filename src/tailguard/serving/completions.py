@@ -183,6 +183,7 @@ class Exchange:
         self.move(Phase.ABANDONED)
         if self.relay is not None:
             self.relay.armed = False
+            self.relay.opening = None
         return True
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -830,16 +831,22 @@ class CompletionEndpoint:
             if not ex.started:
                 await ex.start(200, _SSE_HEADERS + _degraded_headers(tl))
 
+        def count_stream() -> None:
+            gm = self.state.gateway_metrics
+            if gm is not None:  # the denominator of the stream interruption rate
+                gm.child(gm.streams, tl.lane).inc()
+
         async def begin() -> bytes:
             nonlocal role_sent
             await start()
             if role_sent:
                 return b""
             role_sent = True
-            gm = self.state.gateway_metrics
-            if gm is not None:  # the denominator of the stream interruption rate
-                gm.child(gm.streams, tl.lane).inc()
+            count_stream()
             return fmt.role(system_fingerprint=degraded_marker(tl))
+
+        def opening(text: str) -> bytes:  # the first token's write from the upstream's read (``ClientRelay``)
+            return fmt.role(system_fingerprint=degraded_marker(tl)) + fmt.content(text)
 
         relay = ex.relay
         if relay is not None:
@@ -851,6 +858,8 @@ class CompletionEndpoint:
                     # Armed only while waiting here, so that a token relayed directly never overtakes one this
                     # loop holds (the wait in a paused send included), and only after the first token went out.
                     relay.armed = role_sent and ex.phase is Phase.RESPONDING
+                    # The first token may be written from the read, the status being out and nothing else sent.
+                    relay.opening = opening if not role_sent and ex.started and ex.phase is Phase.QUEUED else None
                 try:
                     ev = await it.__anext__()
                 except StopAsyncIteration:
@@ -858,6 +867,7 @@ class CompletionEndpoint:
                 finally:
                     if relay is not None:
                         relay.armed = False
+                        relay.opening = None
                         relay.settle()  # what it holds leaves before anything this loop writes
                 if ev is KEEPALIVE:
                     if ex.phase is not Phase.ABANDONED:
@@ -898,6 +908,16 @@ class CompletionEndpoint:
                         text = "".join(held)
                         held.clear()
                     chunk = fmt.content(text)
+                if not role_sent and relay is not None and relay.first_sent is not None:
+                    # Written from the upstream's read already, with the role chunk: the rest of what it means.
+                    role_sent = True
+                    count_stream()
+                    last_sent = relay.first_sent
+                    tl.add_tokens_sent(pending, last_sent)
+                    pending = 0
+                    g = tl.gateway = tl.gateway or {}
+                    g["first_token_direct"] = True
+                    continue
                 if not role_sent or not ex.started:
                     chunk = await begin() + chunk
                 await ex.chunk(chunk)
