@@ -14,9 +14,10 @@ a tenth of a millisecond inside the gateway is lost in its noise. Here the gatew
 - ``first token``: the replica's first token read -> its chunk written to the client;
 - ``in gateway``: the sum of the four, the gateway's own share of the TTFT.
 
-Two phases per gateway, each in a fresh process pinned to the last core (the upstream, ``sse_upstream.py``, and this
-client on the others): *idle*, ``--requests`` sequential one-token requests to an upstream that answers at once; and
-*load*, Poisson arrivals keeping ``--streams`` streams of 20 tokens (50 ms TTFT, 200 ms gaps) in flight for
+Two phases per gateway, each in a fresh process: *idle*, ``--requests`` sequential one-token requests to an upstream
+(``sse_upstream.py``) that answers at once, where the operating system places the processes (a gateway pinned alone
+to a core that idles between requests wakes it cold at each one: +100-200 us a request, all of it noise); and
+*load*, the gateway pinned to the last core (the upstream and this client on the others), Poisson arrivals keeping ``--streams`` streams of 20 tokens (50 ms TTFT, 200 ms gaps) in flight for
 ``--seconds`` after a 6 s warm-up, as ``gateway_overhead.py --upstream raw --arrivals poisson`` runs them. Rounds
 rotate over the gateways. Printed: each segment's P50/P90/P99 over the rounds' requests together; written: the same
 and each round's.
@@ -97,7 +98,7 @@ async def phase(tmp: Path, src: str | None, load: bool, a: argparse.Namespace, t
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             await ready(session, up_url)
             await ready(session, url)
-            if len(os.sched_getaffinity(0)) >= 2:
+            if load and len(os.sched_getaffinity(0)) >= 2:
                 pin([gw], [up])
             if load:
                 since = time.perf_counter_ns() + int(6e9)  # requests of the warm-up are not counted
