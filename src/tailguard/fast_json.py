@@ -11,20 +11,27 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import orjson
+try:
+    import orjson
+except ImportError:  # pragma: no cover - the server extra brings it; without it, the standard library alone
+    orjson = None
 
 
 def loads(data: bytes | str) -> Any:
     """``json.loads``'s result (raises its ``ValueError`` for what is not JSON)."""
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return json.loads(data)
+    if orjson is not None:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(data)
 
 
 def dumps(obj: Any) -> bytes:
     """Compact JSON in UTF-8 (what orjson cannot encode, in ASCII with escapes: a lone surrogate stays an escape)."""
-    try:
-        return orjson.dumps(obj)
-    except TypeError:
-        return json.dumps(obj, separators=(",", ":")).encode()
+    if orjson is not None:
+        try:
+            return orjson.dumps(obj)
+        except TypeError:
+            pass
+    return json.dumps(obj, separators=(",", ":")).encode()
