@@ -93,6 +93,17 @@ async def read_body(pool: ConnectionPool, body: bytes = b"x") -> tuple[int, list
         return resp.status, parts
 
 
+async def read_sent(pool: ConnectionPool, body: bytes) -> tuple[int, bytes]:
+    """A request written at once by ``send_now`` (there is an idle connection), its answer read by ``request``."""
+    sent = pool.send_now("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert sent is not None
+    async with pool.request("POST", "", b"", {}, sent=sent) as resp:
+        parts = []
+        while data := await resp.read():
+            parts.append(data)
+        return resp.status, b"".join(parts)
+
+
 @sync
 async def test_streams_a_chunked_body_and_reuses_the_connection() -> None:
     srv = ScriptedServer(stream_answer)
@@ -131,25 +142,19 @@ async def test_a_reused_connection_closed_under_the_request_is_retried_once_on_a
             return False  # closes without an answer, as a keep-alive timeout does when the request crosses it
         return await stream_answer(_c, n, body, w)
 
-    srv = ScriptedServer(close_second)
-    async with srv as url:
-        pool = ConnectionPool(url, spare=0)
-        await read_body(pool)
-        status, parts = await read_body(pool, b"again")
-        assert status == 200 and b"".join(parts).endswith(b"data: again\n\n")
-        assert pool.reconnects == 1 and srv.connections == 2
-        pool.close()
-
-
-async def read_sent(pool: ConnectionPool, body: bytes) -> tuple[int, bytes]:
-    """A request written at once by ``send_now`` (there is an idle connection), its answer read by ``request``."""
-    sent = pool.send_now("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    assert sent is not None
-    async with pool.request("POST", "", b"", {}, sent=sent) as resp:
-        parts = []
-        while data := await resp.read():
-            parts.append(data)
-        return resp.status, b"".join(parts)
+    for ahead in (False, True):  # sent by ``request``, or written ahead by ``send_now``
+        srv = ScriptedServer(close_second)
+        async with srv as url:
+            pool = ConnectionPool(url, spare=0)
+            await read_body(pool)
+            if ahead:
+                status, body = await read_sent(pool, b"again")
+            else:
+                status, parts = await read_body(pool, b"again")
+                body = b"".join(parts)
+            assert status == 200 and body.endswith(b"data: again\n\n")
+            assert pool.reconnects == 1 and srv.connections == 2 and pool.in_use == 0
+            pool.close()
 
 
 @sync
@@ -171,23 +176,6 @@ async def test_a_request_written_ahead_is_answered_on_its_connection_and_an_unre
         sent.abandon()  # once only
         assert pool.in_use == 0 and not pool.idle and sent.conn.closed
         await asyncio.wait_for(srv.eof_seen.wait(), 5)
-        pool.close()
-
-
-@sync
-async def test_a_request_written_ahead_on_a_connection_closed_under_it_is_sent_again() -> None:
-    async def close_second(_c: int, n: int, body: bytes, w: asyncio.StreamWriter) -> bool:
-        if n == 2:
-            return False  # the keep-alive timeout crossing the request: no answer, the connection closed
-        return await stream_answer(_c, n, body, w)
-
-    srv = ScriptedServer(close_second)
-    async with srv as url:
-        pool = ConnectionPool(url, spare=0)
-        await read_body(pool)
-        status, body = await read_sent(pool, b"again")
-        assert status == 200 and body.endswith(b"data: again\n\n")
-        assert pool.reconnects == 1 and srv.connections == 2 and pool.in_use == 0
         pool.close()
 
 
