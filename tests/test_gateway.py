@@ -508,6 +508,8 @@ def test_upstream_connections_are_reused_across_streams(tmp_path):
     requests after the first without a connect. The upstream is benchmarks/sse_upstream.py (an aiohttp app that, as
     vLLM's server does, ends the chunked body in a write of its own after [DONE]; tailguard's own replicas send the
     two together)."""
+    import tailguard.observe.tracing  # noqa: F401 - loaded (by another server of the process): untraced requests still
+    # go out ahead of their stream
     port = free_port()
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "sse_upstream.py"
     cmd = [sys.executable, str(script), "--port", str(port), "--ttft", "0.005", "--itl", "0.005", "--end-delay", "0.05"]

@@ -500,3 +500,23 @@ def test_credentials_in_an_upstream_url_are_never_shown() -> None:
     assert rep.name == "10.0.0.1:8000" and rep.url == "http://ann:secret@10.0.0.1:8000"
     assert pool.describe()[0]["url"] == "http://10.0.0.1:8000"
     assert rep.conns.basic_auth is not None  # still sent upstream
+
+
+def test_a_traced_request_is_not_written_ahead(monkeypatch):
+    """Its span's context must travel in the request, and the span is made by the attempt: the attempt sends it."""
+    from tailguard.gateway.proxy import UpstreamBackend
+    from tailguard.gateway.upstream import NoReplica
+    from tailguard.observe import tracing
+
+    class Pool:  # reached only when the request may be written ahead
+        picked = 0
+
+        def pick(self, key, exclude):
+            Pool.picked += 1
+            raise NoReplica("none")
+
+    backend = UpstreamBackend(Pool())  # type: ignore[arg-type]
+    monkeypatch.setattr(tracing, "current_trace", lambda: object())
+    assert backend.open({}, True, "r") is None and Pool.picked == 0
+    monkeypatch.setattr(tracing, "current_trace", lambda: None)
+    assert backend.open({}, True, "r") is None and Pool.picked == 1  # untraced: it tries (no replica here)

@@ -155,10 +155,11 @@ class UpstreamBackend:
         """Write the request's first attempt now, on an idle connection of the replica the routing picks, so that it
         leaves before the server builds the stream that will read its answer (that building, ~40 us of the request's
         turn on the event loop, and more under load, then overlaps the replica's work instead of preceding it); the
-        ``Opening`` goes to ``generate_request``. None, and nothing written, when it cannot be as simple: tracing on
-        (the call's span must exist first: its context travels in the request), no replica, no idle connection;
+        ``Opening`` goes to ``generate_request``. None, and nothing written, when it cannot be as simple: a traced
+        request (the call's span must exist first: its context travels in the request), no replica, no idle connection;
         ``generate_request`` then sends it as it always did."""
-        if sys.modules.get("tailguard.observe.tracing") is not None:
+        tracing = sys.modules.get("tailguard.observe.tracing")  # loaded only when some server traces
+        if tracing is not None and tracing.current_trace() is not None:
             return None
         try:
             r = self.pool.pick(affinity_key, set())
