@@ -836,6 +836,9 @@ class CompletionEndpoint:
             if gm is not None:  # the denominator of the stream interruption rate
                 gm.child(gm.streams, tl.lane).inc()
 
+        def role() -> bytes:
+            return fmt.role(system_fingerprint=degraded_marker(tl))
+
         async def begin() -> bytes:
             nonlocal role_sent
             await start()
@@ -843,10 +846,10 @@ class CompletionEndpoint:
                 return b""
             role_sent = True
             count_stream()
-            return fmt.role(system_fingerprint=degraded_marker(tl))
+            return role()
 
         def opening(text: str) -> bytes:  # the first token's write from the upstream's read (``ClientRelay``)
-            return fmt.role(system_fingerprint=degraded_marker(tl)) + fmt.content(text)
+            return role() + fmt.content(text)
 
         relay = ex.relay
         if relay is not None:
