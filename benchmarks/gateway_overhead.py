@@ -73,12 +73,14 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-def start(args: list[str], tmp: Path, cfg: dict, src: str | None = None) -> tuple[subprocess.Popen, str]:
-    """A ``tailguard serve`` process; ``src``: run it from another source tree (a ``src`` folder) instead."""
+def start(args: list[str], tmp: Path, cfg: dict, src: str | None = None, launcher: list[str] | None = None
+          ) -> tuple[subprocess.Popen, str]:
+    """A ``tailguard serve`` process; ``src``: run it from another source tree (a ``src`` folder) instead;
+    ``launcher``: what runs the CLI instead of ``-m tailguard.cli`` (a script and its own arguments)."""
     port = free_port()
     path = tmp / f"cfg{port}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "tailguard.cli", "serve", "--port", str(port), "--config", str(path),
+    cmd = [sys.executable, *(launcher or ["-m", "tailguard.cli"]), "serve", "--port", str(port), "--config", str(path),
            "--store", str(tmp / f"r{port}.sqlite3"), "--no-access-log", "--log-level", "warning", *args]
     env = dict(os.environ)
     if src is not None:
@@ -221,12 +223,21 @@ def start_raw_upstream(tmp: Path, ttft: float, itl: float) -> tuple[subprocess.P
     return proc, f"http://127.0.0.1:{port}"
 
 
+GATEWAY_CFG = {"slo": {"enabled": False}, "capacity": {"max_concurrent": 4096},
+               "lanes": {"standard": {"max_queue": 4096}}}
+
+
+def start_gateway(tmp: Path, up_url: str, src: str | None = None, launcher: list[str] | None = None
+                  ) -> tuple[subprocess.Popen, str]:
+    """``tailguard serve --upstream up_url`` with room for every stream (no lane or queue refuses one)."""
+    return start(["--upstream", up_url, "--max-queue", "4096"], tmp, GATEWAY_CFG, src, launcher)
+
+
 def start_gateways(tmp: Path, up_url: str, compare_src: list[str] | None) -> dict[str, tuple[subprocess.Popen, str]]:
     """``tailguard serve --upstream`` from this tree ("gateway") and from each other source tree
     ("gateway_compare1", ...), all in front of ``up_url``."""
-    cfg = {"slo": {"enabled": False}, "capacity": {"max_concurrent": 4096}, "lanes": {"standard": {"max_queue": 4096}}}
     trees = {"gateway": None, **{f"gateway_compare{i + 1}": src for i, src in enumerate(compare_src or [])}}
-    return {name: start(["--upstream", up_url, "--max-queue", "4096"], tmp, cfg, src) for name, src in trees.items()}
+    return {name: start_gateway(tmp, up_url, src) for name, src in trees.items()}
 
 
 def pin(proxies: list[subprocess.Popen], others: list[subprocess.Popen]) -> None:

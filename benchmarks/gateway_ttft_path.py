@@ -30,17 +30,15 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
-import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gateway_overhead import free_port, pin, ready, round_, start_raw_upstream  # noqa: E402
+from gateway_overhead import pin, ready, round_, start_gateway, start_raw_upstream  # noqa: E402
 from gateway_request_cpu import one  # noqa: E402
 
 PROBE = Path(__file__).with_name("gateway_path_probe.py")
@@ -50,21 +48,6 @@ SEGMENTS = {  # name: (from, to) stamps; "in gateway" is the sum of the four
     "request": ("run", "up_written"),
     "first token": ("up_token", "token_written"),
 }
-
-
-def start_probe(tmp: Path, up_url: str, src: str | None, out: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cfg = tmp / f"cfg{port}.yaml"
-    cfg.write_text(yaml.safe_dump({"slo": {"enabled": False}, "capacity": {"max_concurrent": 4096},
-                                   "lanes": {"standard": {"max_queue": 4096}}}))
-    env = dict(os.environ)
-    if src is not None:
-        env["PYTHONPATH"] = str(Path(src).resolve())
-    cmd = [sys.executable, str(PROBE), str(out), "serve", "--port", str(port), "--config", str(cfg),
-           "--store", str(tmp / f"r{port}.sqlite3"), "--no-access-log", "--log-level", "warning",
-           "--upstream", up_url, "--max-queue", "4096"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=(tmp / f"serve{port}.log").open("wb"), env=env)
-    return proc, f"http://127.0.0.1:{port}"
 
 
 def segments(path: Path, since_ns: int) -> dict[str, list[float]]:
@@ -93,7 +76,7 @@ async def phase(tmp: Path, src: str | None, load: bool, a: argparse.Namespace, t
     """One gateway process, one phase; its requests' segments."""
     up, up_url = start_raw_upstream(tmp, 0.05 if load else 0.0, 0.2 if load else 0.0)
     out = tmp / f"{tag}.json"
-    gw, url = start_probe(tmp, up_url, src, out)
+    gw, url = start_gateway(tmp, up_url, src, launcher=[str(PROBE), str(out)])
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             await ready(session, up_url)

@@ -375,10 +375,8 @@ class ConnectionPool:
     def send_now(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> Sent | None:
         """Write a request at once on an idle connection, before the caller has built what reads its answer (which
         ``request(..., sent=)`` then does); None, and nothing sent, when no idle connection is at hand."""
-        conn = self._take_idle()
-        if conn is None or self.closed:
-            if conn is not None:
-                conn.close()
+        conn = None if self.closed else self._take_idle()
+        if conn is None:
             return None
         data = self._request_bytes(method, path, body, headers)
         self.in_use += 1

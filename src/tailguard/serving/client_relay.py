@@ -91,14 +91,22 @@ class ClientRelay:
         """What a token needs: the timeline its times go on, the chunk's encoder, the kept text (or None)."""
         self._tl, self._content, self._output = tl, content, output
 
-    def token(self, text: str, produced: float) -> bool:
+    def _refused(self) -> bool:
+        """The response cannot take a chunk past ``send``: the client has gone, the body is complete or not chunked,
+        or the client is behind (``send`` would wait: the wait is the stream's to do)."""
         cycle = self._cycle
-        if not self.armed or cycle.disconnected or cycle.response_complete or not cycle.chunked_encoding \
-                or cycle.flow.write_paused:
+        return cycle.disconnected or cycle.response_complete or not cycle.chunked_encoding or cycle.flow.write_paused
+
+    @staticmethod
+    def _framed(chunk: bytes) -> bytes:
+        return b"%x\r\n%b\r\n" % (len(chunk), chunk)  # uvicorn's chunk framing
+
+    def token(self, text: str, produced: float) -> bool:
+        if not self.armed or self._refused():
             return False
         assert self._content is not None and self._tl is not None
         chunk = self._content(text)
-        self._flusher.add((self, b"%x\r\n%b\r\n" % (len(chunk), chunk)))  # uvicorn's chunk framing
+        self._flusher.add((self, self._framed(chunk)))
         self._tl.token_times.append(produced)
         self.taken += 1
         if self._output is not None:
@@ -112,13 +120,11 @@ class ClientRelay:
     def first_token(self, text: str) -> bool:
         """The role chunk and the first token's chunk, written now, inside the read callback: ahead of the work the
         read made ready, as nothing else is (the first token is the TTFT; the later tokens wait a turn, above)."""
-        encode, cycle = self.opening, self._cycle
-        if encode is None or cycle.disconnected or cycle.response_complete or not cycle.chunked_encoding \
-                or cycle.flow.write_paused or cycle.transport.is_closing():
+        encode, transport = self.opening, self._cycle.transport
+        if encode is None or self._refused() or transport.is_closing():
             return False
         self.opening = None
-        chunk = encode(text)
-        cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))  # uvicorn's chunk framing
+        transport.write(self._framed(encode(text)))
         self.first_sent = perf_counter()
         return True
 
