@@ -9,7 +9,14 @@ import httpx
 import pytest
 
 from tailguard.observe import redaction
-from tailguard.observe.redaction import RedactionUnavailable, Redactor, cn_id_checksum_ok
+from tailguard.observe.redaction import (
+    RedactionUnavailable,
+    Redactor,
+    card_number_ok,
+    cn_id_checksum_ok,
+    cn_old_id_ok,
+    find_emails,
+)
 from tests.serving_helpers import ADMIN, fake_server, settle
 
 
@@ -30,6 +37,12 @@ def redactor():
     ("IP地址10.0.0.1", "IP地址<IP_ADDRESS>"),
     ("card 4111 1111 1111 1111", "card <CREDIT_CARD>"),
     ("卡号4111111111111111", "卡号<CREDIT_CARD>"),
+    ("卡号6212345678901234569已绑定", "卡号<CREDIT_CARD>已绑定"),
+    ("卡号 6212-3456-7890-1234-569，谢谢", "卡号 <CREDIT_CARD>，谢谢"),
+    ("身份证 110101 19900307 109X", "身份证 <CN_RESIDENT_ID>"),
+    ("老身份证110101900307123", "老身份证<CN_RESIDENT_ID>"),
+    ("联系：用户@例子.中国谢谢", "联系：<EMAIL_ADDRESS>谢谢"),
+    ("write to josé@bücher.de", "write to <EMAIL_ADDRESS>"),
 ])
 def test_redacts(redactor, text, expected):
     assert redactor.redact(text) == expected
@@ -51,6 +64,40 @@ def test_cn_id_checksum():
     assert not cn_id_checksum_ok("110105194912310021")
     assert not cn_id_checksum_ok("11010519491331002X")  # month 13
     assert not cn_id_checksum_ok("1101051949123100")
+
+
+def test_card_number_checks():
+    assert card_number_ok("6212 3456 7890 1234 569")  # 19-digit UnionPay, Luhn-valid
+    assert not card_number_ok("6212345678901234560")  # Luhn fails
+    assert not card_number_ok("412345678901233")  # Luhn-valid, but Visa issues 13, 16 or 19 digits
+    assert not card_number_ok("1709876543210129")  # Luhn-valid microsecond timestamp: no issuer starts with 1
+    assert not card_number_ok("6901234567892")  # EAN-13 barcode
+    assert not card_number_ok("360102198811220653")  # Luhn-valid, but a valid resident ID (Jiangxi)
+
+
+def test_cn_id_checks_with_separators_and_the_old_form():
+    assert cn_id_checksum_ok("110101 19900307 109X") and cn_id_checksum_ok("110101-19900307-109x")
+    assert not cn_id_checksum_ok("11010119900230123X")  # 30 February
+    assert cn_old_id_ok("110101900307123") and cn_old_id_ok("110101 900307 123")
+    assert not cn_old_id_ok("110101901332123")  # month 13
+    assert not cn_old_id_ok("990101900307123")  # no such province
+    assert not cn_old_id_ok("118501900307123")  # no such city code
+
+
+def test_email_host_is_cut_back_to_a_public_suffix():
+    suffixes = {"com", "中国"}
+
+    def is_domain(host: str) -> bool:
+        return host.rsplit(".", 1)[-1] in suffixes and host.count(".") >= 1
+
+    def spans(text: str) -> list[str]:
+        return [text[s:e] for s, e in find_emails(text, is_domain)]
+
+    assert spans("发送至zhang@example.com谢谢") == ["zhang@example.com"]
+    assert spans("发到a@b.com.谢谢") == ["a@b.com"]
+    assert spans("联系 用户@例子.中国谢谢") == ["用户@例子.中国"]
+    assert spans("@app.route and x@y.notatld and a@localhost") == []
+    assert spans("x@" + "a." * 50_000 + "com") == []  # over 253 characters: no host, and no quadratic search
 
 
 def test_redact_none_and_empty(redactor):
