@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from tailguard.engine.engine import AsyncLLMEngine, EngineArgs, EngineClosed, LLMEngine
+from tailguard.engine.engine import MAX_FAILED_STEPS, AsyncLLMEngine, EngineArgs, EngineClosed, LLMEngine
 from tailguard.engine.request import SamplingParams
 
 
@@ -30,29 +30,52 @@ async def _drain(front: AsyncLLMEngine, rid: str, n: int = 200) -> tuple[int, Ba
     return got, None
 
 
-def test_a_crash_mid_stream_ends_every_request_and_refuses_new_ones(engine):
+def test_steps_failing_in_a_row_outside_the_model_end_every_request_and_refuse_new_ones(engine):
     front = AsyncLLMEngine(engine)
     steps = {"n": 0}
     real_step = engine.step
 
     def failing_step():
         steps["n"] += 1
-        if steps["n"] == 5:
-            raise RuntimeError("injected kernel failure")
+        if steps["n"] >= 5:  # the scheduler itself is broken: every step from the fifth on fails
+            raise RuntimeError("injected scheduler failure")
         return real_step()
 
     engine.step = failing_step
 
     async def main():
         results = await asyncio.wait_for(asyncio.gather(*(_drain(front, f"crash-{i}") for i in range(4))), 30)
-        with pytest.raises(EngineClosed, match="injected kernel failure"):
+        with pytest.raises(EngineClosed, match="injected scheduler failure"):
             await asyncio.wait_for(_drain_raise(front, "late"), 5)
         return results
 
     results = asyncio.run(main())
-    assert all(isinstance(exc, EngineClosed) and "injected kernel failure" in str(exc) for _, exc in results)
+    assert all(isinstance(exc, EngineClosed) and "injected scheduler failure" in str(exc) for _, exc in results)
     assert all(got < 200 for got, _ in results)
+    assert steps["n"] == 4 + MAX_FAILED_STEPS  # retried, then given up on (and said: error set, not running)
     assert front.error is not None and not front.is_running
+
+
+def test_one_step_failing_outside_the_model_is_retried_and_nobody_notices(engine):
+    front = AsyncLLMEngine(engine)
+    steps = {"n": 0}
+    real_step = engine.step
+
+    def flaky_step():
+        steps["n"] += 1
+        if steps["n"] == 5:
+            raise RuntimeError("injected one-off failure")
+        return real_step()
+
+    engine.step = flaky_step
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(_drain(front, f"flaky-{i}", 20) for i in range(3))), 30)
+
+    results = asyncio.run(main())
+    assert results == [(20, None)] * 3
+    assert front.error is None and front.is_running
+    front.shutdown()
 
 
 async def _drain_raise(front: AsyncLLMEngine, rid: str) -> None:

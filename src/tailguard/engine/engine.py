@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,15 +33,28 @@ from tailguard.engine.lean import (
     decode_step_fits,
     kv_rotated,
 )
+from tailguard.engine.lean_sampling import SampledToken
 from tailguard.engine.loader import load_gguf, write_tiny_gguf
 from tailguard.engine.memory import bound_heap_retention, format_bytes, parse_budget, release_free_heap
 from tailguard.engine.model_store import cache_dir, resolve_model_path
-from tailguard.engine.request import EngineClosed, FinishReason, RequestError, SamplingParams, Sequence
-from tailguard.engine.scheduler import Scheduler, SchedulerConfig
+from tailguard.engine.request import (
+    EngineClosed,
+    FinishReason,
+    RequestError,
+    SamplingParams,
+    Sequence,
+    SequenceFailed,
+    SequenceStatus,
+)
+from tailguard.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from tailguard.engine.speculative import SpeculationPolicy, make_proposer
 from tailguard.engine.tokenizer import GGUFTokenizer, IncrementalDetokenizer
 
 logger = logging.getLogger("tailguard.engine")
+
+# Steps that fail in a row outside the model (the scheduler, the block pool) before the engine gives up and says so on
+# /health and /ready: a failure inside a step's model run ends that step's requests and is never fatal.
+MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -362,30 +375,95 @@ class LLMEngine:
                     return drafts.get(seq.request_id, [])
             else:
                 draft_for = spec.draft
+        failed: dict[str, str] = {}  # requests whose own part of this step failed, with why
+        if draft_for is not None:
+            draft_for = self._guarded_drafts(draft_for, failed)
         out = self.scheduler.schedule(draft_for)
         if out.is_empty:
             return []
-        probe = self.internals.plan(out.chunks, self.scheduler.tables)  # None unless a sampled request's step
-        sampled = self.runner.execute(out.chunks, self.scheduler.tables, self.stop_ids, probe)
-        self.internals.collect(probe)
+        try:
+            probe = self.internals.plan(out.chunks, self.scheduler.tables)  # None unless a sampled request's step
+            sampled = self.runner.execute(out.chunks, self.scheduler.tables, self.stop_ids, probe)
+            self.internals.collect(probe)
+        except Exception as exc:  # noqa: BLE001 - the step's requests end with an error; the engine goes on
+            logger.exception("engine step %d failed; its %d requests end with an error", self.steps, len(out.chunks))
+            reason = f"the engine step failed: {type(exc).__name__}: {str(exc)[:200]}"
+            ids = dict.fromkeys(c.seq.request_id for c in out.chunks)
+            return [ev for rid in ids if (ev := self.fail_request(rid, reason)) is not None]
         now = time.perf_counter()
         self.scheduler.advance(out)
         self.steps += 1
         events: list[TokenEvent] = []
         for chunk, tokens in zip(out.chunks, sampled):
-            if chunk.draft:
-                assert spec is not None
-                spec.record(chunk.seq.request_id, len(chunk.draft), len(tokens) - 1)
-            tracked = self._tracked[chunk.seq.request_id]
-            # Several tokens at once (accepted guesses): each goes through the stop checks in order, and the first
-            # that ends the request drops the rest, so EOS, stop strings and max_tokens hold exactly.
-            for token in tokens:
-                events.append(self._post_process(tracked, token, now))
-                if events[-1].finished:
-                    break
-            if chunk.draft and not chunk.seq.is_finished:
-                self.scheduler.roll_back(chunk.seq, len(tokens) - 1)
+            rid = chunk.seq.request_id
+            try:
+                if rid in failed:
+                    raise SequenceFailed(failed[rid])
+                self._take_tokens(chunk, tokens, now, events)
+            except Exception as exc:  # noqa: BLE001 - this request alone ends; its neighbours keep their tokens
+                if not isinstance(exc, SequenceFailed):
+                    logger.exception("request %s failed in post-processing", rid)
+                reason = str(exc) if isinstance(exc, SequenceFailed) else \
+                    f"post-processing failed: {type(exc).__name__}: {str(exc)[:200]}"
+                ev = self.fail_request(rid, reason)
+                if ev is not None:
+                    events.append(ev)
         return events
+
+    def _take_tokens(self, chunk: ScheduledChunk, tokens: list[SampledToken], now: float,
+                     events: list[TokenEvent]) -> None:
+        spec = self.speculation
+        if any(t.error is not None for t in tokens):
+            raise SequenceFailed(next(t.error for t in tokens if t.error is not None))
+        if chunk.draft:
+            assert spec is not None
+            spec.record(chunk.seq.request_id, len(chunk.draft), len(tokens) - 1)
+        tracked = self._tracked[chunk.seq.request_id]
+        # Several tokens at once (accepted guesses): each goes through the stop checks in order, and the first
+        # that ends the request drops the rest, so EOS, stop strings and max_tokens hold exactly.
+        for token in tokens:
+            events.append(self._post_process(tracked, token, now))
+            if events[-1].finished:
+                break
+        if chunk.draft and not chunk.seq.is_finished:
+            self.scheduler.roll_back(chunk.seq, len(tokens) - 1)
+
+    @staticmethod
+    def _guarded_drafts(draft_for: Callable[[Sequence], list[int]],
+                        failed: dict[str, str]) -> Callable[[Sequence], list[int]]:
+        """A proposer whose failure for one sequence ends that request alone (its step goes on without a guess)."""
+
+        def guarded(seq: Sequence) -> list[int]:
+            try:
+                return draft_for(seq)
+            except Exception as exc:  # noqa: BLE001
+                logger.exception("the speculative proposer failed for request %s", seq.request_id)
+                failed[seq.request_id] = f"speculative drafting failed: {type(exc).__name__}: {str(exc)[:200]}"
+                return []
+
+        return guarded
+
+    def fail_request(self, request_id: str, reason: str) -> TokenEvent | None:
+        """End one request with an error of its own (``request_failed``), freeing what it holds; None if unknown."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        seq = tracked.seq
+        if seq.status is not SequenceStatus.FINISHED:
+            self.scheduler.finish(seq, FinishReason.ERROR)
+        now = time.perf_counter()
+        try:
+            self.runner.release(request_id)
+            event = self._final_event(tracked, "", now)
+        except Exception:  # noqa: BLE001 - the request ends either way; what it held is logged
+            logger.exception("cleaning up failed request %s", request_id)
+            event = TokenEvent(request_id, None, "", now, finished=True, num_prompt_tokens=seq.num_prompt_tokens,
+                               num_output_tokens=len(seq.output_token_ids), arrival=seq.times.arrival,
+                               first_scheduled=seq.times.first_scheduled, first_token=seq.times.first_token)
+        event.finish_reason = FinishReason.ERROR
+        event.error = reason
+        event.request_failed = True
+        return event
 
     def _post_process(self, tracked: _Tracked, token, now: float) -> TokenEvent:
         seq = tracked.seq
@@ -463,11 +541,21 @@ class LLMEngine:
 def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
     best = 0
+    if not text:
+        return 0
+    last = text[-1]
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
+        # Only a prefix that ends in the text's last character can be a suffix of it: jump between those (a stop
+        # string is checked on every token, so this stays linear in its length, not quadratic).
+        end = min(len(s) - 1, len(text))
+        while end > best:
+            k = s.rfind(last, 0, end) + 1
+            if k <= best:
+                break
             if text.endswith(s[:k]):
                 best = k
                 break
+            end = k - 1
     return best
 
 
@@ -564,6 +652,8 @@ class AsyncLLMEngine:
                     finished = True
                     if event.finish_reason is None:
                         raise RequestError(event.error)
+                    if event.request_failed:
+                        raise SequenceFailed(event.error)
                     raise EngineClosed(event.error)
                 yield event
                 if event.finished:
@@ -645,14 +735,25 @@ class AsyncLLMEngine:
                 self.engine.add_request(prompt, sampling, request_id, priority, arrival)
             except RequestError as exc:
                 self._deliver([TokenEvent(request_id, None, "", time.perf_counter(), finished=True, error=str(exc))])
+            except Exception as exc:  # noqa: BLE001 - this request alone could not be added
+                logger.exception("adding request %s failed", request_id)
+                ev = self.engine.fail_request(request_id, f"the engine could not take the request: {exc!r}"[:300])
+                self._deliver([ev or TokenEvent(request_id, None, "", time.perf_counter(), finished=True,
+                                                finish_reason=FinishReason.ERROR, request_failed=True,
+                                                error=f"the engine could not take the request: {exc!r}"[:300])])
         elif kind == "abort":
             # The final event says where the request was when it was aborted (scheduled? first token?), so the
             # server charges its time to the stages that really happened.
-            final = self.engine.abort(payload)
+            try:
+                final = self.engine.abort(payload)
+            except Exception:  # noqa: BLE001 - an abort that fails still ends the request
+                logger.exception("aborting request %s failed", payload)
+                final = self.engine.fail_request(payload, "aborted")
             if final is not None:
                 self._deliver([final])
 
     def _loop(self) -> None:
+        failures = 0
         try:
             while not self._stop.is_set():
                 block = not self.engine.has_unfinished()
@@ -666,7 +767,15 @@ class AsyncLLMEngine:
                 if self._stop.is_set():
                     break
                 if self.engine.has_unfinished():
-                    events = self.engine.step()
+                    try:
+                        events = self.engine.step()
+                        failures = 0
+                    except Exception:  # noqa: BLE001 - outside the model (the scheduler): retried, then fatal
+                        failures += 1
+                        logger.exception("engine step failed outside the model (%d in a row)", failures)
+                        if failures >= MAX_FAILED_STEPS:
+                            raise
+                        continue
                     self._last_stats = self.engine.stats()
                     if events:
                         self._deliver(events)

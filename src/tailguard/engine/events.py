@@ -24,6 +24,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    request_failed: bool = False  # the error is this request's alone: the engine goes on serving the others
     # Filled on the final event.
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0

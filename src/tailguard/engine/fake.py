@@ -28,6 +28,10 @@ class ByteTokenizer:
         self.eos_token_id = self.EOS
         self.stop_token_ids = {self.EOS, self.IM_END}
         self.special_ids = {self.BOS, self.EOS, self.IM_END}
+        self.max_token_chars = 1  # a token is one byte: never more than one character
+
+    def min_tokens(self, text: str) -> int:
+        return len(text.encode("utf-8", "surrogatepass"))  # exactly: one token a byte
 
     def encode(self, text: str) -> list[int]:
         return [b + self._OFFSET for b in text.encode("utf-8")]

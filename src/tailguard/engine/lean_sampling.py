@@ -21,6 +21,12 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None  # this row's sampling failed: its request alone ends with this error
+
+
+def failed_row(exc: Exception) -> SampledToken:
+    """The token of a row whose sampling raised: the engine ends that request alone (no neighbour is touched)."""
+    return SampledToken(-1, error=f"sampling failed: {type(exc).__name__}: {str(exc)[:200]}")
 
 
 def log_softmax(row: np.ndarray) -> np.ndarray:
@@ -58,7 +64,7 @@ class Sampler:
             return self._shared
         rng = self._rngs.get(seq.request_id)
         if rng is None:
-            rng = self._rngs[seq.request_id] = np.random.default_rng(seq.sampling.seed)
+            rng = self._rngs[seq.request_id] = np.random.default_rng(seq.sampling.generator_seed)
         return rng
 
     @staticmethod
@@ -72,31 +78,36 @@ class Sampler:
         """One token for each row of ``logits`` [len(seqs), vocab]."""
         out = []
         for row, seq in zip(logits, seqs):
-            banned = self._banned(seq, stop_ids)
-            masked = row
-            if banned:
-                masked = row.copy()
-                masked[banned] = -np.inf
-            sp = seq.sampling
-            if sp.greedy:
-                tok = int(masked.argmax())
-            else:
-                probs = probabilities(masked, sp)
-                cdf = np.cumsum(probs)
-                tok = int(np.searchsorted(cdf, self._rng(seq).random() * cdf[-1], side="right"))
-                if tok >= len(cdf) or probs[tok] == 0:  # a draw rounding onto the very top: the last possible token
-                    tok = int(np.flatnonzero(probs)[-1])
-            if sp.logprobs is None:
-                out.append(SampledToken(tok))
-                continue
-            logprobs = log_softmax(row.astype(np.float32))
-            top: list[tuple[int, float]] = []
-            if sp.logprobs:
-                best = np.argpartition(-logprobs, sp.logprobs - 1)[: sp.logprobs]
-                best = best[np.argsort(-logprobs[best], kind="stable")]
-                top = [(int(i), float(logprobs[i])) for i in best]
-            out.append(SampledToken(tok, float(logprobs[tok]), top))
+            try:
+                out.append(self._sample_row(row, seq, stop_ids))
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not end its step's neighbours
+                out.append(failed_row(exc))
         return out
+
+    def _sample_row(self, row: np.ndarray, seq: Sequence, stop_ids: set[int]) -> SampledToken:
+        banned = self._banned(seq, stop_ids)
+        masked = row
+        if banned:
+            masked = row.copy()
+            masked[banned] = -np.inf
+        sp = seq.sampling
+        if sp.greedy:
+            tok = int(masked.argmax())
+        else:
+            probs = probabilities(masked, sp)
+            cdf = np.cumsum(probs)
+            tok = int(np.searchsorted(cdf, self._rng(seq).random() * cdf[-1], side="right"))
+            if tok >= len(cdf) or probs[tok] == 0:  # a draw rounding onto the very top: the last possible token
+                tok = int(np.flatnonzero(probs)[-1])
+        if sp.logprobs is None:
+            return SampledToken(tok)
+        logprobs = log_softmax(row.astype(np.float32))
+        top: list[tuple[int, float]] = []
+        if sp.logprobs:
+            best = np.argpartition(-logprobs, sp.logprobs - 1)[: sp.logprobs]
+            best = best[np.argsort(-logprobs[best], kind="stable")]
+            top = [(int(i), float(logprobs[i])) for i in best]
+        return SampledToken(tok, float(logprobs[tok]), top)
 
     def release(self, request_id: str) -> None:
         self._rngs.pop(request_id, None)

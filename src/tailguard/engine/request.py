@@ -15,6 +15,17 @@ class EngineClosed(RuntimeError):
     """The engine has stopped (shut down or crashed): no request can be served; the message says why."""
 
 
+class SequenceFailed(RuntimeError):
+    """This request alone failed inside the engine (its sampling, stop rules, detokenizing or drafts, or the step it
+    was in); the engine and every other request go on. The message says what failed."""
+
+
+# A temperature below this samples as greedy (vLLM's threshold): dividing logits by it would overflow to inf/NaN.
+GREEDY_TEMPERATURE = 1e-5
+# A seed is any 64-bit integer, signed or not (OpenAI's range); generators take it folded into [0, 2**64).
+SEED_MODULUS = 2**64
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -45,8 +56,8 @@ class SamplingParams:
     def validate(self) -> None:
         if self.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1")
-        if self.temperature < 0:
-            raise RequestError("temperature must be >= 0")
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails every comparison
+            raise RequestError("temperature must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
             raise RequestError("top_p must be in (0, 1]")
         if self.top_k < 0:
@@ -58,7 +69,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def generator_seed(self) -> int | None:
+        """The seed as a random generator takes it: a negative seed is folded into [0, 2**64)."""
+        return None if self.seed is None else self.seed % SEED_MODULUS
 
 
 @dataclass

@@ -6,7 +6,7 @@ import torch
 
 from tailguard.engine.blocks import BlockTable
 from tailguard.engine.internals import StepProbe
-from tailguard.engine.lean_sampling import SampledToken
+from tailguard.engine.lean_sampling import SampledToken, failed_row
 from tailguard.engine.model import NATIVE_PREFILL_MAX_CONTEXT, AttentionMetadata, LlamaModel, PrefillSpan
 from tailguard.engine.request import SamplingParams, Sequence
 from tailguard.engine.scheduler import ScheduledChunk
@@ -142,7 +142,10 @@ class ModelRunner:
         for c in chunks:
             if c.draft:
                 width = len(c.draft) + 1
-                results.append(self.verify(logits[row : row + width], c.seq, c.draft))
+                try:
+                    results.append(self.verify(logits[row : row + width], c.seq, c.draft))
+                except Exception as exc:  # noqa: BLE001 - this request's failure alone
+                    results.append([failed_row(exc)])
                 row += width
             elif c.samples:
                 results.append([next(plain)])
@@ -205,20 +208,22 @@ class ModelRunner:
             for row, tok in zip(greedy_rows, masked.argmax(dim=-1).tolist()):
                 picks[row] = tok
         for row, seq in enumerate(seqs):
-            if row in picks:
-                continue
-            picks[row] = self._sample_one(logits[row : row + 1], seq, stop_ids)
-        for row, seq in enumerate(seqs):
-            tok = picks[row]
-            n_top = seq.sampling.logprobs
-            if n_top is None:
-                results.append(SampledToken(tok))
-                continue
-            logprobs = torch.log_softmax(logits[row], dim=-1)
-            top = torch.topk(logprobs, n_top) if n_top else None
-            top_list = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
-            results.append(SampledToken(tok, float(logprobs[tok]), top_list))
+            try:
+                if row not in picks:
+                    picks[row] = self._sample_one(logits[row : row + 1], seq, stop_ids)
+                results.append(self._with_logprobs(logits[row], picks[row], seq.sampling.logprobs))
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not end its step's neighbours
+                results.append(failed_row(exc))
         return results
+
+    @staticmethod
+    def _with_logprobs(row: torch.Tensor, tok: int, n_top: int | None) -> SampledToken:
+        if n_top is None:
+            return SampledToken(tok)
+        logprobs = torch.log_softmax(row, dim=-1)
+        top = torch.topk(logprobs, n_top) if n_top else None
+        top_list = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+        return SampledToken(tok, float(logprobs[tok]), top_list)
 
     @staticmethod
     def _mask_early_stop(logits: torch.Tensor, seqs: list[Sequence], stop_ids: set[int]) -> torch.Tensor:
@@ -259,7 +264,7 @@ class ModelRunner:
         gen = self._generators.get(seq.request_id)
         if gen is None and seq.sampling.seed is not None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(seq.sampling.seed)
+            gen.manual_seed(seq.sampling.generator_seed)
             self._generators[seq.request_id] = gen
         return gen
 

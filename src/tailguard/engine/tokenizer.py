@@ -37,6 +37,31 @@ class ChatMessage:
     content: str
 
 
+_BYTE_DECODER: dict[str, int] | None = None
+
+
+def _byte_level_text(token: str) -> str:
+    """A vocabulary entry (GPT-2 byte-level symbols) as the text it stands for; undecodable bytes as U+FFFD."""
+    global _BYTE_DECODER
+    if _BYTE_DECODER is None:
+        # GPT-2's table: printable bytes stand for themselves, the others are shifted past U+0100.
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        codes, shift = list(printable), 0
+        for b in range(256):
+            if b not in printable:
+                printable.append(b)
+                codes.append(256 + shift)
+                shift += 1
+        _BYTE_DECODER = {chr(c): b for b, c in zip(printable, codes)}
+    if any(ch not in _BYTE_DECODER for ch in token):
+        return token  # an added (special) token is stored as its text
+    return bytes(_BYTE_DECODER[ch] for ch in token).decode("utf-8", "replace")
+
+
+# Texts longer than this are encoded through encode_batch, which releases the GIL (same ids, same speed).
+_RELEASE_GIL_CHARS = 1024
+
+
 class GGUFTokenizer:
     """Encode/decode plus the chat template; thread-safe, with an LRU cache of encodings.
 
@@ -76,6 +101,14 @@ class GGUFTokenizer:
         self.add_bos = bool(field("tokenizer.ggml.add_bos_token", False))
         self.chat_template_source = field("tokenizer.chat_template")
         self.tokens = tokens
+        # No token spans more characters than its byte-level form has symbols (one a byte): with it, a prompt's
+        # length in characters bounds its length in tokens from below before anything is tokenized.
+        self.max_token_chars = max(len(t) for t in tokens)
+        # And no token holds more than this many non-ASCII characters (SmolLM2: 8; Chinese text is ~1 a token),
+        # nor more than one digit when digits are split: tighter floors for the texts where the first is loose.
+        decoded = [_byte_level_text(t) for t in tokens]
+        self.max_token_non_ascii = max(1, max(len(t) - len(t.encode("ascii", "ignore")) for t in decoded))
+        self.max_token_digits = max(1, max(sum(c.isdigit() for c in t) for t in decoded))
         # ChatML models end a turn with <|im_end|>; generation stops there as well as at EOS.
         im_end = vocab.get("<|im_end|>")
         self.stop_token_ids = {self.eos_token_id} | ({im_end} if im_end is not None else set())
@@ -89,6 +122,13 @@ class GGUFTokenizer:
         self.cache_hits = 0
 
     # --- encoding -------------------------------------------------------------------------------------------------
+    def min_tokens(self, text: str) -> int:
+        """A floor on the number of tokens ``text`` encodes to, in microseconds for any length (nothing is tokenized):
+        its characters, its non-ASCII characters and its digits, each over the most of them one token can hold."""
+        non_ascii = len(text) - len(text.encode("ascii", "ignore"))
+        digits = sum(map(text.count, "0123456789")) if self.max_token_digits == 1 else 0
+        return max(-(-len(text) // self.max_token_chars), -(-non_ascii // self.max_token_non_ascii), digits)
+
     def encode(self, text: str) -> list[int]:
         with self._lock:
             hit = self._cache.get(text)
@@ -96,7 +136,12 @@ class GGUFTokenizer:
                 self._cache.move_to_end(text)
                 self.cache_hits += 1
                 return list(hit[0])
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if len(text) > _RELEASE_GIL_CHARS:
+            # encode_batch lets go of the GIL while Rust works (encode holds it: ~1 ms per 2,500 characters), so a
+            # long prompt tokenized on a worker thread never stalls the event loop or the engine's thread.
+            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         if self._cache_size and self._cache_budget:
