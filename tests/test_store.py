@@ -461,7 +461,7 @@ def test_the_servers_recent_cache_lets_go_of_records_the_store_has(tmp_path):
         r = httpx.post(s.url + "/v1/chat/completions", json=body, headers={"X-Request-ID": "rc-20"}, timeout=10)
         assert r.status_code == 200
         settle(s)
-        assert list(s.state.recent) == ["rc-20"]  # the 20 written before it were let go at its close
+        assert list(s.state.recent) == [("rc-20", None)]  # the 20 written before it were let go at its close
         for rid in ("rc-3", "rc-20"):
             rec = httpx.get(f"{s.url}/v1/requests/{rid}", headers=ADMIN, timeout=10).json()
             assert rec["request_id"] == rid and rec["status"] == 200

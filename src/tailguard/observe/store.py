@@ -343,7 +343,7 @@ class RequestStore:
         self.failed = 0
         # (request id, received_unix) of each record the writer is done with (committed, or failed and counted), for
         # the server's recent-records cache to let go of; bounded in case nothing reads it.
-        self.settled: collections.deque[tuple[str, float]] = collections.deque(maxlen=65536)
+        self.settled: collections.deque[tuple[str, str | None, float]] = collections.deque(maxlen=65536)
         self.dropped = 0
         self.dropped_samples = 0
         self._drop_logged: dict[str, float] = {}
@@ -491,6 +491,18 @@ class RequestStore:
     def get(self, request_id: str) -> dict[str, Any] | None:
         """The most recent record with this request id (ids from clients may repeat), or None."""
         rows = self.query("SELECT * FROM requests WHERE request_id = ? ORDER BY id DESC LIMIT 1", (request_id,))
+        return row_to_record(rows[0]) if rows else None
+
+    def get_owned(self, request_id: str, owner: str) -> dict[str, Any] | None:
+        """The most recent record with this request id that ``owner`` (a client key's id) made, or None.
+
+        Every row with the id is a candidate, however many other clients reused it: a client always finds its own.
+        The owner sits in the record's JSON (written compactly, ``"owner":"<hex id>"``), matched in SQL alike on
+        SQLite and PostgreSQL."""
+        if not owner or not all(c in "0123456789abcdef" for c in owner):
+            return None  # key ids are hex: anything else cannot be an owner (and never reaches the pattern)
+        rows = self.query("SELECT * FROM requests WHERE request_id = ? AND record LIKE ? ORDER BY id DESC LIMIT 1",
+                          (request_id, f'%"owner":"{owner}"%'))
         return row_to_record(rows[0]) if rows else None
 
     def count(self) -> int:
@@ -690,7 +702,7 @@ class RequestStore:
                     finished = True
                 if not finished:
                     break  # abandoned at the close deadline: close() counts the batch in hand with the rest
-                self.settled.extend((tl.request_id, tl.received_unix) for tl in timelines)
+                self.settled.extend((tl.request_id, tl.owner, tl.received_unix) for tl in timelines)
                 self._done(len(timelines) + len(alerts), nbytes)
             if time.monotonic() >= next_sweep and not stopping:
                 self._sweep(conn)

@@ -19,7 +19,7 @@ from tailguard.serving.errors import APIError
 if TYPE_CHECKING:
     from tailguard.gateway.tenants import Tenant, Tenants
 
-_BEARER = "Bearer "
+_BEARER = "bearer"
 
 
 def key_id(key: str) -> str:
@@ -35,9 +35,17 @@ class Caller:
 
 
 def _bearer(header: str | None) -> bytes | None:
-    if not header or not header.startswith(_BEARER):
+    # The scheme is case-insensitive (RFC 7235 section 2.1): "bearer KEY" and "BEARER KEY" are "Bearer KEY".
+    if not header:
         return None
-    return header[len(_BEARER):].strip().encode()
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != _BEARER:
+        return None
+    token = token.strip()
+    try:
+        return token.encode() if token else None
+    except UnicodeEncodeError:  # a lone surrogate cannot be anybody's key
+        return None
 
 
 class Keys:

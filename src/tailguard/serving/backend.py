@@ -21,8 +21,13 @@ class Tokenizer(Protocol):
 
     vocab_size: int
     special_ids: set[int]
+    max_token_chars: int  # the most characters one token covers: characters / this <= tokens
 
     def encode(self, text: str) -> list[int]: ...
+
+    def min_tokens(self, text: str) -> int:
+        """A floor on ``len(encode(text))``, computed without tokenizing."""
+        ...
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 

@@ -58,9 +58,10 @@ class APIError(Exception):
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
-    return json.dumps(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}}, ensure_ascii=False
-    ).encode("utf-8")
+    body = json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}, ensure_ascii=False)
+    # A message may quote the client's input, lone surrogates included (legal JSON escapes, not Unicode text):
+    # written back as escapes, so that the error itself cannot fail to encode.
+    return body.encode("utf-8", "backslashreplace")
 
 
 def error_response(err: APIError) -> Response:

@@ -19,6 +19,8 @@ from tailguard import fast_json
 from tailguard.serving.errors import APIError
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+# Every stop string is searched for after every token, on the engine's thread: a bound keeps that cost small.
+MAX_STOP_CHARS = 1024
 
 # OpenAI parameters we do not implement, with the value(s) at which they change nothing.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -179,6 +181,8 @@ def _stops(stop: str | list[str] | None) -> list[str]:
         raise APIError(400, "'stop' takes at most 4 sequences", param="stop")
     if any(not s for s in stops):
         raise APIError(400, "'stop' sequences must be non-empty strings", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise APIError(400, f"'stop' sequences may be at most {MAX_STOP_CHARS} characters long", param="stop")
     return stops
 
 

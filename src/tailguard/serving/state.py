@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
@@ -49,9 +50,12 @@ class ServerState:
     model_names: list[str] = field(default_factory=list)
     snapshot: dict[str, Any] = field(default_factory=dict)
     token_text: TokenText | None = None
-    recent: OrderedDict[str, Timeline] = field(default_factory=OrderedDict)
+    # Keyed by (request id, owner): clients may reuse each other's ids, and none may push another's record out.
+    recent: OrderedDict[tuple[str, str | None], Timeline] = field(default_factory=OrderedDict)
     recent_capacity: int = 4096
     active_ids: set[str] = field(default_factory=set)
+    # Long prompts are tokenized on a worker thread one at a time: a flood of them queues for one core.
+    long_tokenize: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     started_unix: float = field(default_factory=time.time)
     slo: SLOMonitor | None = None  # when the monitor is enabled
     lanes: Lanes | None = None  # lanes and reserved capacity, when enabled (keys, lanes or upstreams configured)
@@ -237,21 +241,22 @@ class ServerState:
             settled = getattr(self.store, "settled", None)
             if settled:
                 self._forget_settled(settled)
-        self.recent[tl.request_id] = tl
-        self.recent.move_to_end(tl.request_id)
+        key = (tl.request_id, tl.owner)
+        self.recent[key] = tl
+        self.recent.move_to_end(key)
         while len(self.recent) > self.recent_capacity:
             self.recent.popitem(last=False)
 
-    def _forget_settled(self, settled: deque[tuple[str, float]]) -> None:
+    def _forget_settled(self, settled: deque[tuple[str, str | None, float]]) -> None:
         """Drop from the recent cache the records the store has written: from then on the store answers for them.
         The cache only bridges the writer's lag; kept whole (4,096 finished timelines, ~35,000 objects) it made each
         of the collector's full collections in tailguard serve scan them: 95-280 ms pauses at 256 streams."""
         recent = self.recent
         while settled:
-            rid, received = settled.popleft()  # appended by the store's writer thread: deque ends are thread-safe
-            tl = recent.get(rid)
+            rid, owner, received = settled.popleft()  # appended by the store's writer: deque ends are thread-safe
+            tl = recent.get((rid, owner))
             if tl is not None and tl.received_unix == received:  # not a newer request that reused the id
-                del recent[rid]
+                del recent[(rid, owner)]
 
 
 def _speculates(engine: Any) -> bool:

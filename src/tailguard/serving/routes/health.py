@@ -21,12 +21,17 @@ async def health(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     state = state_of(request)
+    if state.admission.drain is not None:  # SIGTERM: out of rotation first (serving/drain.py)
+        return JSONResponse({"status": "draining", "error": "the server is shutting down"}, 503)
     if state.ready and state.engine is not None and state.engine_error() is None:
         unavailable = getattr(state.engine, "unavailable", None)
         why = unavailable() if unavailable is not None else None
         if why is None:
             return JSONResponse({"status": "ready", "model": state.engine.model_name})
         return JSONResponse({"status": "unavailable", "error": why[:500]}, 503)
+    failed = state.engine_error()
+    if failed is not None:  # the engine died after loading: a supervisor should restart this process
+        return JSONResponse({"status": "failed", "error": str(failed)[:500]}, 503)
     status = "failed" if state.load_error else "loading"
     return JSONResponse({"status": status, "error": state.load_error}, 503)
 

@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tailguard.observe.timeline import Timeline
 from tailguard.serving.auth import Caller
 from tailguard.serving.errors import APIError
 from tailguard.serving.state import ServerState, state_of
@@ -27,9 +28,7 @@ async def get_request(request: Request) -> Response:
             raise APIError(503, "the request store is unavailable right now", code="store_unavailable",
                            headers={"Retry-After": "5"}) from None
         raise
-    recent = state.recent.get(rid)
-    if recent is not None and not _may_read(caller, recent.owner):
-        recent = None
+    recent = _recent(state, rid, caller)
     # A client may reuse an ID: the in-memory record is the latest one; use it until the store has caught up.
     if recent is not None and (rec is None or rec.get("received_at") != recent.received_unix):
         rec = recent.to_record()  # not yet written by the batch writer (and never with text)
@@ -40,8 +39,12 @@ async def get_request(request: Request) -> Response:
     return JSONResponse(rec)
 
 
-def _may_read(caller: Caller, owner: str | None) -> bool:
-    return caller.admin or (caller.key_id is not None and owner == caller.key_id)
+def _recent(state: ServerState, rid: str, caller: Caller) -> Timeline | None:
+    """The caller's newest record with this id that the store may not have written yet (the admin: anyone's)."""
+    if not caller.admin:
+        return state.recent.get((rid, caller.key_id)) if caller.key_id is not None else None
+    owned = [tl for (r, _), tl in state.recent.items() if r == rid]
+    return max(owned, key=lambda tl: tl.received_unix, default=None)
 
 
 def _stored(state: ServerState, rid: str, caller: Caller) -> dict[str, Any] | None:
@@ -50,7 +53,6 @@ def _stored(state: ServerState, rid: str, caller: Caller) -> dict[str, Any] | No
         return None
     if caller.admin:
         return state.store.get(rid)
-    from tailguard.observe.store import row_to_record
-
-    rows = state.store.query("SELECT * FROM requests WHERE request_id = ? ORDER BY id DESC LIMIT 64", (rid,))
-    return next((r for r in map(row_to_record, rows) if _may_read(caller, r.get("owner"))), None)
+    if caller.key_id is None:
+        return None
+    return state.store.get_owned(rid, caller.key_id)
