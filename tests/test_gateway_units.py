@@ -505,11 +505,13 @@ def test_credentials_in_an_upstream_url_are_never_shown() -> None:
 def test_a_traced_request_is_not_written_ahead(monkeypatch):
     """Its span's context must travel in the request, and the span is made by the attempt: the attempt sends it."""
     from tailguard.gateway.proxy import UpstreamBackend
+    from tailguard.gateway.quarantine import Quarantine
     from tailguard.gateway.upstream import NoReplica
     from tailguard.observe import tracing
 
     class Pool:  # reached only when the request may be written ahead
         picked = 0
+        quarantine = Quarantine()  # holds nothing: no request is refused
 
         def pick(self, key, exclude):
             Pool.picked += 1

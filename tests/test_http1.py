@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tailguard.gateway.http1 import ConnectionPool, UpstreamProtocolError
+from tailguard.gateway.http1 import ConnectFailed, ConnectionPool, UpstreamProtocolError
 
 
 def sync(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
@@ -301,8 +301,9 @@ def test_https_upstreams(tmp_path) -> None:
         port = server.sockets[0].getsockname()[1]
         try:
             url = f"https://localhost:{port}"
-            with pytest.raises(ssl.SSLCertVerificationError):  # not a certificate the system trusts
+            with pytest.raises(ConnectFailed) as refused:  # not a certificate the system trusts: no request sent
                 await read_body(ConnectionPool(url, spare=0))
+            assert isinstance(refused.value.__cause__, ssl.SSLCertVerificationError)
             pool = ConnectionPool(url, spare=0, ssl_context=ssl.create_default_context(cafile=str(cert)))
             status, parts = await read_body(pool, b"tls")
             assert status == 200 and b"".join(parts).endswith(b"data: tls\n\n")

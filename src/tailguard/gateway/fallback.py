@@ -52,7 +52,7 @@ class UpstreamRequest:
         return backend.generate_request(
             self.body if body is None else body, self.chat, self.request_id, priority=self.priority,
             est_tokens=self.est_tokens if est_tokens is None else est_tokens, affinity_key=self.affinity_key,
-            headers=self.headers, tried=tried, exclude=exclude, relay=self.relay, opening=opening)
+            headers=self.headers, tried=tried, exclude=exclude, relay=self.relay, opening=opening, origin=self.body)
 
 
 class FallbackReport(Protocol):

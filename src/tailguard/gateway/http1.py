@@ -45,6 +45,10 @@ class UpstreamProtocolError(ConnectionError):
     """The upstream's answer is not HTTP/1.1 we can read, or the connection broke before the answer ended."""
 
 
+class ConnectFailed(ConnectionError):
+    """No connection to the upstream could be opened (refused, unreachable, timed out): it never saw the request."""
+
+
 class Connection(asyncio.Protocol):
     """One connection to an upstream and the answer of the request on it."""
 
@@ -278,9 +282,12 @@ class ConnectionPool:
 
     async def _open(self) -> Connection:
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(self.connect_timeout_s):
-            _, conn = await loop.create_connection(lambda: Connection(self), self.host, self.port, ssl=self.ssl,
-                                                   server_hostname=self.host if self.ssl else None)
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(lambda: Connection(self), self.host, self.port, ssl=self.ssl,
+                                                       server_hostname=self.host if self.ssl else None)
+        except OSError as exc:  # TimeoutError included: told apart from a failure after the request was written
+            raise ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
         self.opened += 1
         return conn
 

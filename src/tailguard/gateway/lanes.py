@@ -63,6 +63,14 @@ from tailguard.gateway.token_rate import TokenRateMeter
 if TYPE_CHECKING:
     from tailguard.gateway.shared import RedisState
 
+# Over upstream replicas every lane keeps time unless its config says otherwise (``LaneConfig.for_upstreams``): a
+# replica that stops answering (a hung engine, a stopped process) must not hold a stream silent. The first token's
+# deadline leaves room for a long prompt's prefill and the replica's own queue (three misses: 45 s); between tokens,
+# three misses of 3 s. Keep-alive comments go out while the first token is pending.
+UPSTREAM_TTFT_DEADLINE_S = 15.0
+UPSTREAM_ITL_DEADLINE_S = 3.0
+UPSTREAM_KEEPALIVE_S = 5.0
+
 FLEET_POLL_S = 0.02  # how often queued requests retry the fleet's budget (slots freed on another gateway)
 MIN_DRAIN_SAMPLES = 8  # admissions in the window before the drain rate is trusted to refuse a request at once
 
@@ -78,11 +86,16 @@ class LaneConfig(BaseModel):
     pace_itl_s: float | None = Field(None, gt=0, description="after the first token, at most one chunk per this many "
                                                              "seconds (tokens in between are sent together)")
     flush_every: int = Field(1, ge=1, description="send a chunk once this many tokens are pending")
-    ttft_deadline_s: float | None = Field(None, gt=0, description="stall watch: the first token's deadline")
-    itl_deadline_s: float | None = Field(None, gt=0, description="stall watch: the deadline between two tokens")
+    ttft_deadline_s: float | None = Field(None, gt=0, description="stall watch: the first token's deadline (unset: "
+                                                                  "15 s over upstreams, none on the embedded engine; "
+                                                                  "null: none)")
+    itl_deadline_s: float | None = Field(None, gt=0, description="stall watch: the deadline between two tokens (unset: "
+                                                                 "3 s over upstreams, none on the embedded engine; "
+                                                                 "null: none)")
     stall_misses: int = Field(3, ge=1, description="consecutive missed deadlines that switch to a degraded answer")
     keepalive_s: float | None = Field(None, gt=0, description="SSE comment every so often while the first token "
-                                                              "is pending (keeps proxies from cutting long TTFTs)")
+                                                              "is pending (keeps proxies from cutting long TTFTs; "
+                                                              "unset: 5 s over upstreams; null: none)")
     degrade_text: str = Field("[the answer was cut short: the service is overloaded; please retry]",
                               description="appended to a stream that stalled, marked as degraded")
     stall_fallback: Literal["replica", "template"] = Field(
@@ -92,6 +105,14 @@ class LaneConfig(BaseModel):
     @property
     def watches(self) -> bool:
         return bool(self.ttft_deadline_s or self.itl_deadline_s or self.keepalive_s)
+
+    def for_upstreams(self) -> LaneConfig:
+        """This lane over upstream replicas: the stall watch's settings it leaves unset take the upstream defaults
+        (one set explicitly, to null included, stays as it is)."""
+        defaults = {"ttft_deadline_s": UPSTREAM_TTFT_DEADLINE_S, "itl_deadline_s": UPSTREAM_ITL_DEADLINE_S,
+                    "keepalive_s": UPSTREAM_KEEPALIVE_S}
+        unset = {k: v for k, v in defaults.items() if k not in self.model_fields_set}
+        return self.model_copy(update=unset) if unset else self
 
 
 def default_lanes() -> dict[str, LaneConfig]:

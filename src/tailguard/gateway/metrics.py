@@ -86,6 +86,10 @@ class GatewayMetrics:
         self.up_resent = Counter("tailguard_upstream_resent_requests",
                                  "Requests sent again on a new connection because the reused one had been closed "
                                  "by the replica before it saw the request.", rep, registry=r)
+        self.quarantine = Counter("tailguard_upstream_quarantine_requests",
+                                  "Query-of-death guard: requests put in quarantine after replicas failed under them "
+                                  "(event=quarantined), and requests refused for it (event=refused).",
+                                  ["model", "event"], registry=r)
         self._counted: dict[tuple[Counter, tuple[str, ...]], int] = {}  # totals already added (``_catch_up``)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
@@ -137,6 +141,9 @@ class GatewayMetrics:
                 self._catch_up(self.up_conns_opened, (m, rep.name, "ahead"), c.opened - c.opened_on_demand)
                 self._catch_up(self.up_conns_opened, (m, rep.name, "on_demand"), c.opened_on_demand)
                 self._catch_up(self.up_resent, (m, rep.name), c.reconnects)
+            q = pool.quarantine
+            self._catch_up(self.quarantine, (m, "quarantined"), q.quarantined_total)
+            self._catch_up(self.quarantine, (m, "refused"), q.refused_total)
 
     def _catch_up(self, counter: Counter, labels: tuple[str, ...], total: int) -> None:
         """Bring a counter's child up to a running total kept elsewhere (a replica's breaker, its connection pool)."""

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import sys
 import time
 import uuid
@@ -29,7 +30,8 @@ from typing import Any
 
 from tailguard import fast_json
 from tailguard.engine.events import EngineStats, TokenEvent
-from tailguard.gateway.http1 import Sent
+from tailguard.gateway.http1 import ConnectFailed, Sent
+from tailguard.gateway.quarantine import fingerprint
 from tailguard.gateway.relay import Relay, UpstreamFeed
 from tailguard.gateway.sse import DONE, read_chunk
 from tailguard.gateway.upstream import NoReplica, Replica, UpstreamPool
@@ -64,27 +66,52 @@ class Opening:
 
 
 class UpstreamError(Exception):
-    """An upstream failed: ``status`` is what the client gets (the upstream's own 4xx, or 502/503)."""
+    """An upstream failed: ``status`` is what the client gets (the upstream's own 4xx, or 502/503).
 
-    def __init__(self, status: int, message: str, code: str | None = None, retry_after: int | None = None,
-                 before_first_token: bool = True) -> None:
+    ``message`` is for the record and the logs. An upstream's own refusal (4xx) reaches the client as the upstream
+    wrote it: ``client_message``, ``type``, ``param`` and ``code`` unchanged. ``implicates``: the replica failed while
+    it held the request (not merely could not take it), so the request may be what broke it (``gateway/quarantine.py``).
+    """
+
+    def __init__(self, status: int, message: str, code: Any = None, retry_after: int | None = None,
+                 before_first_token: bool = True, *, implicates: bool = False, client_message: str | None = None,
+                 type: str | None = None, param: Any = None) -> None:  # noqa: A002 - the OpenAI field name
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.retry_after = retry_after
         self.before_first_token = before_first_token
+        self.implicates = implicates
+        self.client_message = client_message
+        self.type = type
+        self.param = param
 
 
-def _error_message(raw: bytes) -> str:
+def _upstream_error(raw: bytes) -> dict[str, Any]:
+    """An error body's message, type, param and code as the upstream wrote them: OpenAI's ``{"error": {...}}`` (also
+    llama.cpp's), the flat ``{"object": "error", "message": ...}`` of vLLM and SGLang; a body that is not JSON is the
+    message."""
     try:
         obj = json.loads(raw)
-        err = obj.get("error", obj) if isinstance(obj, dict) else obj
-        if isinstance(err, dict):
-            return str(err.get("message") or err)[:500]
-        return str(err)[:500]
     except ValueError:
-        return raw[:300].decode("utf-8", "replace")
+        return {"message": raw[:1000].decode("utf-8", "replace").strip()}
+    err = obj.get("error", obj) if isinstance(obj, dict) else obj
+    if not isinstance(err, dict):
+        return {"message": str(err)[:1000]}
+    out: dict[str, Any] = {"message": str(err.get("message") or err.get("detail") or err)[:1000]}
+    for k in ("type", "param", "code"):
+        v = err.get(k)
+        if v is None or isinstance(v, (str, int)):
+            out[k] = v
+    return out
+
+
+def _client_status(code: Any) -> int | None:
+    """The 4xx an error event's ``code`` names (vLLM writes the status there), else None."""
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    return code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 500 else None
 
 
 class UpstreamBackend:
@@ -161,6 +188,9 @@ class UpstreamBackend:
         tracing = sys.modules.get("tailguard.observe.tracing")  # loaded only when some server traces
         if tracing is not None and tracing.current_trace() is not None:
             return None
+        q = self.pool.quarantine
+        if q.refusing and q.left(fingerprint(body)) is not None:
+            return None  # refused by ``generate_request``: it must not leave first
         try:
             r = self.pool.pick(affinity_key, set())
         except NoReplica:
@@ -191,18 +221,34 @@ class UpstreamBackend:
                                est_tokens: int = 0, affinity_key: str | None = None,
                                headers: dict[str, str] | None = None, tried: list[str] | None = None,
                                exclude: set[str] | None = None, relay: Relay | None = None,
-                               opening: Opening | None = None) -> AsyncIterator[UpstreamEvent]:
+                               opening: Opening | None = None,
+                               origin: dict[str, Any] | None = None) -> AsyncIterator[UpstreamEvent]:
         """Stream the request's tokens from a replica; retry elsewhere while no token has come back.
 
         ``tried``: the caller's list, to which each replica is appended as it is sent the request (the last one is
         the replica streaming); ``exclude``: replicas not to use (the stall fallback's stalled one); ``relay``: the
         client's direct relay (``gateway/relay.py``), which plain tokens may take instead of this stream;
-        ``opening``: the first attempt, written already (``open``)."""
+        ``opening``: the first attempt, written already (``open``); ``origin``: the client's request when ``body`` is
+        a continuation of it (its fingerprint is the request's, ``gateway/quarantine.py``).
+
+        A failure before the first token is retried on another replica up to ``routing.retries`` times, but a failure
+        that implicates the request (the replica failed while holding it) only ``routing.failure_retries`` times, and
+        never once the request is quarantined."""
         pool = self.pool
         path = _path(chat)
         tried = [] if tried is None else tried
         avoid = set(exclude or ())
         last: UpstreamError | None = None
+        quarantine = pool.quarantine
+        fp: str | None = None  # the request's fingerprint, computed only when the quarantine needs it
+        if quarantine.holding:
+            fp = fingerprint(origin if origin is not None else body)
+            left = quarantine.refused(fp)
+            if left is not None:
+                if opening is not None:
+                    opening.abandon()
+                raise self._quarantined(left)
+        implicated = 0
         for attempt in range(1, pool.routing.retries + 2):
             sent: Sent | None = None
             if opening is not None:
@@ -225,18 +271,40 @@ class UpstreamBackend:
                                                          relay, sent)) as reads:
                     async for events in reads:
                         produced = produced or events[0].token_id is not None
+                        if events[-1].finished and quarantine.holding:  # before the last yield: it may be the end
+                            quarantine.succeeded(fp or fingerprint(origin if origin is not None else body))
                         for ev in events:
                             yield ev
                 return
             except UpstreamError as exc:
+                held = False
+                if exc.implicates:
+                    implicated += 1
+                    fp = fp or fingerprint(origin if origin is not None else body)
+                    held = quarantine.failed(fp, r.name)
+                    if held:
+                        exc.message += (f"; replicas failed under this request {quarantine.after} times: it is "
+                                        f"refused for {pool.routing.quarantine_s:g} s")
                 if produced or not exc.before_first_token or exc.status < 500 and exc.status != 429:
                     exc.before_first_token = not produced
                     raise
                 last = exc
+                stop = held or (exc.implicates and implicated > pool.routing.failure_retries)
                 log.warning("upstream %s failed before the first token (%s); %s", r.name, exc.message,
+                            "the request is quarantined" if held else
+                            "not retried: a replica failed under it already" if stop else
                             "retrying on another replica" if attempt <= pool.routing.retries else "giving up")
+                if stop:
+                    raise
         assert last is not None
         raise last
+
+    def _quarantined(self, left: float) -> UpstreamError:
+        q = self.pool.quarantine
+        wait = max(1, math.ceil(left))
+        return UpstreamError(422, f"this request was refused: replicas failed under it {q.after} times, so the "
+                                  f"gateway will not send it again for {wait} s", code="request_quarantined",
+                             retry_after=wait)
 
     async def _attempt(self, r: Replica, path: str, body: dict[str, Any], headers: dict[str, str],
                        request_id: str, est_tokens: int, chat: bool, attempt: int, relay: Relay | None = None,
@@ -267,13 +335,19 @@ class UpstreamBackend:
                         call.attributes["http.response.status_code"] = resp.status
                     if resp.status != 200:
                         raw = await resp.read_all()
-                        # The upstream's own 4xx goes to the client; anything else (5xx, a redirect, which is not
-                        # followed: the url should name the final address) is the replica's failure.
-                        client_error = 400 <= resp.status < 500
-                        raise UpstreamError(resp.status if client_error else 502,
-                                            f"upstream {r.name} answered {resp.status}: {_error_message(raw)}",
-                                            code=None if client_error else "upstream_error",
-                                            retry_after=_retry_after(resp.headers.get("retry-after")))
+                        # The upstream's own 4xx goes to the client as it wrote it; anything else (5xx, a redirect,
+                        # which is not followed: the url should name the final address) is the replica's failure,
+                        # one that implicates the request unless the replica refused it unseen (503: not ready,
+                        # overloaded; a 429 is a 4xx).
+                        err = _upstream_error(raw)
+                        message = f"upstream {r.name} answered {resp.status}: {err['message']}"
+                        retry_after = _retry_after(resp.headers.get("retry-after"))
+                        if 400 <= resp.status < 500:
+                            raise UpstreamError(resp.status, message, code=err.get("code"), retry_after=retry_after,
+                                                client_message=err["message"], type=err.get("type"),
+                                                param=err.get("param"))
+                        raise UpstreamError(502, message, code="upstream_error", retry_after=retry_after,
+                                            implicates=resp.status != 503)
                     # The body goes to the feed as it arrives: plain tokens straight to the client when the relay
                     # is armed, everything else queued here, in order.
                     feed = UpstreamFeed(chat, relay, resp, r)
@@ -303,11 +377,11 @@ class UpstreamBackend:
                                 try:
                                     chunk = read_chunk(payload, chat)
                                 except ValueError:
-                                    failed = UpstreamError(502, f"upstream {r.name} sent unparsable SSE data")
+                                    failed = UpstreamError(502, f"upstream {r.name} sent unparsable SSE data",
+                                                           implicates=True)
                                     break
                                 if chunk.error is not None:
-                                    failed = UpstreamError(502, f"upstream {r.name} failed mid-stream: {chunk.error}",
-                                                           code="upstream_error", before_first_token=first is None)
+                                    failed = _event_error(r.name, chunk.error, chunk.error_body, first is None)
                                     break
                                 usage = chunk.usage or usage
                                 finish = chunk.finish_reason or finish
@@ -328,12 +402,16 @@ class UpstreamBackend:
                         if ok:
                             break
                     resp.set_tap(None)  # what is left of the body (its end) is read the plain way
-            except (OSError, ValueError) as exc:
-                raise UpstreamError(502, f"upstream {r.name} connection failed: {type(exc).__name__}: {exc}"[:400],
+            except ConnectFailed as exc:  # nothing was sent: the request had no part in it
+                raise UpstreamError(502, f"upstream {r.name} connection failed: {exc}"[:400],
                                     code="upstream_unreachable", before_first_token=first is None) from None
+            except (OSError, ValueError) as exc:  # cut after the request went out: it may be what broke the replica
+                raise UpstreamError(502, f"upstream {r.name} connection failed: {type(exc).__name__}: {exc}"[:400],
+                                    code="upstream_unreachable", before_first_token=first is None,
+                                    implicates=True) from None
             if not ok:
                 raise UpstreamError(502, f"upstream {r.name} ended the stream without [DONE]",
-                                    code="upstream_error", before_first_token=first is None)
+                                    code="upstream_error", before_first_token=first is None, implicates=True)
             # The stream is complete: settled before the last event goes up, as its consumer may close this
             # generator at that yield (the lines after it would never run).
             outcome = "ok"
@@ -396,6 +474,20 @@ def continuation_body(body: dict[str, Any], chat: bool, sent_text: str, sent_tok
     if isinstance(body.get("min_tokens"), int):
         out["min_tokens"] = max(0, body["min_tokens"] - sent_tokens)
     return out
+
+
+def _event_error(name: str, message: str, body: dict[str, Any] | None, before_first_token: bool) -> UpstreamError:
+    """An error event in an upstream's stream. One that names a 4xx (vLLM's, for a request it refuses once its stream
+    has begun) is the client's, passed on as the upstream wrote it; any other is the replica's failure."""
+    body = body or {}
+    status = _client_status(body.get("code"))
+    if status is not None:
+        return UpstreamError(status, f"upstream {name} refused the request mid-stream: {message}",
+                             code=body.get("code"), before_first_token=before_first_token, client_message=message,
+                             type=body.get("type") if isinstance(body.get("type"), str) else None,
+                             param=body.get("param"))
+    return UpstreamError(502, f"upstream {name} failed mid-stream: {message}", code="upstream_error",
+                         before_first_token=before_first_token, implicates=True)
 
 
 def _path(chat: bool) -> str:

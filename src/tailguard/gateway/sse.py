@@ -66,6 +66,7 @@ class Chunk:
     finish_reason: str | None = None
     usage: dict | None = None
     error: str | None = None
+    error_body: dict | None = None  # the error object as the upstream wrote it (its code, type, param)
 
 
 def _plain_text(payload: bytes, chat: bool) -> re.Match[bytes] | None:
@@ -133,6 +134,7 @@ def read_chunk(payload: bytes, chat: bool) -> Chunk:
     err = obj.get("error")
     if err and not obj.get("choices"):
         out.error = str(err.get("message", err) if isinstance(err, dict) else err)
+        out.error_body = err if isinstance(err, dict) else None
         return out
     if obj.get("usage"):
         out.usage = obj["usage"]

@@ -18,17 +18,21 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import logging
 import random
 import re
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from tailguard.gateway.http1 import ConnectionPool
+from tailguard.gateway.quarantine import Quarantine
 
 if TYPE_CHECKING:
     import aiohttp
@@ -53,6 +57,25 @@ def queue_gauges(metrics_text: bytes) -> tuple[float | None, float | None]:
     return sum(waiting), (sum(running) if running else None)
 
 
+# Where each engine kind says whether it can serve (not merely whether its HTTP server is up: a replica whose engine
+# died still lists its models). tailguard: /ready (503 while loading or after its engine died); vLLM: /health (500
+# once its engine died); SGLang: /health (503 when unhealthy); llama.cpp's server: /health (503 while the model
+# loads). "openai", any other OpenAI-compatible server: its model list, the only endpoint they all share.
+HEALTH_PATHS = {"tailguard": "/ready", "vllm": "/health", "sglang": "/health", "llamacpp": "/health",
+                "openai": "/v1/models"}
+
+
+def engine_kind(models: Any) -> str:
+    """The engine behind a /v1/models answer: the ``owned_by`` each engine writes (tailguard, vllm, sglang, llamacpp),
+    else "openai"."""
+    data = models.get("data") if isinstance(models, dict) else None
+    for m in data if isinstance(data, list) else ():
+        owner = m.get("owned_by") if isinstance(m, dict) else None
+        if owner in HEALTH_PATHS:
+            return owner
+    return "openai"
+
+
 def without_credentials(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     host, slash, path = rest.partition("/")
@@ -73,6 +96,10 @@ class UpstreamConfig(BaseModel):
                                               "tailguard serve). vLLM schedules by priority but preempts only when "
                                               "its KV cache runs out: a VIP arrival waits for a free slot there. "
                                               "Needs send_priority")
+    kind: str = Field("auto", pattern="^(auto|tailguard|vllm|sglang|llamacpp|openai)$",
+                      description="the engine, which says where its health is read (tailguard: /ready; vllm, "
+                                  "sglang, llamacpp: /health; openai: /v1/models); auto: told by the owned_by of "
+                                  "its /v1/models")
     request_id: str = Field("uuid", pattern="^(uuid|same|off)$",
                             description="X-Request-ID sent upstream: a UUID derived from the gateway's request id "
                                         "(llama-cpp-python's server refuses ids that are not UUIDs), the same id, "
@@ -113,6 +140,17 @@ class RoutingConfig(BaseModel):
     spare_ratio: float = Field(0.1, ge=0, description="... plus this share of the replica's connections in use")
     breaker_failures: int = Field(3, ge=1, description="consecutive failures that open a replica's breaker")
     breaker_cooldown_s: float = Field(10.0, gt=0, description="open breaker: time before one trial request")
+    failure_retries: int = Field(1, ge=0, description="retries of a request under which a replica failed (a 5xx "
+                                                      "other than 503, the connection cut after it was sent): it "
+                                                      "may be what crashed it. Within retries")
+    quarantine_after: int = Field(2, ge=0, description="failures of replicas under the same request (by a hash of "
+                                                       "its body) after which the gateway refuses it itself for "
+                                                       "quarantine_s (422); 0: off")
+    quarantine_s: float = Field(300.0, gt=0, description="how long such a request is refused, and how long a "
+                                                         "failure under a request is remembered")
+    allow_link_local: bool = Field(False, description="POST /admin/upstreams may add a replica at a link-local or "
+                                                      "cloud metadata address (169.254.0.0/16, fe80::/10, "
+                                                      "metadata.google.internal, ...); refused otherwise")
 
 
 class CircuitBreaker:
@@ -140,6 +178,12 @@ class CircuitBreaker:
         if self.state == "half_open":
             self.trial = True
 
+    def probe(self) -> None:
+        """The replica passes its health check again: an open breaker lets its one trial through now, not after the
+        cooldown. The trial, not the health check, closes it (a replica may pass its check and fail every request)."""
+        if self.opened_at is not None and self.state == "open":
+            self.opened_at = time.monotonic() - self.cooldown
+
     def success(self) -> None:
         self.failures = 0
         self.opened_at = None
@@ -162,6 +206,7 @@ class Replica:
     name: str = ""
     model: str | None = None
     healthy: bool = True  # optimistic until the first check says otherwise
+    kind: str | None = None  # the engine (``HEALTH_PATHS``): configured, or told by its /v1/models
     in_flight: int = 0
     outstanding_tokens: int = 0
     upstream_waiting: float = 0.0  # from its /metrics, when it has them
@@ -220,6 +265,53 @@ class NoReplica(Exception):
     pass
 
 
+class UpstreamForbidden(ValueError):
+    """A replica added at run time names an address the gateway must not reach (link-local, cloud metadata)."""
+
+
+# Cloud metadata services: credentials a gateway must never be made to fetch for whoever can call the admin API.
+_METADATA_NAMES = frozenset({"metadata.google.internal", "metadata.goog"})
+_METADATA_IPS = frozenset(ipaddress.ip_address(a) for a in ("169.254.169.254", "fd00:ec2::254", "100.100.100.200"))
+
+
+def _address_problem(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip in _METADATA_IPS:
+        return "a cloud metadata address"
+    if ip.is_link_local:  # 169.254.0.0/16, fe80::/10
+        return "a link-local address"
+    return None
+
+
+async def forbidden_address(url: str) -> str | None:
+    """Why ``url``'s host must not be a replica (a link-local or cloud metadata address, by name, literal or what its
+    name resolves to), or None. A name that does not resolve is let through: its health check will fail."""
+    host = (urlsplit(url).hostname or "").rstrip(".").lower()
+    if host in _METADATA_NAMES:
+        return f"{host} is a cloud metadata service"
+    try:
+        literal = ipaddress.ip_address(host)
+    except ValueError:
+        pass  # a name: what it resolves to decides (which also catches 2852039166 and other spellings of an address)
+    else:
+        why = _address_problem(literal)
+        return None if why is None else f"{literal} is {why}"
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    for info in infos:
+        try:
+            ip = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+        except ValueError:
+            continue
+        why = _address_problem(ip)
+        if why is not None:
+            return f"{host} resolves to {ip}, {why}"
+    return None
+
+
 class UpstreamPool:
     def __init__(self, upstreams: list[UpstreamConfig], routing: RoutingConfig | None = None,
                  rng: random.Random | None = None) -> None:
@@ -230,6 +322,8 @@ class UpstreamPool:
         for u in upstreams:
             self._new(u)
         self.rng = rng or random.Random()
+        rt = self.routing
+        self.quarantine = Quarantine(rt.quarantine_after, rt.quarantine_s)
         self.session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task | None = None
         self._queue_watch: asyncio.Task | None = None
@@ -243,7 +337,7 @@ class UpstreamPool:
         rt = self.routing
         rep = Replica(u, CircuitBreaker(rt.breaker_failures, rt.breaker_cooldown_s),
                       ConnectionPool(u.url, rt.connect_timeout_s, rt.keepalive_s, rt.spare_connections, rt.spare_ratio),
-                      name=name, model=u.model)
+                      name=name, model=u.model, kind=None if u.kind == "auto" else u.kind)
         self.replicas.append(rep)
         return rep
 
@@ -251,6 +345,11 @@ class UpstreamPool:
         """A new replica (scale-out): health-checked before it takes traffic."""
         if any(r.url == u.url for r in self.replicas):
             raise ValueError(f"{u.url} is already a replica")
+        if not self.routing.allow_link_local:
+            why = await forbidden_address(u.url)
+            if why is not None:
+                raise UpstreamForbidden(f"{without_credentials(u.url)} is refused: {why} (routing.allow_link_local "
+                                        f"allows it)")
         rep = self._new(u)
         rep.healthy = False
         if self.session is not None:
@@ -268,7 +367,8 @@ class UpstreamPool:
         raise KeyError(name)
 
     def describe(self) -> list[dict]:
-        return [{"name": r.name, "url": r.shown_url, "model": r.model, "healthy": r.healthy, "breaker": r.breaker.state,
+        return [{"name": r.name, "url": r.shown_url, "model": r.model, "kind": r.kind, "healthy": r.healthy,
+                 "breaker": r.breaker.state,
                  "in_flight": r.in_flight, "outstanding_tokens": r.outstanding_tokens,
                  "upstream_waiting": r.upstream_waiting, "max_concurrent": r.cfg.max_concurrent,
                  "requests": r.requests, "errors": r.errors, "last_error": r.last_error} for r in self.replicas]
@@ -363,22 +463,47 @@ class UpstreamPool:
         timeout = aiohttp.ClientTimeout(total=max(1.0, self.routing.health_interval_s))
         was = r.healthy
         try:
-            async with self.session.get(r.url + "/v1/models", headers=r.headers(), timeout=timeout) as resp:
-                ok = resp.status == 200
-                if ok and r.model is None:
-                    data = await resp.json(content_type=None)
-                    models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
-                    r.model = models[0] if models else None
+            listed = False
+            ok = True
+            if r.kind is None or r.model is None:  # its model list, until it has told its engine and model
+                ok = await self._read_models(r, timeout)
+                listed = True
+            path = HEALTH_PATHS.get(r.kind or "openai", "/v1/models")
+            if ok and not (listed and path == "/v1/models"):
+                async with self.session.get(r.url + path, headers=r.headers(), timeout=timeout) as resp:
+                    ok = resp.status == 200
+                    if not ok:
+                        r.last_error = f"health check: {path} answered {resp.status}"
             if ok:
                 await self._scrape(r, timeout)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             ok = False
             r.last_error = f"health check: {type(exc).__name__}: {exc}"[:300]
         r.healthy = ok
-        if ok and r.breaker.state != "closed" and r.in_flight == 0:
-            r.breaker.success()  # a replica that answers again is given traffic again
+        if ok and not was:
+            # Back after a failed check: its trial now, not after the cooldown. A replica that passed its checks all
+            # along and failed its requests keeps its breaker open for the cooldown.
+            r.breaker.probe()
         if was != ok:
             log.warning("upstream %s is %s", r.name, "healthy" if ok else f"unhealthy ({r.last_error})")
+
+    async def _read_models(self, r: Replica, timeout: Any) -> bool:
+        """Its /v1/models: the model to send (unless configured) and, with ``kind: auto``, its engine. False when it
+        does not answer 200."""
+        assert self.session is not None
+        async with self.session.get(r.url + "/v1/models", headers=r.headers(), timeout=timeout) as resp:
+            if resp.status != 200:
+                r.last_error = f"health check: /v1/models answered {resp.status}"
+                return False
+            data = await resp.json(content_type=None)
+        if r.model is None:
+            models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)] \
+                if isinstance(data, dict) and isinstance(data.get("data"), list) else []
+            r.model = models[0] if models else None
+        if r.kind is None:
+            r.kind = engine_kind(data)
+            log.info("upstream %s is %s: health read from %s", r.name, r.kind, HEALTH_PATHS[r.kind])
+        return True
 
     async def _scrape(self, r: Replica, timeout: Any) -> None:
         import aiohttp

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tailguard.gateway.upstream import UpstreamConfig
+from tailguard.gateway.upstream import UpstreamConfig, UpstreamForbidden
 from tailguard.serving.errors import APIError
 from tailguard.serving.protocol import decode_json
 from tailguard.serving.state import ServerState, state_of
@@ -42,6 +42,8 @@ async def add_upstream(request: Request) -> Response:
         raise APIError(400, f"bad upstream: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
     try:
         rep = await pool.add(cfg)
+    except UpstreamForbidden as exc:  # link-local, cloud metadata: never reached for whoever holds the admin key
+        raise APIError(403, str(exc), code="upstream_forbidden") from None
     except ValueError as exc:
         raise APIError(409, str(exc), code="upstream_exists") from None
     state.capacity_changed()
