@@ -42,6 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also store prompts and outputs, redacted (e-mails, phones, IDs, IPs, cards)")
     serve.add_argument("--retention-days", type=float, default=None, help="request store retention (default 15)")
     serve.add_argument("--max-queue", type=int, default=None, help="bound of the waiting queue; beyond it: 429")
+    # Connection hygiene and the drain (serving/connections.py, serving/drain.py); defaults in ServerConfig.
+    serve.add_argument("--max-connections", type=int, default=None,
+                       help="client connections at once (default 4096); at the cap the longest idle one is closed, "
+                            "else 503")
+    serve.add_argument("--max-header-bytes", type=int, default=None, help="largest request head (default 65536; 431)")
+    serve.add_argument("--header-timeout", dest="header_timeout_s", type=float, default=None,
+                       help="seconds for a request head to arrive (default 10; 408)")
+    serve.add_argument("--body-timeout", dest="body_timeout_s", type=float, default=None,
+                       help="seconds for a request body, plus 1 s per --body-min-rate bytes received (default 10)")
+    serve.add_argument("--body-min-rate", type=int, default=None, help="bytes/s a slow body must keep up (16384)")
+    serve.add_argument("--keepalive-timeout", dest="keepalive_timeout_s", type=float, default=None,
+                       help="seconds an idle kept-alive connection stays open (default 5)")
+    serve.add_argument("--drain-timeout", dest="graceful_shutdown_s", type=float, default=None,
+                       help="on SIGTERM, seconds running requests get to finish before they are ended (default 30)")
     serve.add_argument("--served-model-name", action="append", dest="served_model_names", default=None,
                        help="extra model name clients may use (repeatable)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or TAILGUARD_API_KEY)")
@@ -206,7 +220,9 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
 
     overrides = {k: getattr(args, k) for k in ("host", "port", "store_path", "store_text", "retention_days",
                                                 "max_queue", "served_model_names", "api_key", "admin_key", "access_log",
-                                                "log_level", "model", "keys_file", "redis_url")
+                                                "log_level", "model", "keys_file", "redis_url", "max_connections",
+                                                "max_header_bytes", "header_timeout_s", "body_timeout_s",
+                                                "body_min_rate", "keepalive_timeout_s", "graceful_shutdown_s")
                  if getattr(args, k) is not None}
     if args.upstream:
         overrides["upstreams"] = [{"url": u} for u in args.upstream]

@@ -6,9 +6,14 @@ been draining, instead of waiting without bound (which only moves the failure in
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import deque
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tailguard.serving.drain import Drain
 
 
 class Admission:
@@ -18,6 +23,10 @@ class Admission:
         self.in_flight = 0  # every request being handled
         self._window = window_s
         self._drained: deque[float] = deque()  # times requests left the queue, for the drain rate
+        # Every completion request being handled, by the task that handles it (its ``Exchange``): what a drain on
+        # SIGTERM answers at once (not started yet), waits for, or ends (serving/drain.py).
+        self.live: dict[asyncio.Task[Any] | None, Any] = {}
+        self.drain: Drain | None = None  # set while the server drains: new requests are refused
 
     def try_enter(self) -> bool:
         if self.depth >= self.capacity:

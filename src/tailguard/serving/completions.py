@@ -36,7 +36,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tailguard.engine.request import EngineClosed, RequestError, SamplingParams
+from tailguard.engine.request import EngineClosed, RequestError, SamplingParams, SequenceFailed
 from tailguard.gateway.fallback import UpstreamRequest, stall_fallback
 from tailguard.gateway.lanes import LaneConfig, Overloaded
 from tailguard.gateway.proxy import UpstreamError
@@ -61,7 +61,7 @@ from tailguard.serving.state import ServerState
 
 if TYPE_CHECKING:
     from tailguard.engine.engine import TokenEvent
-    from tailguard.serving.backend import Backend
+    from tailguard.serving.backend import Backend, Tokenizer
     from tailguard.slo.actions import Degradation
 
 log = logging.getLogger("tailguard.server")
@@ -103,6 +103,44 @@ def _degraded_headers(tl: Timeline) -> list[tuple[bytes, bytes]]:
 
 
 _UPSTREAM_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
+
+
+# Room in a body for what is not the prompt (the other fields, the messages' JSON framing).
+_BODY_OVERHEAD_BYTES = 64 * 1024
+
+
+def _prompt_char_limit(engine: Backend) -> int | None:
+    """The most characters a prompt that fits the context window can have (None: the backend does not tokenize)."""
+    tok = engine.tokenizer
+    if tok is None:
+        return None
+    return engine.max_model_len * tok.max_token_chars
+
+
+def _prompt_chars(p: Parsed) -> int:
+    if p.messages is not None:
+        return sum(len(m["content"]) + len(m["role"]) for m in p.messages)
+    return len(p.prompt or "")
+
+
+# A prompt longer than this many characters a token of the context window is first tokenized in part: its head
+# alone, cut at a space, shows most oversized prompts for what they are at a bounded cost.
+_HEAD_CHARS_PER_TOKEN = 4
+
+
+def _head_too_long(tok: Tokenizer, text: str, max_model_len: int) -> int | None:
+    """The context window (to name in the error) when the head of ``text`` alone has more tokens than it; else None.
+
+    Cut just before a space that precedes a word, the head's tokens are exactly the first tokens of the whole text
+    (byte-level BPE never merges across that boundary), so a head over the limit proves the whole is over it. Text
+    with no space near the cut (Chinese, a run of symbols) is not probed: the whole is tokenized."""
+    probe = _HEAD_CHARS_PER_TOKEN * max_model_len
+    if len(text) <= 2 * probe:
+        return None
+    cut = text.rfind(" ", probe // 2, probe)
+    if cut <= 0 or text[cut + 1:cut + 2].isspace() or text[cut - 1].isspace():
+        return None
+    return max_model_len if len(tok.encode(text[:cut])) > max_model_len else None
 
 
 def _prompt_text(p: Parsed) -> str:
@@ -326,6 +364,8 @@ class CompletionEndpoint:
         tl = self._timeline(request, received)
         ex = Exchange(st, send, tl)
         st.admission.in_flight += 1
+        me = asyncio.current_task()
+        st.admission.live[me] = ex  # what a drain on SIGTERM answers, waits for or ends (serving/drain.py)
         shutting_down = False
         try:
             await self._exchange(ex, request)
@@ -342,25 +382,43 @@ class CompletionEndpoint:
             if gm is not None and ex.started:
                 gm.interrupted.labels(gm.model, tl.lane).inc()
             headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else {}
-            await ex.fail(APIError(exc.status, f"{exc.message}; request id {tl.request_id}", code=exc.code,
-                                   headers=headers))
-            tl.finalize(exc.status, Outcome.ERROR)
+            # An upstream's own 4xx reaches the client as the upstream wrote it, and is the client's (invalid, or
+            # rejected for a 429), never an error of the service's in the SLO.
+            err = APIError(exc.status, exc.client_message or f"{exc.message}; request id {tl.request_id}",
+                           type=exc.type, param=exc.param, code=exc.code, headers=headers)
+            await ex.fail(err)
+            tl.finalize(exc.status, err.outcome if exc.status < 500 else Outcome.ERROR)
+        except SequenceFailed as exc:  # this request alone failed inside the engine; the engine goes on
+            tl.error = _clean_str(str(exc), 1000)
+            await ex.fail(APIError(500, f"the engine failed on this request ({exc}); request id {tl.request_id}",
+                                   code="engine_request_failed"))
+            tl.finalize(500, Outcome.ERROR)
         except EngineClosed as exc:  # the engine stopped under this request: say so, as a 503 the client may retry
             tl.error = _clean_str(str(exc), 1000)
             await ex.fail(APIError(503, f"the engine is not running ({exc}); request id {tl.request_id}",
                                    code="engine_unavailable", headers={"Retry-After": "5"}))
             tl.finalize(503, Outcome.ERROR)
         except asyncio.CancelledError:
-            tl.error = "cancelled by the server (shutdown)"
-            tl.finalize(503, Outcome.ABORTED)
-            shutting_down = True
-            raise
+            drain = st.admission.drain
+            cut = drain.cut_error() if drain is not None else None
+            if cut is None:
+                tl.error = "cancelled by the server (shutdown)"
+                tl.finalize(503, Outcome.ABORTED)
+                shutting_down = True
+                raise
+            err, outcome = cut  # the drain ended it: the client gets its answer, the record says the same
+            tl.error = err.message
+            try:
+                await ex.fail(err)
+            finally:
+                tl.finalize(err.status, outcome)
         except Exception:
             log.exception("request %s failed", tl.request_id)
             tl.error = "internal error"
             await ex.fail(APIError(500, f"internal server error; request id {tl.request_id}"))
             tl.finalize(500, Outcome.ERROR)
         finally:
+            st.admission.live.pop(me, None)
             ex.move(Phase.CLOSED)  # gives the queue slot back if the request still held one
             if ex.lane_slot is not None and st.lanes is not None:
                 st.lanes.release(ex.lane_slot, ex.lane_tokens)
@@ -398,10 +456,12 @@ class CompletionEndpoint:
         ex.tenant = caller.tenant.name if caller.tenant is not None else None
         self._lane(ex, request, caller)
         engine = st.engine
+        if st.admission.drain is not None:  # SIGTERM: the server drains (serving/drain.py); new work goes elsewhere
+            raise st.admission.drain.refusal()
         if engine is None or not st.ready:
             msg = f"the model failed to load: {st.load_error}" if st.load_error else "the model is still loading"
             raise APIError(503, msg, code="model_not_ready", headers={"Retry-After": "5"})
-        body = await self._read_body(request)
+        body = await self._read_body(request, self._body_limit(engine))
         # The SLO actions match the business type the client sent, not its metric label: the label set is capped
         # (an allowlist, or the first 32 types seen), and a type counted as "other" must still be shed or degraded.
         btype = clean_label(request.headers.get("x-business-type"))
@@ -608,8 +668,15 @@ class CompletionEndpoint:
         tl.error = "client disconnected"
         tl.finalize(499, Outcome.ABORTED, at=gone)
 
-    async def _read_body(self, request: _Incoming) -> bytes:
+    def _body_limit(self, engine: Backend) -> int:
+        """The most bytes a body may have: the configured limit, and below it the most a prompt that fits the
+        context window can take as JSON (every character as a 12-byte surrogate-pair escape), so that an oversized
+        body is refused from its Content-Length, before it is read, parsed or tokenized."""
         limit = self.state.config.max_body_bytes
+        chars = _prompt_char_limit(engine)
+        return limit if chars is None else min(limit, chars * 12 + _BODY_OVERHEAD_BYTES)
+
+    async def _read_body(self, request: _Incoming, limit: int) -> bytes:
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"the request body is larger than {limit} bytes")
@@ -659,6 +726,7 @@ class CompletionEndpoint:
             ids, text = [], _prompt_text(p)
             tl.num_prompt_tokens = max(1, len(text) // 4)
         else:
+            self._check_prompt_size(engine, p)
             ids, text = await self._tokenize(engine, p)
             tl.num_prompt_tokens = len(ids)
         tl.tokenized = perf_counter()
@@ -703,6 +771,25 @@ class CompletionEndpoint:
                            code="context_length_exceeded" if "context" in msg else "invalid_value") from None
         return _Prepared(p, ids, text, sampling, deg, data)
 
+    def _check_prompt_size(self, engine: Backend, p: Parsed) -> None:
+        """Refuse a prompt too long for the context window by its characters alone, before it costs a tokenize."""
+        limit = _prompt_char_limit(engine)
+        size = _prompt_chars(p)
+        where = "messages" if self.chat else "prompt"
+        if limit is not None and size > limit:
+            raise APIError(400, f"the prompt has {size:,} characters: more than the {engine.max_model_len:,}-token "
+                                f"context window can hold (at most {limit:,} characters at "
+                                f"{limit // engine.max_model_len} characters a token)",
+                           param=where, code="context_length_exceeded")
+        tok = engine.tokenizer
+        if tok is None or size <= self.state.config.tokenize_in_thread_chars:
+            return  # short: tokenizing it costs less than looking
+        text = "".join(m["content"] for m in p.messages) if p.messages is not None else (p.prompt or "")
+        floor = tok.min_tokens(text)
+        if floor >= engine.max_model_len:
+            raise APIError(400, f"the prompt has at least {floor:,} tokens; this model's context window is "
+                                f"{engine.max_model_len:,} tokens", param=where, code="context_length_exceeded")
+
     async def _tokenize(self, engine: Backend, p: Parsed) -> tuple[list[int], str | None]:
         tok = engine.tokenizer
 
@@ -713,12 +800,20 @@ class CompletionEndpoint:
                 text = p.prompt or ""
             else:
                 text = render_chat_prompt(tok, p.messages, p.add_generation_prompt, p.continue_final_message)
+            too_long = _head_too_long(tok, text, engine.max_model_len)
+            if too_long is not None:
+                raise APIError(400, f"the prompt has more than {too_long:,} tokens in its first "
+                                    f"{_HEAD_CHARS_PER_TOKEN * engine.max_model_len:,} characters alone; this "
+                                    f"model's context window is {engine.max_model_len:,} tokens",
+                               param="messages" if self.chat else "prompt", code="context_length_exceeded")
             return tok.encode(text), text
 
-        size = sum(len(m["content"]) for m in p.messages) if p.messages is not None else len(p.prompt or "")
         try:
-            if size > self.state.config.tokenize_in_thread_chars:
-                return await asyncio.to_thread(run)  # a long prompt would stall every other stream
+            if _prompt_chars(p) > self.state.config.tokenize_in_thread_chars:
+                # Off the event loop (the tokenizer lets go of the GIL for long texts), one long prompt at a time:
+                # however many huge prompts arrive, they queue for one core and leave the rest to everybody else.
+                async with self.state.long_tokenize:
+                    return await asyncio.to_thread(run)
             return run()
         except APIError:
             raise

@@ -142,7 +142,20 @@ class ServerConfig(BaseModel):
     access_log: bool = True
     log_level: str = "info"
     tokenize_in_thread_chars: int = Field(4096, ge=0, description="longer prompts are tokenized off the event loop")
-    graceful_shutdown_s: float = Field(30.0, ge=0)
+    graceful_shutdown_s: float = Field(
+        30.0, ge=0, validation_alias=AliasChoices("graceful_shutdown_s", "drain_timeout_s"),
+        description="the drain on SIGTERM (serving/drain.py): how long running requests get to finish before their "
+                    "answers are ended cleanly ('drain_timeout_s' too)")
+    # --- connections (serving/connections.py) ---
+    max_connections: int = Field(4096, ge=1, description="client connections served at once; at the cap the "
+                                                         "longest idle one is closed, else new requests get 503")
+    max_header_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024,
+                                  description="a larger request head (request line and headers) is answered 431")
+    header_timeout_s: float = Field(10.0, gt=0, description="a request head must arrive within this (else 408)")
+    body_timeout_s: float = Field(10.0, gt=0, description="a request body must arrive within this plus 1 s per "
+                                                          "body_min_rate bytes received (else 408)")
+    body_min_rate: int = Field(16 * 1024, ge=1, description="bytes/s a slow body must keep up (see body_timeout_s)")
+    keepalive_timeout_s: float = Field(5.0, gt=0, description="an idle kept-alive connection is closed after this")
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineArgs overrides (kv_cache_tokens, ...)")
     fake: FakeEngineConfig = Field(default_factory=FakeEngineConfig)
     slo: MonitorConfig = Field(default_factory=MonitorConfig, description="the SLO monitor (docs/slo.md)")
@@ -235,7 +248,10 @@ class ServerConfig(BaseModel):
         return self.lanes is not None or bool(self.keys_file) or bool(self.upstreams)
 
     def lane_configs(self) -> dict[str, LaneConfig]:
-        return dict(self.lanes) if self.lanes is not None else default_lanes()
+        lanes = dict(self.lanes) if self.lanes is not None else default_lanes()
+        if self.upstreams:  # over replicas every lane keeps time by default: a stopped replica is never silent
+            return {name: lane.for_upstreams() for name, lane in lanes.items()}
+        return lanes
 
     @model_validator(mode="after")
     def _lanes(self) -> ServerConfig:

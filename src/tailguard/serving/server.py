@@ -1,4 +1,8 @@
-"""Run the app under uvicorn with uvloop and httptools; plus a thread runner for tests and benchmarks."""
+"""Run the app under uvicorn with uvloop and httptools; plus a thread runner for tests and benchmarks.
+
+The HTTP protocol is uvicorn's httptools one with the connection limits it lacks (serving/connections.py), and the
+server drains before uvicorn's own shutdown (serving/drain.py).
+"""
 
 from __future__ import annotations
 
@@ -16,31 +20,65 @@ from tailguard.observe.store import describe_store_target
 from tailguard.serving.app import create_app
 from tailguard.serving.backend import Backend, build_backend
 from tailguard.serving.config import ServerConfig
+from tailguard.serving.connections import ConnectionGuard, ConnectionLimits, connection_cap
+from tailguard.serving.drain import Drain
 
 log = logging.getLogger("tailguard.server")
 
 
-def _uvicorn_config(app: Any, config: ServerConfig, **extra: Any) -> uvicorn.Config:
+def _uvicorn_config(app: Any, config: ServerConfig, guard: ConnectionGuard | None = None,
+                    **extra: Any) -> uvicorn.Config:
     try:
         import uvloop  # noqa: F401
 
         loop = "uvloop"
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep serving without it anyway
         loop = "asyncio"
+    guard = guard or ConnectionGuard(ConnectionLimits.from_config(config))
     return uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         loop=loop,
-        http="httptools",
+        http=guard.protocol_class(),  # httptools, with head/body limits and timeouts and a connection cap
+        ws="none",  # no WebSocket routes; an upgrade would also take the connection out of the guard's count
         lifespan="on",
         log_level=config.log_level,
         access_log=config.access_log,
         # Rounded up, never to None: uvicorn reads None as "wait forever", and 0.5 s must not mean that.
         timeout_graceful_shutdown=math.ceil(config.graceful_shutdown_s),
+        timeout_keep_alive=config.keepalive_timeout_s,  # type: ignore[arg-type] - call_later takes a float
         server_header=False,
         **extra,
     )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining the app's requests (serving/drain.py) before its own shutdown, listener open."""
+
+    def __init__(self, config: uvicorn.Config, app: Any, guard: ConnectionGuard, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.tailguard_app = app
+        self.guard = guard
+        self.drain_timeout_s = drain_timeout_s
+        self.drain: Drain | None = None
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        state = getattr(self.tailguard_app.state, "tailguard", None)
+        if state is not None and self.drain is None:
+            began = time.monotonic()
+            self.guard.begin_drain(self.server_state.connections)
+            self.drain = Drain(state.admission, self.drain_timeout_s)
+            await self.drain.run(lambda: self.force_exit)
+            # What is left (a /metrics scrape, a request body still arriving) gets the rest of the drain timeout.
+            left = self.drain_timeout_s - (time.monotonic() - began)
+            self.config.timeout_graceful_shutdown = max(1, math.ceil(left))
+        await super().shutdown(sockets)
+
+
+def _server(app: Any, config: ServerConfig, own_process: bool) -> DrainingServer:
+    guard = ConnectionGuard(ConnectionLimits.from_config(config, connection_cap(config, raise_limit=own_process)))
+    return DrainingServer(_uvicorn_config(app, config, guard), app, guard, config.graceful_shutdown_s)
 
 
 def serve(config: ServerConfig, engine_args: Any | None = None) -> int:
@@ -48,7 +86,7 @@ def serve(config: ServerConfig, engine_args: Any | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config, engine_factory=lambda: build_backend(config, engine_args), own_process=True)
-    server = uvicorn.Server(_uvicorn_config(app, config))
+    server = _server(app, config, own_process=True)
     log.info("tailguard serving %s on http://%s:%d (store: %s, text storage %s)", config.model, config.host,
              config.port, describe_store_target(config.store_path), "on, redacted" if config.store_text else "off")
     server.run()
@@ -68,7 +106,7 @@ class ThreadedServer:
         self._sock.bind((config.host, config.port))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://{config.host}:{self.port}"
-        self.server = uvicorn.Server(_uvicorn_config(self.app, config))
+        self.server = _server(self.app, config, own_process=False)
         self._thread = threading.Thread(target=self._run, name="tailguard-test-server", daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
 
