@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import select
 import socket
 import threading
@@ -112,6 +113,11 @@ def test_a_head_over_the_limit_is_answered_431_and_one_under_it_served(server):
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 90)
                                                                    for i in range(1000)) + b"\r\n")
         assert _response(s)[0] == 431
+    # Refused before the app (no record): counted on /metrics, with the connections open now.
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    refused = re.search(r'tailguard_server_connections_refused_total\{reason="head_too_large"\} (\S+)', metrics)
+    assert refused is not None and float(refused.group(1)) >= 2
+    assert re.search(r"^tailguard_server_connections [1-9]", metrics, re.M)
 
 
 def test_huge_heads_are_refused_without_growing_the_server(server):
@@ -149,7 +155,8 @@ def test_slow_heads_and_bodies_are_cut_after_their_timeouts_while_health_answers
     body = json.dumps({"model": "fake", "prompt": "hi", "max_tokens": 1}).encode()
     slow = [(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: yes\r\n\r\n", "head") for _ in range(12)]
     slow += [(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(body) + body, "body") for _ in range(12)]
+              b"X-Request-ID: slow-body-%d\r\nContent-Length: %d\r\n\r\n" % (i, len(body)) + body, "body")
+             for i in range(12)]
     results: dict[int, tuple[str, float, int | None]] = {}
 
     def trickle(i: int, data: bytes, kind: str) -> None:
@@ -187,6 +194,13 @@ def test_slow_heads_and_bodies_are_cut_after_their_timeouts_while_health_answers
     with httpx.Client() as c:  # and the server serves as before
         assert c.post(url + "/v1/completions", content=body,
                       headers={"Content-Type": "application/json"}).status_code == 200
+        # The records say what the clients saw: a 408, the client's doing (not a disconnect, not the service's).
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        deadline = time.monotonic() + 10
+        while (r := c.get(url + "/v1/requests/slow-body-0", headers=admin)).status_code == 404:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert r.json()["status"] == 408 and r.json()["outcome"] == "invalid"
 
 
 def test_idle_connections_are_closed(server):

@@ -71,6 +71,33 @@ class _Series(dict):
         return child
 
 
+class _ConnectionCollector:
+    """Open client connections and the connection guard's refusals, read from the guard at each scrape."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        src = self.metrics.connection_source
+        if src is None:
+            return
+        opened = GaugeMetricFamily("tailguard_server_connections", "Client connections open now.")
+        opened.add_metric([], src.open)
+        yield opened
+        refused = CounterMetricFamily(
+            "tailguard_server_connections_refused", "Client connections refused or closed by the connection guard, "
+            "by reason: head_too_large (431), head_timeout and body_timeout (408), evicted (idle, closed to make "
+            "room at the cap), over_cap (503), dropped (closed at once past the cap).", labels=["reason"])
+        for reason in ("head_too_large", "head_timeout", "body_timeout", "evicted", "over_cap", "dropped"):
+            refused.add_metric([reason], src.counts.get(reason, 0))
+        yield refused
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+
 class ServerMetrics:
     """All series of one server. A private registry per instance, so tests can run several apps in one process."""
 
@@ -159,6 +186,9 @@ class ServerMetrics:
         self.store_dropped = Counter("tailguard_store_dropped_records",
                                      "Request records never written: the store's backlog was full, the store was "
                                      "closed, or its close deadline passed.", m, registry=r)
+        # The connection guard's refusals happen before a request reaches the app (so no record): counted here.
+        self.connection_source: Any = None  # an object with ``open`` and ``counts`` (serving/connections.py)
+        r.register(_ConnectionCollector(self))
         self._last_preemptions = 0
         self.admission_limit.labels(model).set(0)
         self._series: dict[str, _Series] = {}

@@ -374,8 +374,13 @@ class CompletionEndpoint:
             await ex.fail(err)
             tl.finalize(err.status, err.outcome)
         except ClientDisconnect:  # gone while we read its body
-            tl.error = tl.error or "client disconnected"
-            tl.finalize(499, Outcome.ABORTED)
+            answered = scope.get("tailguard.answered")  # or cut by the connection guard (a 408 for a slow body)
+            if answered is not None:
+                tl.error = "the request body arrived too slowly"
+                tl.finalize(answered, Outcome.INVALID)
+            else:
+                tl.error = tl.error or "client disconnected"
+                tl.finalize(499, Outcome.ABORTED)
         except UpstreamError as exc:
             tl.error = _clean_str(exc.message, 1000)
             gm = st.gateway_metrics

@@ -242,6 +242,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if response is not None and (cycle is None or cycle.response_complete or not cycle.response_started):
             if cycle is not None and not cycle.response_complete:
                 cycle.response_started = True  # the app's own answer, if it comes, must not follow ours
+                # What the client was told, for the request's record (the app sees only a disconnect).
+                cycle.scope["tailguard.answered"] = int(response.split(b" ", 2)[1])
             self.transport.write(response)
         self.transport.close()
 

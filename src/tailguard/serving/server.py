@@ -78,6 +78,9 @@ class DrainingServer(uvicorn.Server):
 
 def _server(app: Any, config: ServerConfig, own_process: bool) -> DrainingServer:
     guard = ConnectionGuard(ConnectionLimits.from_config(config, connection_cap(config, raise_limit=own_process)))
+    state = getattr(app.state, "tailguard", None)
+    if state is not None and state.metrics is not None:
+        state.metrics.connection_source = guard
     return DrainingServer(_uvicorn_config(app, config, guard), app, guard, config.graceful_shutdown_s)
 
 
