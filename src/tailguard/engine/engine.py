@@ -80,6 +80,9 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int = 256
+    # While streams decode, a step's prefill is sized to keep the step within this many seconds (the scheduler's
+    # step cost model, fitted online from every step's time). None: the token budget alone.
+    step_time_budget_s: float | None = None
     max_background_seqs: int | None = None  # see SchedulerConfig: the pace of important streams under batch load
     num_threads: int | None = None
     # Speculative decoding: off | ngram (prompt lookup) | self (the target's first layers, drafting.py) | draft:PATH
@@ -245,6 +248,7 @@ class LLMEngine:
                 max_prefill_chunk=args.max_prefill_chunk,
                 max_background_seqs=args.max_background_seqs,
                 enable_prefix_caching=args.enable_prefix_caching,
+                step_time_budget_s=args.step_time_budget_s,
             ),
             self.pool,
         )
@@ -378,6 +382,7 @@ class LLMEngine:
         failed: dict[str, str] = {}  # requests whose own part of this step failed, with why
         if draft_for is not None:
             draft_for = self._guarded_drafts(draft_for, failed)
+        began = time.perf_counter()
         out = self.scheduler.schedule(draft_for)
         if out.is_empty:
             return []
@@ -408,6 +413,9 @@ class LLMEngine:
                 ev = self.fail_request(rid, reason)
                 if ev is not None:
                     events.append(ev)
+        if self.scheduler.config.step_time_budget_s is not None:
+            # The whole step as the decoding streams feel it: schedule, run, post-process.
+            self.scheduler.cost.observe(out.shape, time.perf_counter() - began)
         return events
 
     def _take_tokens(self, chunk: ScheduledChunk, tokens: list[SampledToken], now: float,

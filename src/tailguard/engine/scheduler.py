@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from tailguard.engine.blocks import BlockPool, BlockTable
 from tailguard.engine.prefix_cache import cacheable_prefix_blocks, sequence_block_hashes
 from tailguard.engine.request import FinishReason, RequestError, Sequence, SequenceStatus
+from tailguard.engine.step_cost import StepCostModel, StepShape, chunk_keys
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,12 @@ class SchedulerConfig:
     # leaves batch alone. None: any more important sequence pauses the less important ones.
     protected_priority: int | None = None
     enable_prefix_caching: bool = True  # share the KV of identical leading blocks between requests
+    # A step budget in time: while streams decode, prefill chunks are sized so that the step's predicted time (the
+    # step cost model, fitted online) stays within this many seconds, the decoding streams' inter-token budget. With
+    # no stream decoding, prefill takes the whole token budget. None: the token budget alone.
+    step_time_budget_s: float | None = None
+    # The least prompt tokens a step carries while prefills wait, whatever the time budget: prompts always progress.
+    min_prefill_chunk: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -53,6 +60,8 @@ class SchedulerConfig:
             raise ValueError("max_prefill_chunk and max_model_len must be positive")
         if self.max_background_seqs is not None and self.max_background_seqs < 0:
             raise ValueError("max_background_seqs must be >= 0 (or None: no limit)")
+        if self.step_time_budget_s is not None and self.step_time_budget_s <= 0:
+            raise ValueError("step_time_budget_s must be positive (or None: no time budget)")
 
 
 @dataclass
@@ -86,6 +95,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    shape: StepShape = field(default_factory=StepShape)  # the counts its time depends on (step_cost.py)
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +117,8 @@ class Scheduler:
         self.tables: dict[str, BlockTable] = {}
         self._watermark_blocks = max(1, int(pool.num_blocks * config.watermark)) if pool.num_blocks > 1 else 0
         self.num_preemptions = 0
+        # The step cost model behind a time budget (fed by the engine with each step's measured time).
+        self.cost = StepCostModel()
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admissions
         self.prefix_cache_hits = 0  # of which found there (not computed again)
         # Caps asked for at run time (a planner's thread): applied at the next step's start, never within a step.
@@ -190,6 +202,30 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunk_of: dict[str, ScheduledChunk] = {}
+        budget_s = self.config.step_time_budget_s
+        counts = [0, 0, 0, 0]  # decode rows, their keys, prefill tokens, their keys: the step's shape so far
+
+        added: dict[str, tuple[int, int, int, int]] = {}
+
+        def count(seq: Sequence, start: int, n: int, sign: int = 1) -> None:
+            part = (n, n * (start + n), 0, 0) if seq.in_decode else (0, 0, n, chunk_keys(start, n))
+            if sign > 0:
+                added[seq.request_id] = part
+            else:
+                part = added.pop(seq.request_id, (0, 0, 0, 0))
+            for i, v in enumerate(part):
+                counts[i] += sign * v
+
+        def time_cap(start: int, n: int) -> int:
+            """How much of an ``n``-token prefill chunk from ``start`` the step's time budget leaves room for: all of
+            it while no stream decodes (nobody waits on the step), else what keeps the predicted step time within
+            the budget, and at least ``min_prefill_chunk`` for the step's first prefill so that prompts progress."""
+            if budget_s is None or counts[0] == 0:
+                return n
+            room = self.cost.prefill_room(StepShape(*counts), budget_s, start, n)
+            if room == 0 and counts[2] == 0:
+                room = min(n, self.config.min_prefill_chunk)
+            return room
 
         def preempt(victim: Sequence) -> None:
             nonlocal budget
@@ -197,6 +233,7 @@ class Scheduler:
             if dropped is not None:
                 out.chunks.remove(dropped)
                 budget += dropped.num_tokens
+                count(victim, dropped.start, dropped.num_tokens, -1)
             self._preempt(victim)
             out.preempted.append(victim)
 
@@ -231,6 +268,10 @@ class Scheduler:
                 decodes_left -= seq.in_decode
                 continue
             n = min(seq.num_pending_tokens, budget, self.config.max_prefill_chunk)
+            if not seq.in_decode:
+                n = time_cap(seq.num_computed_tokens, n)
+                if n <= 0:
+                    continue
             table = self.tables[seq.request_id]
             draft: list[int] = []
             if seq.in_decode:
@@ -253,6 +294,7 @@ class Scheduler:
             out.chunks.append(chunk)
             chunk_of[seq.request_id] = chunk
             budget -= n
+            count(seq, chunk.start, n)
 
         # 2. Admit waiting requests while budget, sequence slots and KV blocks (above the watermark) allow.
         # No admission in a step where running sequences already ran short of blocks. A preemption made below, for a
@@ -277,7 +319,9 @@ class Scheduler:
             table = self.tables[seq.request_id]
             hits = self._cached_prefix(seq, table)
             start = len(hits) * self.pool.block_size
-            n = min(seq.num_tokens - start, budget, self.config.max_prefill_chunk)
+            n = time_cap(start, min(seq.num_tokens - start, budget, self.config.max_prefill_chunk))
+            if n <= 0:
+                break  # the step's time is spent: it waits for the next one
             # Cached blocks nobody holds sit in the free list: taking them uses up free capacity too.
             need = self.pool.blocks_for(start + n) - len(hits) + self.pool.num_unreferenced(hits)
             # The watermark keeps room for running sequences to grow; with none running, a request that check_fits
@@ -310,9 +354,11 @@ class Scheduler:
             out.chunks.append(chunk)
             chunk_of[seq.request_id] = chunk
             budget -= n
+            count(seq, chunk.start, n)
 
         # The runner wants decodes first (one token each, or K+1 rows for a verifying chunk), then prefill chunks.
         out.chunks.sort(key=lambda c: not (c.is_decode or c.draft))
+        out.shape = StepShape(*counts)
         return out
 
     def _cached_prefix(self, seq: Sequence, table: BlockTable) -> list[int]:

@@ -1,0 +1,123 @@
+"""The step cost model (recursive least squares on a step's shape) and the scheduler's step budget in time: while
+streams decode, prefill chunks are sized to keep each step within the budget; with none decoding, prefill takes the
+whole token budget."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tailguard.engine.blocks import BlockPool
+from tailguard.engine.scheduler import Scheduler, SchedulerConfig
+from tailguard.engine.step_cost import FEATURES, StepCostModel, StepShape, chunk_keys
+from tests.test_scheduler import FAKE_TOKEN, FakeClock, make_seq
+
+TRUE = {"fixed": 3e-3, "decode_rows": 4e-4, "decode_kilokeys": 2e-4, "prefill_tokens": 8e-4,
+        "prefill_kilokeys": 3e-5}
+
+
+def true_time(shape: StepShape) -> float:
+    return sum(TRUE[name] * x for name, x in zip(FEATURES, shape.features()))
+
+
+def random_shape(rng: random.Random) -> StepShape:
+    rows = rng.randint(0, 32)
+    tokens = rng.choice([0, 0, rng.randint(1, 512)])
+    start = rng.randint(0, 2000)
+    return StepShape(rows, rows * rng.randint(10, 3000), tokens, chunk_keys(start, tokens))
+
+
+def test_the_model_learns_a_machines_costs_from_timed_steps():
+    rng = random.Random(0)
+    model = StepCostModel()  # its prior is off by 25-200%
+    for _ in range(400):
+        shape = random_shape(rng)
+        model.observe(shape, true_time(shape) * rng.uniform(0.95, 1.05))  # 5% timing noise
+    for _ in range(50):
+        shape = random_shape(rng)
+        assert model.predict(shape) == pytest.approx(true_time(shape), rel=0.1)
+
+
+def test_the_model_follows_a_machine_that_slows_down():
+    rng = random.Random(1)
+    model = StepCostModel()
+    for i in range(600):
+        shape = random_shape(rng)
+        slowdown = 1.0 if i < 300 else 2.0  # a neighbour takes half the cores
+        model.observe(shape, true_time(shape) * slowdown)
+    shape = StepShape(8, 8000, 256, chunk_keys(0, 256))
+    assert model.predict(shape) == pytest.approx(2 * true_time(shape), rel=0.1)
+
+
+def test_prefill_room_is_the_largest_chunk_within_the_budget():
+    model = StepCostModel(prior=TRUE)
+    base = StepShape(16, 16 * 500)
+    for start in (0, 1000):
+        room = model.prefill_room(base, 0.1, start, 4096)
+        fits = StepShape(16, 16 * 500, room, chunk_keys(start, room))
+        over = StepShape(16, 16 * 500, room + 1, chunk_keys(start, room + 1))
+        assert 0 < room < 4096
+        assert model.predict(fits) <= 0.1 < model.predict(over)
+    assert model.prefill_room(base, model.predict(base) / 2, 0, 4096) == 0  # the decodes alone pass it
+    assert model.prefill_room(StepShape(), 10.0, 0, 300) == 300  # capped by the chunk asked for
+
+
+def run_steps(sched: Scheduler, steps: int) -> list:
+    outs = []
+    for _ in range(steps):
+        out = sched.schedule()
+        sched.advance(out)
+        for c in out.chunks:
+            if c.samples:
+                c.seq.output_token_ids.append(FAKE_TOKEN)
+        outs.append(out)
+    return outs
+
+
+def make_timed(budget_s: float | None) -> Scheduler:
+    sched = Scheduler(SchedulerConfig(max_model_len=8192, max_num_batched_tokens=2048, max_prefill_chunk=2048,
+                                      step_time_budget_s=budget_s, min_prefill_chunk=16),
+                      BlockPool(1024, 16), clock=FakeClock())
+    sched.cost = StepCostModel(prior=TRUE)
+    return sched
+
+
+@pytest.mark.parametrize("budget_s", [0.02, 0.05])
+def test_with_streams_decoding_each_step_stays_within_the_time_budget(budget_s):
+    sched = make_timed(budget_s)
+    for i in range(8):  # eight streams, already decoding
+        sched.add(make_seq(f"s{i}", 32, max_tokens=1000))
+    run_steps(sched, 2)
+    long = make_seq("long", 3000, max_tokens=4)
+    sched.add(long)
+    outs = []
+    while long.num_computed_tokens < 3000:
+        outs += run_steps(sched, 1)
+        assert len(outs) < 1000
+    prefills = [sum(c.num_tokens for c in o.chunks if c.seq is long) for o in outs]
+    assert all(sched.cost.predict(o.shape) <= budget_s for o in outs)
+    assert all(o.shape.decode_rows == 8 for o in outs)  # no stream missed a step
+    assert 0 < max(prefills) < 2048  # the prompt went on in chunks the budget allowed, not the token budget's
+    # Each chunk as large as the budget allowed: the steps used most of it.
+    assert sorted(sched.cost.predict(o.shape) for o in outs)[len(outs) // 2] > 0.9 * budget_s
+
+
+def test_without_a_time_budget_or_without_decodes_prefill_takes_the_token_budget():
+    for sched, streams in ((make_timed(None), 8), (make_timed(0.02), 0)):
+        for i in range(streams):
+            sched.add(make_seq(f"s{i}", 32, max_tokens=1000))
+        run_steps(sched, 2)
+        sched.add(make_seq("long", 3000, max_tokens=4))
+        out = run_steps(sched, 1)[0]
+        assert out.shape.prefill_tokens == 2048 - streams
+
+
+def test_prompts_still_progress_when_the_decodes_alone_pass_the_budget():
+    sched = make_timed(0.004)  # 8 decodes cost ~0.006 s: no room at all
+    for i in range(8):
+        sched.add(make_seq(f"s{i}", 32, max_tokens=1000))
+    run_steps(sched, 2)
+    sched.add(make_seq("long", 100, max_tokens=4))
+    outs = run_steps(sched, 3)
+    assert [o.shape.prefill_tokens for o in outs] == [16, 16, 16]
