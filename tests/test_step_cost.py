@@ -121,3 +121,31 @@ def test_prompts_still_progress_when_the_decodes_alone_pass_the_budget():
     sched.add(make_seq("long", 100, max_tokens=4))
     outs = run_steps(sched, 3)
     assert [o.shape.prefill_tokens for o in outs] == [16, 16, 16]
+
+
+def test_short_prompts_pass_long_ones_that_arrived_within_their_handicap():
+    sched = Scheduler(SchedulerConfig(max_model_len=8192, max_num_batched_tokens=256, max_prefill_chunk=256,
+                                      prompt_rank_s_per_token=0.001), BlockPool(1024, 16), clock=FakeClock())
+    sched.add(make_seq("long", 2000, arrival=10.0))  # ranks as if it arrived at 12.0
+    sched.add(make_seq("short-soon", 100, arrival=10.5))  # 10.6: ahead of it
+    sched.add(make_seq("short-late", 100, arrival=12.5))  # 12.6: behind it
+    sched.add(make_seq("vip-late", 100, priority=-1, arrival=13.0))  # a more important class goes first anyway
+    order = []
+    for _ in range(40):
+        out = sched.schedule()
+        sched.advance(out)
+        for c in out.chunks:
+            if c.seq.request_id not in order:
+                order.append(c.seq.request_id)
+            if c.samples:
+                c.seq.output_token_ids.append(FAKE_TOKEN)
+    assert order == ["vip-late", "short-soon", "long", "short-late"]
+
+
+def test_without_a_handicap_the_order_is_first_come_first_served():
+    sched = Scheduler(SchedulerConfig(max_model_len=8192, max_num_batched_tokens=256, max_prefill_chunk=256),
+                      BlockPool(1024, 16), clock=FakeClock())
+    sched.add(make_seq("long", 2000, arrival=10.0))
+    sched.add(make_seq("short", 100, arrival=10.5))
+    out = sched.schedule()
+    assert [c.seq.request_id for c in out.chunks] == ["long"]

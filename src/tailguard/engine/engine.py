@@ -83,6 +83,8 @@ class EngineArgs:
     # While streams decode, a step's prefill is sized to keep the step within this many seconds (the scheduler's
     # step cost model, fitted online from every step's time). None: the token budget alone.
     step_time_budget_s: float | None = None
+    # Within a priority, waiting prompts are ordered by arrival plus this many seconds per prompt token (0: FCFS).
+    prompt_rank_s_per_token: float = 0.0
     max_background_seqs: int | None = None  # see SchedulerConfig: the pace of important streams under batch load
     num_threads: int | None = None
     # Speculative decoding: off | ngram (prompt lookup) | self (the target's first layers, drafting.py) | draft:PATH
@@ -249,6 +251,7 @@ class LLMEngine:
                 max_background_seqs=args.max_background_seqs,
                 enable_prefix_caching=args.enable_prefix_caching,
                 step_time_budget_s=args.step_time_budget_s,
+                prompt_rank_s_per_token=args.prompt_rank_s_per_token,
             ),
             self.pool,
         )

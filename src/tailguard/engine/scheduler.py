@@ -52,6 +52,11 @@ class SchedulerConfig:
     step_time_budget_s: float | None = None
     # The least prompt tokens a step carries while prefills wait, whatever the time budget: prompts always progress.
     min_prefill_chunk: int = 16
+    # Within a priority, waiting requests are taken in the order of their arrival plus this many seconds per prompt
+    # token still to compute: short prompts pass long ones that arrived less than that long before them, which cuts
+    # the TTFT tail of a mixed load, and a long prompt is passed only by requests that arrive within its handicap
+    # (so it never starves). 0: first come, first served.
+    prompt_rank_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -60,6 +65,8 @@ class SchedulerConfig:
             raise ValueError("max_prefill_chunk and max_model_len must be positive")
         if self.max_background_seqs is not None and self.max_background_seqs < 0:
             raise ValueError("max_background_seqs must be >= 0 (or None: no limit)")
+        if self.prompt_rank_s_per_token < 0:
+            raise ValueError("prompt_rank_s_per_token must be >= 0")
         if self.step_time_budget_s is not None and self.step_time_budget_s <= 0:
             raise ValueError("step_time_budget_s must be positive (or None: no time budget)")
 
@@ -181,7 +188,8 @@ class Scheduler:
 
     def _push_waiting(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        heapq.heappush(self._waiting, (seq.priority, seq.arrival_time, next(self._counter), seq))
+        rank = seq.arrival_time + self.config.prompt_rank_s_per_token * (seq.num_tokens - seq.num_computed_tokens)
+        heapq.heappush(self._waiting, (seq.priority, rank, next(self._counter), seq))
 
     @property
     def waiting(self) -> list[Sequence]:
