@@ -72,6 +72,7 @@ class Victims:
         self.port = port
         self.health: list[float] = []
         self.gaps: list[float] = []
+        self.errors = 0  # the victims' failed requests (a reset connection, a refused one)
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._ping), threading.Thread(target=self._stream)]
 
@@ -89,8 +90,13 @@ class Victims:
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         while not self.stop.is_set():
             t0 = time.perf_counter()
-            c.request("GET", "/health")
-            c.getresponse().read()
+            try:
+                c.request("GET", "/health")
+                c.getresponse().read()
+            except (OSError, http.client.HTTPException):
+                self.errors += 1  # counted, and the wait it cost is the latency it shows
+                c.close()
+                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
             self.health.append(time.perf_counter() - t0)
             time.sleep(0.02)
 
@@ -99,19 +105,23 @@ class Victims:
                            "stream": True, "messages": [{"role": "user", "content": "Tell me about Hangzhou."}]})
         while not self.stop.is_set():
             c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-            c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-            r = c.getresponse()
             last = None
-            while True:
-                line = r.readline()
-                if not line:
-                    break
-                if line.startswith(b"data: {"):
-                    now = time.perf_counter()
-                    if last is not None:
-                        self.gaps.append(now - last)
-                    last = now
-            c.close()
+            try:
+                c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+                r = c.getresponse()
+                while True:
+                    line = r.readline()
+                    if not line:
+                        break
+                    if line.startswith(b"data: {"):
+                        now = time.perf_counter()
+                        if last is not None:
+                            self.gaps.append(now - last)
+                        last = now
+            except (OSError, http.client.HTTPException):
+                self.errors += 1
+            finally:
+                c.close()
 
 
 def send_raw(port: int, payload: bytes) -> tuple[int, float]:
@@ -163,13 +173,13 @@ def phase(port: int, name: str, seconds: float, payload: bytes | None, concurren
         v.health.clear()
         v.gaps.clear()
         info = attack(port, payload, concurrency, seconds, pause) if payload is not None else (time.sleep(seconds) or {})
-    row = {"phase": name, **info}
+    row = {"phase": name, **info, "victim_errors": v.errors}
     for key, values in (("health", v.health), ("gap", v.gaps)):
         row.update({f"{key}_n": len(values), f"{key}_p50_ms": pct(values, 0.5) * 1e3,
                     f"{key}_p99_ms": pct(values, 0.99) * 1e3, f"{key}_max_ms": max(values, default=0) * 1e3})
     print(f"  {name:<28} health p50/p99/max {row['health_p50_ms']:7.1f} {row['health_p99_ms']:7.1f} "
           f"{row['health_max_ms']:7.1f} ms | stream gap p50/p99/max {row['gap_p50_ms']:6.1f} {row['gap_p99_ms']:7.1f} "
-          f"{row['gap_max_ms']:7.1f} ms | {info.get('statuses', '')}", flush=True)
+          f"{row['gap_max_ms']:7.1f} ms | {info.get('statuses', '')} victim errors {v.errors}", flush=True)
     return row
 
 

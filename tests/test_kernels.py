@@ -169,18 +169,23 @@ def test_embed_returns_dequantized_rows(variant, fmt):
     torch.testing.assert_close(got, ref[ids], rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
 
 
-def test_results_do_not_depend_on_the_thread_count():
-    """Each output row is computed whole by one thread, so splitting the rows differently must not change a bit."""
+def test_results_do_not_depend_on_the_thread_count_or_pool():
+    """Each output row is computed whole by one thread, so splitting the rows differently (other counts, the own
+    pool's dynamic chunks or OpenMP's static shares) must not change a bit."""
     w, _ = packed("Q4_1", 203, 128, seed=9)
     x = torch.randn(16, 128, generator=torch.Generator().manual_seed(9))
-    before = torch.get_num_threads()
+    before = kernels.num_threads()
     try:
         results = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            results.append((kernels.linear(x, w), kernels.linear(x[:1], w), w.dequantize()))
+        for pool in ("tailguard", "openmp"):
+            kernels.set_thread_pool(pool)
+            for threads in (1, 2, 3):
+                kernels.set_num_threads(threads)
+                assert kernels.num_threads() == threads
+                results.append((kernels.linear(x, w), kernels.linear(x[:1], w), w.dequantize()))
     finally:
-        torch.set_num_threads(before)
+        kernels.set_thread_pool(kernels.thread_settings_loaded().pool)
+        kernels.set_num_threads(before)
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)

@@ -163,3 +163,37 @@ def test_a_serving_process_never_imports_torch(tiny_gguf):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_tokens_and_logprobs_do_not_depend_on_the_thread_pool_or_count(tiny_gguf):
+    """Prefill chunks and decodes of a batch with 1 and 2 threads, on the kernels' own pool (dynamic chunks) and on
+    OpenMP's (static shares): every row is computed whole by one thread, so the numbers are the same bits."""
+    prompts = _prompts(5, seed=6)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    engine = _engine(tiny_gguf, "lean", "int8")
+    loaded = kernels.thread_settings_loaded()
+
+    def run() -> list:
+        ids = [engine.add_request(p, SamplingParams(**vars(sp))) for p in prompts]
+        events = []
+        while engine.has_unfinished():
+            events += [(e.request_id, e.token_id, e.logprob, e.top_logprobs) for e in engine.step()
+                       if e.token_id is not None]
+        return [[ev[1:] for ev in events if ev[0] == rid] for rid in ids]
+
+    try:
+        results, loops = [], []
+        for pool, threads in (("tailguard", 1), ("tailguard", 2), ("openmp", 2)):
+            kernels.set_thread_pool(pool)
+            kernels.set_num_threads(threads)
+            engine.runner._threads_set_for = None  # OpenMP's count is per thread: let the runner apply it again
+            engine.runner.num_threads = threads
+            before = kernels.thread_stats()["loops"]
+            results.append(run())
+            loops.append(kernels.thread_stats()["loops"] - before)
+    finally:
+        kernels.set_thread_pool(loaded.pool)
+        kernels.set_num_threads(1)
+    assert results[0] == results[1] == results[2]
+    assert all(len(r) == 10 for r in results[0])
+    assert loops[0] == 0 and loops[1] > 0 and loops[2] == 0  # the two-thread own-pool run did share its loops

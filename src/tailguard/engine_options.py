@@ -40,8 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="while a more important request (a lower priority value: the VIP lane) runs, at most this "
                         "many less important sequences take each step; the rest pause (default: no limit)")
     p.add_argument("--threads", type=int, default=None,
-                   help="compute threads of a step (OpenMP, shared by the kernels and torch; default: OpenMP's, one a "
-                        "logical CPU)")
+                   help="compute threads of a step (the kernels' pool, and torch's if it is loaded; default: "
+                        "OMP_NUM_THREADS, else the CPUs this process may use: its affinity, capped by its cgroup's "
+                        "CPU quota)")
     p.add_argument("--speculative", default="off", type=_speculative_method, metavar="{off,ngram,self,draft:PATH}",
                    help="speculative decoding (exact for greedy): ngram (prompt lookup), self (the model's first "
                         "quarter of layers drafts), draft:PATH (a small GGUF model with the same tokenizer), or off "

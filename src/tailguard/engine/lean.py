@@ -230,8 +230,9 @@ class LeanRunner:
                 (pos + 1).astype(np.int32), np.array(out_rows, dtype=np.int32))
 
     def _threads(self) -> None:
-        """OpenMP's thread count is a per-thread setting: apply the engine's to whichever thread steps (the server
-        loads and steps on one engine thread; AsyncLLMEngine over a built engine steps on another)."""
+        """Apply the engine's thread count on whichever thread steps: the kernels' own pool's count is process-wide,
+        but OpenMP's (TAILGUARD_THREAD_POOL=openmp) is a per-thread setting (the server loads and steps on one engine
+        thread; AsyncLLMEngine over a built engine steps on another)."""
         ident = threading.get_ident()
         if self.num_threads and ident != self._threads_set_for:
             kernels.set_num_threads(self.num_threads)

@@ -4,9 +4,12 @@ The C source is compiled with the machine's gcc (``-O3 -march=native -fopenmp``)
 (``python -m tailguard.engine.kernels``) or on first use, into a cache keyed by the source, the compiler and the CPU's
 instruction set, and loaded with ctypes, which releases the GIL during each call, so the HTTP event loop keeps running
 while a step computes. Arrays are numpy's, or torch's CPU tensors (what comes back is of the caller's kind): the lean
-runner (engine/lean.py) serves without importing torch. The library and torch both need ``libgomp.so.1``: whichever
-loads first, the other reuses it, so there is one OpenMP runtime (one pool of threads) in the process, never two
-oversubscribing the cores.
+runner (engine/lean.py) serves without importing torch.
+
+Parallel loops run on the kernels' own thread pool, whose threads sleep soon after they run out of work; its thread
+count, polling time and the choice of OpenMP's pool instead are read from the environment when the library loads
+(engine/threads.py). OpenMP's pool (``libgomp.so.1``, which torch also loads: whichever loads first, the other reuses
+it) serves the loops only with ``TAILGUARD_THREAD_POOL=openmp``.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from typing import Any
 
 import numpy as np
 
+from tailguard.engine import threads as thread_settings
 from tailguard.engine.model_store import cache_dir
 
 SOURCE = Path(__file__).with_name("tg_kernels.c")
-ABI_VERSION = 9
+ABI_VERSION = 10
+THREAD_POOLS = {"tailguard": 0, "openmp": 1}  # tg_kernels.c's TG_POOL_*
 
 # ggml type ids (GGUF's own numbering) of the formats the kernels read directly, and Q4_1R: Q4_1 repacked at load
 # (each row's nibbles together, then its scales and mins as float32), which the single-row kernel reads faster.
@@ -137,6 +142,7 @@ def build(verbose: bool = False) -> Path:
 
 _lib: ctypes.CDLL | None = None
 _lock = threading.Lock()
+_settings: thread_settings.ThreadSettings | None = None  # what the loaded library was configured with
 
 
 def lib() -> ctypes.CDLL:
@@ -158,8 +164,26 @@ def lib() -> ctypes.CDLL:
             handle.tg_profile.argtypes = [i]
             handle.tg_profile_read.argtypes = [p]
             handle.tg_set_num_threads.argtypes = [i]
+            handle.tg_num_threads.restype = i
+            handle.tg_set_spin_ns.argtypes = [ctypes.c_int64]
+            handle.tg_set_thread_pool.argtypes = [i]
+            handle.tg_set_thread_pool.restype = i
+            handle.tg_thread_stats.argtypes = [p]
+            _configure(handle)
             _lib = handle
         return _lib
+
+
+def _configure(handle: ctypes.CDLL) -> None:
+    """Apply the environment's thread settings (engine/threads.py) to a freshly loaded library."""
+    global _settings
+    settings = thread_settings.resolve()
+    handle.tg_set_thread_pool(THREAD_POOLS[settings.pool])
+    handle.tg_set_spin_ns(settings.spin_us * 1000)
+    if settings.pool == "tailguard":
+        # OpenMP's pool keeps its own defaults (OMP_NUM_THREADS, or a thread a CPU), as it did before
+        handle.tg_set_num_threads(settings.threads)
+    _settings = settings
 
 
 def available() -> bool:
@@ -211,11 +235,50 @@ def row_bytes(fmt: int, k: int) -> int:
 
 
 def set_num_threads(n: int) -> None:
-    """Threads of the OpenMP loops that the calling thread starts from now on (OpenMP's count is a per-thread
-    setting: the lean runner applies it on the thread that steps)."""
+    """Threads of the parallel loops from now on, the calling thread included: the kernels' own pool's
+    (process-wide) and OpenMP's (a per-thread setting: the lean runner applies it on the thread that steps)."""
     if n < 1:
         raise ValueError("threads must be >= 1")
     lib().tg_set_num_threads(n)
+
+
+def num_threads() -> int:
+    """Threads of the loops the calling thread starts (OpenMP's count for this thread under the OpenMP pool)."""
+    return int(lib().tg_num_threads())
+
+
+def set_thread_pool(pool: str) -> None:
+    """``tailguard`` (the kernels' own pool) or ``openmp`` (libgomp's) for the loops from now on, process-wide: for
+    comparing the two in one process (benchmarks, tests); TAILGUARD_THREAD_POOL sets it at load."""
+    if pool not in THREAD_POOLS:
+        raise ValueError(f"thread pool must be one of {', '.join(THREAD_POOLS)}, not {pool!r}")
+    lib().tg_set_thread_pool(THREAD_POOLS[pool])
+
+
+def set_spin_us(us: int) -> None:
+    """How long the own pool's idle threads poll before they sleep, from now on (TAILGUARD_SPIN_US sets it at load)."""
+    if us < 0:
+        raise ValueError("spin time must be >= 0")
+    lib().tg_set_spin_ns(int(us) * 1000)
+
+
+def thread_settings_loaded() -> thread_settings.ThreadSettings:
+    """The settings the library applied when it loaded (engine/threads.py)."""
+    lib()
+    assert _settings is not None
+    return _settings
+
+
+THREAD_STATS = ("loops", "worker_sleeps", "caller_sleeps", "loops_alone", "contention", "workers")
+
+
+def thread_stats() -> dict[str, int]:
+    """The own pool's counters since the library loaded: loops it ran, sleeps of its workers and of callers waiting
+    for them, loops run on the calling thread alone because another had the pool, times a pool thread found itself
+    preempted (polling off for a while); and its workers now."""
+    out = (ctypes.c_int64 * len(THREAD_STATS))()
+    lib().tg_thread_stats(out)
+    return dict(zip(THREAD_STATS, (int(v) for v in out)))
 
 
 @dataclass

@@ -7,14 +7,26 @@
  * changes the answers. Running the whole decode step here removes the ~750 small torch ops per step that cost more
  * than the matrix products themselves.
  *
- * Built at install (or on first use) with `gcc -O3 -march=native -fopenmp`; parallel loops use the OpenMP runtime
- * that torch has already loaded (same soname), so the two never fight over the cores. Called through ctypes, which
- * releases the GIL for the duration of each call.
+ * Built at install (or on first use) with `gcc -O3 -march=native -fopenmp`. Parallel loops run on a pool of our own
+ * (see "threads" below), or on OpenMP's (libgomp, shared with torch: same soname) when asked. Called through ctypes,
+ * which releases the GIL for the duration of each call.
  */
+#define _GNU_SOURCE
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
 #include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
@@ -39,10 +51,353 @@ enum { TG_F32 = 0, TG_F16 = 1, TG_Q4_0 = 2, TG_Q4_1 = 3, TG_Q8_0 = 8, TG_Q4_1R =
 #define XG 16
 static inline int is_interleaved(int fmt) { return fmt == TG_Q4_1X || fmt == TG_Q8_0X; }
 
-int tg_abi_version(void) { return 9; }
+int tg_abi_version(void) { return 10; }
 
-/* Threads of the OpenMP loops (torch shares this runtime when it is loaded: its set_num_threads does the same). */
-void tg_set_num_threads(int n) { if (n > 0) omp_set_num_threads(n); }
+/* ---- threads -------------------------------------------------------------------------------------------------------
+ * Every parallel loop goes through tg_for: a range [0, n) cut into chunks that the calling thread and a pool of worker
+ * threads take one at a time from a shared counter. Two pools:
+ *
+ * TG_POOL_OWN (the default): ours. A waiting thread (a worker between loops, the caller at a loop's end) polls for
+ * tg_spin_ns (enough for the gaps between a step's loops), then sleeps on a futex; at the end of a decode step the
+ * workers sleep at once (pool_park: the engine's Python work comes next), and while pool threads keep being preempted
+ * (a busy neighbour, more threads than free CPUs) nobody polls at all (spin_allowed). libgomp's default instead polls ~300,000
+ * pauses (~5 ms here) after every parallel region, so with ~120 regions a decode step its workers never slept while a
+ * server ran: they held every core the step did not need, starving the HTTP front and the tokenizer, and a worker
+ * preempted by another process left the others spinning at its barrier for a scheduler time slice (static shares:
+ * nobody can take its half). Here chunks are claimed dynamically, so a preempted or still waking thread holds up only
+ * the chunk it is on, and the caller never waits for a worker that has not started: it does the chunks itself.
+ *
+ * TG_POOL_OPENMP: libgomp's pool with the previous static split, OMP_WAIT_POLICY / GOMP_SPINCOUNT as libgomp reads
+ * them (TAILGUARD_THREAD_POOL=openmp), to compare against.
+ *
+ * Each chunk computes the same numbers whichever thread takes it, so outputs do not depend on the pool or the count. */
+typedef void (*tg_range_fn)(void *ctx, int64_t i0, int64_t i1);
+
+enum { TG_POOL_OWN = 0, TG_POOL_OPENMP = 1 };
+static _Atomic int tg_pool_kind = TG_POOL_OWN;
+static _Atomic int tg_threads = 1;         /* own pool: threads of a loop, the caller included (Python sets it) */
+static _Atomic int64_t tg_spin_ns = 100000; /* own pool: polling before a waiting thread sleeps (Python sets it) */
+#define CHUNKS_PER_THREAD 4                /* dynamic chunks a loop is cut into, per thread */
+
+/* The words written during a loop (state, done) sit on cache lines of their own, apart from the one that polling
+ * workers read (gen), so claiming chunks does not keep pulling that line away from them. */
+static struct {
+    pthread_mutex_t lock;                  /* one loop at a time: a concurrent caller runs its loop alone */
+    pthread_t *workers;
+    int n_workers;
+    _Alignas(64) _Atomic uint64_t state;   /* generation << 32 | next unclaimed chunk */
+    _Alignas(64) _Atomic uint32_t done;    /* chunks finished: the caller sleeps on it (futex word) */
+    _Atomic int32_t caller_waiting;
+    _Alignas(64) _Atomic uint32_t gen;     /* the current loop's generation: workers sleep on it (futex word) */
+    _Atomic uint32_t parked;               /* a generation after which workers sleep at once (a step's last loop) */
+    _Atomic int32_t sleepers, quit;
+    /* the current loop, written before its generation is published */
+    _Atomic(tg_range_fn) fn;
+    _Atomic(void *) ctx;
+    _Atomic int64_t n, grain;
+    _Atomic int32_t chunks;
+    _Alignas(64) _Atomic int64_t contended_until; /* now_ns() before which nobody polls (see spin_allowed) */
+    /* counters for tests and benchmarks: loops run by the pool, worker sleeps, caller sleeps, loops run alone
+     * because the pool was busy, times polling was turned off for contention */
+    _Atomic int64_t stats[5];
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+#define RLX memory_order_relaxed
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void futex_wait(void *addr, uint32_t expected) {
+#if defined(__linux__)
+    syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
+#else
+    (void)addr; (void)expected;
+    sched_yield();
+#endif
+}
+
+static void futex_wake(void *addr, int count) {
+#if defined(__linux__)
+    syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, count, NULL, NULL, 0);
+#else
+    (void)addr; (void)count;
+#endif
+}
+
+/* Polling pays only while the thread we wait for is running. When another runnable thread (a neighbour process, the
+ * server's front, or our own threads outnumbering the CPUs) preempts ours, the one we wait for may be the one off the
+ * CPU, and polling keeps it from the CPU we hold: single-stream decode steps took 1.3x as long polling 100 us as not
+ * polling beside a busy-loop neighbour, while with nothing else running polling decoded ~15% faster. So each pool
+ * thread counts its involuntary context switches (read at most once a millisecond, when it is about to wait):
+ * CONTENTION_SWITCHES of them within CONTENTION_WINDOW_NS turn polling off for every pool thread for
+ * CONTENTION_HOLD_NS. A few switches are no sign (kernel threads, timers: up to ~30 a second a thread on a quiet
+ * host); a thread sharing its CPU is preempted at every time slice (~140 a second measured, two threads on one CPU). */
+#define CONTENTION_CHECK_NS 1000000
+#define CONTENTION_WINDOW_NS 50000000
+#define CONTENTION_SWITCHES 6
+/* a second: longer than a server's usual idle gap between requests, so that each new request does not start polling
+ * beside the neighbour again until the next window catches it (polling off costs serving little: no worse E2E P99
+ * quiet in benchmarks/noisy_neighbour.py; it costs single-stream decode ~15% while it lasts) */
+#define CONTENTION_HOLD_NS 1000000000
+
+static int spin_allowed(int64_t now) {
+#if defined(RUSAGE_THREAD)
+    static _Thread_local int64_t checked_at = 0, window_start = 0, window_base = -1;
+    if (now - checked_at >= CONTENTION_CHECK_NS) {
+        struct rusage ru;
+        if (getrusage(RUSAGE_THREAD, &ru) == 0) {
+            const int64_t switches = ru.ru_nivcsw;
+            if (window_base < 0 || now - window_start >= CONTENTION_WINDOW_NS) {
+                window_start = now;
+                window_base = switches;
+            } else if (switches - window_base >= CONTENTION_SWITCHES) {
+                atomic_store_explicit(&pool.contended_until, now + CONTENTION_HOLD_NS, RLX);
+                atomic_fetch_add_explicit(&pool.stats[4], 1, RLX);
+                window_start = now;
+                window_base = switches;
+            }
+        }
+        checked_at = now;
+    }
+#endif
+    return now >= atomic_load_explicit(&pool.contended_until, RLX);
+}
+
+/* Poll *word for up to tg_spin_ns until it differs from `value` (until_equal 0) or equals it (1); 1 when it did.
+ * A worker (gen_done: the generation it finished) also stops when the caller has parked the pool after it. */
+static int poll_word(_Atomic uint32_t *word, uint32_t value, int until_equal, const uint32_t *gen_done) {
+#define POLL_MET() ((atomic_load_explicit(word, memory_order_acquire) == value) == until_equal)
+#define PARKED() (gen_done != NULL && atomic_load_explicit(&pool.parked, RLX) == *gen_done)
+    if (POLL_MET()) return 1;
+    const int64_t spin = atomic_load_explicit(&tg_spin_ns, RLX);
+    if (spin <= 0 || PARKED()) return 0;
+    const int64_t now = now_ns();
+    if (!spin_allowed(now)) return 0;
+    const int64_t deadline = now + spin;
+    for (;;) {
+        for (int i = 0; i < 32; i++) {
+            cpu_relax();
+            if (POLL_MET()) return 1;
+        }
+        const int64_t t = now_ns();
+        if (t >= deadline || PARKED() || !spin_allowed(t)) return 0;
+    }
+#undef PARKED
+#undef POLL_MET
+}
+
+/* Claim and run chunks of loop `g` until none is left or the loop is over; then count them done, all at once (one
+ * write to the shared counter per thread and loop). */
+static void run_chunks(uint32_t g) {
+    uint32_t mine = 0;
+    int32_t chunks = 0;
+    for (;;) {
+        uint64_t s = atomic_load_explicit(&pool.state, memory_order_acquire);
+        if ((uint32_t)(s >> 32) != g) break;
+        /* read before the claim; a successful claim of chunk c < chunks proves loop g still runs (it cannot end
+         * before chunk c is done), so these are g's values */
+        const int32_t nc = atomic_load_explicit(&pool.chunks, RLX);
+        const uint32_t c = (uint32_t)s;
+        if ((int64_t)c >= nc) break;
+        const tg_range_fn fn = atomic_load_explicit(&pool.fn, RLX);
+        void *ctx = atomic_load_explicit(&pool.ctx, RLX);
+        const int64_t n = atomic_load_explicit(&pool.n, RLX), grain = atomic_load_explicit(&pool.grain, RLX);
+        if (!atomic_compare_exchange_weak_explicit(&pool.state, &s, s + 1, memory_order_acq_rel, RLX)) continue;
+        const int64_t i0 = (int64_t)c * grain, i1 = i0 + grain < n ? i0 + grain : n;
+        fn(ctx, i0, i1);
+        mine++;
+        chunks = nc;
+    }
+    if (mine > 0 && atomic_fetch_add(&pool.done, mine) + mine == (uint32_t)chunks && atomic_load(&pool.caller_waiting))
+        futex_wake(&pool.done, 1);
+}
+
+static void *worker_main(void *arg) {
+    uint32_t seen = (uint32_t)(uintptr_t)arg;
+    for (;;) {
+        if (!poll_word(&pool.gen, seen, 0, &seen)) {
+            /* sleepers before the re-check, the caller's gen before its sleepers check: one of us sees the other */
+            atomic_fetch_add(&pool.sleepers, 1);
+            while (atomic_load(&pool.gen) == seen) {
+                atomic_fetch_add_explicit(&pool.stats[1], 1, RLX);
+                futex_wait(&pool.gen, seen);
+            }
+            atomic_fetch_sub(&pool.sleepers, 1);
+        }
+        if (atomic_load(&pool.quit)) return NULL;
+        seen = atomic_load_explicit(&pool.gen, memory_order_acquire);
+        run_chunks(seen);
+    }
+}
+
+static void stop_workers(void) {
+    if (pool.n_workers == 0) return;
+    atomic_store(&pool.quit, 1);
+    atomic_fetch_add(&pool.gen, 1);
+    futex_wake(&pool.gen, INT32_MAX);
+    for (int i = 0; i < pool.n_workers; i++) pthread_join(pool.workers[i], NULL);
+    free(pool.workers);
+    pool.workers = NULL;
+    pool.n_workers = 0;
+    atomic_store(&pool.quit, 0);
+}
+
+/* A forked child has none of the parent's worker threads: start afresh (a new pool on its first loop). */
+static void pool_after_fork_child(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pool.workers = NULL;
+    pool.n_workers = 0;
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.caller_waiting, 0);
+    atomic_store(&pool.quit, 0);
+}
+
+/* n workers (the caller makes n + 1 threads); under pool.lock. 0 on success. */
+static int ensure_workers(int n) {
+    static int fork_handler = 0;
+    if (pool.n_workers == n) return 0;
+    if (!fork_handler) {
+        pthread_atfork(NULL, NULL, pool_after_fork_child);
+        fork_handler = 1;
+    }
+    stop_workers();
+    pool.workers = (pthread_t *)malloc(sizeof(pthread_t) * (size_t)n);
+    if (pool.workers == NULL) return -1;
+    /* workers block every signal: Python handles signals on its own threads */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    const uint32_t g = atomic_load(&pool.gen);
+    for (int i = 0; i < n; i++) {
+        if (pthread_create(&pool.workers[i], NULL, worker_main, (void *)(uintptr_t)g) != 0) break;
+        pool.n_workers++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return pool.n_workers == n ? 0 : -1;
+}
+
+static void pool_for(int64_t n, int64_t grain, tg_range_fn fn, void *ctx, int nt) {
+    if (ensure_workers(nt - 1) != 0 && pool.n_workers == 0) {
+        fn(ctx, 0, n);
+        return;
+    }
+    const int32_t chunks = (int32_t)((n + grain - 1) / grain);
+    atomic_store_explicit(&pool.fn, fn, RLX);
+    atomic_store_explicit(&pool.ctx, ctx, RLX);
+    atomic_store_explicit(&pool.n, n, RLX);
+    atomic_store_explicit(&pool.grain, grain, RLX);
+    atomic_store_explicit(&pool.chunks, chunks, RLX);
+    atomic_store_explicit(&pool.done, 0, RLX);
+    const uint32_t g = atomic_load_explicit(&pool.gen, RLX) + 1;
+    atomic_store_explicit(&pool.state, (uint64_t)g << 32, memory_order_release);
+    atomic_store(&pool.gen, g);
+    if (atomic_load(&pool.sleepers) > 0) futex_wake(&pool.gen, INT32_MAX);
+    atomic_fetch_add_explicit(&pool.stats[0], 1, RLX);
+    run_chunks(g);
+    /* the chunks still running on workers: poll, then sleep until the last one wakes us (caller_waiting before the
+     * re-check, the worker's done before its caller_waiting check: one of us sees the other) */
+    if (!poll_word(&pool.done, (uint32_t)chunks, 1, NULL)) {
+        for (;;) {
+            atomic_store(&pool.caller_waiting, 1);
+            const uint32_t d = atomic_load(&pool.done);
+            if (d == (uint32_t)chunks) break;
+            atomic_fetch_add_explicit(&pool.stats[2], 1, RLX);
+            futex_wait(&pool.done, d);
+        }
+        atomic_store(&pool.caller_waiting, 0);
+    }
+}
+
+/* fn over [0, n): in chunks of at least min_grain items on the pool (parallel set, more than one chunk), else in
+ * one call on this thread. `dynamic`: OpenMP's pool hands out single items (the attention tasks, whose costs differ);
+ * otherwise it splits [0, n) statically, one share per thread (its split before the own pool existed). */
+static void tg_for(int64_t n, int64_t min_grain, int parallel, int dynamic, tg_range_fn fn, void *ctx) {
+    if (n <= 0) return;
+    if (atomic_load_explicit(&tg_pool_kind, RLX) == TG_POOL_OPENMP) {
+        if (!parallel) {
+            fn(ctx, 0, n);
+        } else if (dynamic) {
+#pragma omp parallel for schedule(dynamic)
+            for (int64_t i = 0; i < n; i++) fn(ctx, i, i + 1);
+        } else {
+#pragma omp parallel
+            {
+                const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+                const int64_t i0 = n * id / nt, i1 = n * (id + 1) / nt;
+                if (i0 < i1) fn(ctx, i0, i1);
+            }
+        }
+        return;
+    }
+    const int nt = atomic_load_explicit(&tg_threads, RLX);
+    if (!parallel || nt <= 1 || n <= min_grain) {
+        fn(ctx, 0, n);
+        return;
+    }
+    if (pthread_mutex_trylock(&pool.lock) != 0) { /* another thread's loop (or this one's, nested) has the pool */
+        atomic_fetch_add_explicit(&pool.stats[3], 1, RLX);
+        fn(ctx, 0, n);
+        return;
+    }
+    const int64_t want = (int64_t)nt * CHUNKS_PER_THREAD;
+    int64_t grain = (n + want - 1) / want;
+    if (grain < min_grain) grain = min_grain;
+    pool_for(n, grain, fn, ctx, nt);
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* The caller's work is over for a while (a decode step ends; the next begins after the engine's Python work, ~1 ms
+ * or more): the workers sleep now instead of polling through it. The next loop wakes them, while the caller already
+ * works on its chunks. */
+static void pool_park(void) {
+    if (atomic_load_explicit(&tg_pool_kind, RLX) == TG_POOL_OWN && pool.n_workers > 0)
+        atomic_store_explicit(&pool.parked, atomic_load_explicit(&pool.gen, RLX), RLX);
+}
+
+/* Threads of a parallel loop, the caller included: the own pool's (process-wide) and OpenMP's (a per-thread setting
+ * of the calling thread; torch's set_num_threads sets the same one when torch shares the runtime). */
+void tg_set_num_threads(int n) {
+    if (n < 1) return;
+    atomic_store_explicit(&tg_threads, n, RLX);
+    omp_set_num_threads(n);
+}
+
+int tg_num_threads(void) {
+    return atomic_load_explicit(&tg_pool_kind, RLX) == TG_POOL_OPENMP ? omp_get_max_threads()
+                                                                       : atomic_load_explicit(&tg_threads, RLX);
+}
+
+/* How long the own pool's waiting threads poll before they sleep (0: sleep at once). */
+void tg_set_spin_ns(int64_t ns) { atomic_store_explicit(&tg_spin_ns, ns > 0 ? ns : 0, RLX); }
+
+/* TG_POOL_OWN or TG_POOL_OPENMP for the loops from now on; -1 for another value. Switching to OpenMP stops the own
+ * pool's workers. */
+int tg_set_thread_pool(int kind) {
+    if (kind != TG_POOL_OWN && kind != TG_POOL_OPENMP) return -1;
+    atomic_store_explicit(&tg_pool_kind, kind, RLX);
+    if (kind == TG_POOL_OPENMP) {
+        pthread_mutex_lock(&pool.lock);
+        stop_workers();
+        pthread_mutex_unlock(&pool.lock);
+    }
+    return 0;
+}
+
+/* out[6]: loops the own pool ran, worker sleeps, caller sleeps, loops run alone because the pool was busy, times
+ * polling was turned off for contention, workers. */
+void tg_thread_stats(int64_t *out) {
+    for (int i = 0; i < 5; i++) out[i] = atomic_load_explicit(&pool.stats[i], RLX);
+    out[5] = pool.n_workers;
+}
 
 /* 1: decode attention takes the generic path even where the AVX-512 one applies (a test and a benchmark compare
  * the two in one process). */
@@ -564,11 +919,19 @@ static inline float quantize_block_x8(__m512 lo, __m512 hi, int8_t *o, int32_t *
     return d;
 }
 
-static void quantize_rows_x8(const float *x, int T, int K, tg_xq *xq) {
-    const int nb = K / 32;
+typedef struct {
+    const float *x;
+    int T, K;
+    tg_xq *xq;
+} quantize_job;
+
+static void quantize_range(void *arg, int64_t t0, int64_t t1) {
+    const quantize_job *j = (const quantize_job *)arg;
+    const float *x = j->x;
+    const int T = j->T, K = j->K, nb = K / 32;
+    tg_xq *xq = j->xq;
     const size_t pq = (size_t)T * K, ps = (size_t)T * nb;
-#pragma omp parallel for schedule(static) if ((int64_t)T * K >= 65536)
-    for (int t = 0; t < T; t++) {
+    for (int t = (int)t0; t < (int)t1; t++) {
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (size_t)t * K + b * 32;
             const size_t tb = (size_t)t * nb + b, tk = (size_t)t * K + b * 32;
@@ -579,6 +942,11 @@ static void quantize_rows_x8(const float *x, int T, int K, tg_xq *xq) {
             if (xq->passes == 2) xq->d[ps + tb] = quantize_block_x8(rlo, rhi, xq->q + pq + tk, xq->corr + ps + tb, &r2lo, &r2hi);
         }
     }
+}
+
+static void quantize_rows_x8(const float *x, int T, int K, tg_xq *xq) {
+    quantize_job j = {x, T, K, xq};
+    tg_for(T, 1, (int64_t)T * K >= 65536, 0, quantize_range, &j);
 }
 
 static inline __m512i bcast4(const int8_t *p) {
@@ -669,6 +1037,19 @@ static void xgroups(const uint8_t *w, int fmt, int K, const tg_xq *xq, int T, in
     }
 }
 
+typedef struct {
+    const uint8_t *w;
+    int fmt, K, T;
+    const tg_xq *xq;
+    float *y;
+    int ldy, accumulate;
+} x8_job;
+
+static void x8_range(void *arg, int64_t g0, int64_t g1) {
+    const x8_job *j = (const x8_job *)arg;
+    xgroups(j->w, j->fmt, j->K, j->xq, j->T, (int)g0, (int)g1, j->y, j->ldy, j->accumulate);
+}
+
 static void linear_x8(const float *x, int T, int K, const uint8_t *w, int fmt, int N, float *y, int ldy,
                       int accumulate) {
     const int nb = K / 32, groups = N / XG;
@@ -679,15 +1060,38 @@ static void linear_x8(const float *x, int T, int K, const uint8_t *w, int fmt, i
     xq.sum = (float *)malloc(sizeof(float) * (size_t)T * nb);
     xq.corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)xq.passes * T * nb);
     quantize_rows_x8(x, T, K, &xq);
-#pragma omp parallel
-    {
-        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        const int g0 = (int)((int64_t)groups * id / nt), g1 = (int)((int64_t)groups * (id + 1) / nt);
-        if (g0 < g1) xgroups(w, fmt, K, &xq, T, g0, g1, y, ldy, accumulate);
-    }
+    x8_job j = {w, fmt, K, T, &xq, y, ldy, accumulate};
+    tg_for(groups, 1, 1, 0, x8_range, &j);
     free(xq.q); free(xq.d); free(xq.sum); free(xq.corr);
 }
 #endif
+
+/* The rows [n0, n1) of a product: the fused single-row kernel (xsum set) or dequantized rows (xsum NULL). */
+typedef struct {
+    const float *x, *xsum;
+    int T, K;
+    const uint8_t *w;
+    int fmt;
+    int64_t rb;
+    int N;
+    float *y;
+    int ldy, accumulate;
+} linear_job;
+
+static void linear_range(void *arg, int64_t g0, int64_t g1) {
+    const linear_job *j = (const linear_job *)arg;
+    const int n0 = (int)(g0 * ROWS), n1 = g1 * ROWS < j->N ? (int)(g1 * ROWS) : j->N;
+    if (n0 >= n1) return;
+#if defined(__AVX512F__)
+    if (j->xsum != NULL) {
+        gemv_fused(j->x, j->xsum, j->K, j->w, j->fmt, j->rb, n0, n1, j->y, j->accumulate);
+        return;
+    }
+#endif
+    float *scratch = (float *)malloc(sizeof(float) * ROWS * (size_t)j->K);
+    linear_rows(j->x, j->T, j->K, j->w, j->fmt, j->rb, n0, n1, j->y, j->ldy, j->accumulate, scratch);
+    free(scratch);
+}
 
 /* y[T, N] (+)= x[T, K] @ W[N, K]^T, W in `fmt`. Rows are split between threads in groups of ROWS. */
 static void linear(const float *x, int T, int K, const uint8_t *w, int fmt, int N, float *y, int ldy, int accumulate) {
@@ -707,26 +1111,14 @@ static void linear(const float *x, int T, int K, const uint8_t *w, int fmt, int 
             for (int j = 0; j < 32; j++) s += x[b * 32 + j];
             xsum[b] = s;
         }
-#pragma omp parallel
-        {
-            const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-            const int g0 = (int)((int64_t)groups * id / nt), g1 = (int)((int64_t)groups * (id + 1) / nt);
-            const int n0 = g0 * ROWS, n1 = g1 * ROWS < N ? g1 * ROWS : N;
-            if (n0 < n1) gemv_fused(x, xsum, K, w, fmt, rb, n0, n1, y, accumulate);
-        }
+        linear_job j = {x, xsum, T, K, w, fmt, rb, N, y, ldy, accumulate};
+        tg_for(groups, 1, 1, 0, linear_range, &j);
         free(xsum);
         return;
     }
 #endif
-#pragma omp parallel
-    {
-        float *scratch = (float *)malloc(sizeof(float) * ROWS * (size_t)K);
-        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        const int g0 = (int)((int64_t)groups * id / nt), g1 = (int)((int64_t)groups * (id + 1) / nt);
-        const int n0 = g0 * ROWS, n1 = g1 * ROWS < N ? g1 * ROWS : N;
-        if (n0 < n1) linear_rows(x, T, K, w, fmt, rb, n0, n1, y, ldy, accumulate, scratch);
-        free(scratch);
-    }
+    linear_job j = {x, NULL, T, K, w, fmt, rb, N, y, ldy, accumulate};
+    tg_for(groups, 1, 1, 0, linear_range, &j);
 }
 
 /* The interleaved formats hold whole groups of 16 rows. */
@@ -740,11 +1132,23 @@ int tg_linear(const float *x, int T, int K, const uint8_t *w, int fmt, int N, fl
     return 0;
 }
 
+typedef struct {
+    const uint8_t *w;
+    int fmt, K;
+    int64_t rb;
+    float *out;
+} dequant_job;
+
+static void dequant_range(void *arg, int64_t n0, int64_t n1) {
+    const dequant_job *j = (const dequant_job *)arg;
+    for (int64_t n = n0; n < n1; n++) dequant_row_at(j->w, j->fmt, j->K, j->rb, n, j->out + (size_t)n * j->K);
+}
+
 int tg_dequant(const uint8_t *w, int fmt, int N, int K, float *out) {
     const int64_t rb = row_bytes(fmt, K);
     if (bad_shape(fmt, N, K)) return -1;
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) dequant_row_at(w, fmt, K, rb, n, out + (size_t)n * K);
+    dequant_job j = {w, fmt, K, rb, out};
+    tg_for(N, 1, 1, 0, dequant_range, &j);
     return 0;
 }
 
@@ -1068,6 +1472,87 @@ static void attend_slice_fast(const tg_kv *c, size_t k_base, size_t v_base, cons
 }
 #endif
 
+/* The attention tasks [t0, t1): task = slice * G + KV head, each with its own scores on the stack. */
+typedef struct {
+    const tg_kv *c;
+    const float *q;
+    const int32_t *tables, *ctx_lens;
+    const int *first;
+    float *pm;
+    size_t layer_off, v_off;
+    float scale;
+    int H, G, hd, group, bs, rw, i8, max_blocks;
+} attention_job;
+
+static void attention_range(void *arg, int64_t t0, int64_t t1) {
+    const attention_job *jb = (const attention_job *)arg;
+    const tg_kv *c = jb->c;
+    const float *q = jb->q;
+    const int32_t *tables = jb->tables, *ctx_lens = jb->ctx_lens;
+    const int *first = jb->first;
+    float *pm = jb->pm;
+    const size_t layer_off = jb->layer_off, v_off = jb->v_off;
+    const float scale = jb->scale;
+    const int H = jb->H, G = jb->G, hd = jb->hd, group = jb->group, bs = jb->bs, rw = jb->rw, i8 = jb->i8;
+    const int max_blocks = jb->max_blocks;
+    float scores[MAX_GROUP * SLICE];
+    float kbuf[512], vbuf[512];
+    for (int task = (int)t0; task < (int)t1; task++) {
+        const int g = task % G, slice = task / G;
+        int d = 0;
+        while (first[d + 1] <= slice) d++;
+        const int p0 = (slice - first[d]) * SLICE;
+        const int p1 = p0 + SLICE < ctx_lens[d] ? p0 + SLICE : ctx_lens[d];
+        const int32_t *table = tables + (size_t)d * max_blocks;
+        float *res = pm + (size_t)task * group * (hd + 2);
+#if defined(__AVX512F__)
+        if (group <= FAST_MAX_GROUP && hd % 16 == 0 && hd <= 16 * FAST_MAX_NV && !generic_attention) {
+            attend_slice_fast(c, layer_off + (size_t)g * rw, layer_off + v_off + (size_t)g * rw, table, bs, G * rw,
+                              p0, p1, q + (size_t)d * H * hd + (size_t)g * group * hd, group, hd / 16, scale,
+                              scores, res);
+            continue;
+        }
+#endif
+        for (int p = p0; p < p1; p++) {
+            const size_t off = layer_off + ((size_t)table[p / bs] * bs + p % bs) * G * rw + (size_t)g * rw;
+            const float *qh = q + (size_t)d * H * hd + (size_t)g * group * hd;
+            if (i8) {
+                /* the row's scale folds into the softmax scale: one multiply per score, not per element */
+                const int8_t *k8 = (const int8_t *)c->kv + off;
+                const float ks = kv_scale(c->kv, off, hd) * scale;
+                for (int j = 0; j < group; j++) scores[j * SLICE + (p - p0)] = dot_i8(qh + (size_t)j * hd, k8, hd) * ks;
+                continue;
+            }
+            const float *k = kv_row(c->kv, c->fmt, off, hd, kbuf);
+            for (int j = 0; j < group; j++) scores[j * SLICE + (p - p0)] = dot(qh + (size_t)j * hd, k, hd) * scale;
+        }
+        for (int j = 0; j < group; j++) {
+            float *s = scores + j * SLICE, mx = -INFINITY, sum = 0.0f;
+            for (int i = 0; i < p1 - p0; i++) mx = s[i] > mx ? s[i] : mx;
+            sum = exp_shifted_sum(s, p1 - p0, mx);
+            res[j * (hd + 2)] = mx;
+            res[j * (hd + 2) + 1] = sum;
+            memset(res + j * (hd + 2) + 2, 0, sizeof(float) * (size_t)hd);
+        }
+        for (int p = p0; p < p1; p++) {
+            const size_t off = layer_off + v_off + ((size_t)table[p / bs] * bs + p % bs) * G * rw + (size_t)g * rw;
+            if (i8) {
+                const int8_t *v8 = (const int8_t *)c->kv + off;
+                const float vs = kv_scale(c->kv, off, hd);
+                for (int j = 0; j < group; j++)
+                    axpy_i8(scores[j * SLICE + (p - p0)] * vs, v8, res + j * (hd + 2) + 2, hd);
+                continue;
+            }
+            const float *v = kv_row(c->kv, c->fmt, off, hd, vbuf);
+            for (int j = 0; j < group; j++) {
+                const float w = scores[j * SLICE + (p - p0)];
+                float *o = res + j * (hd + 2) + 2;
+                for (int i = 0; i < hd; i++) o[i] += w * v[i];
+            }
+        }
+    }
+}
+
 /* One decode query per sequence against its paged K/V. q, out: [D, n_heads * hd]. */
 static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D, const float *q, const int32_t *tables,
                             int max_blocks, const int32_t *ctx_lens, float *out) {
@@ -1086,66 +1571,9 @@ static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D,
     /* Short contexts (most decode steps) are too little work to wake a second thread for. */
     int64_t positions = 0;
     for (int d = 0; d < D; d++) positions += ctx_lens[d];
-#pragma omp parallel if (positions * G >= 1024)
-    {
-        float scores[MAX_GROUP * SLICE];
-        float kbuf[512], vbuf[512];
-#pragma omp for schedule(dynamic)
-        for (int task = 0; task < n_tasks; task++) {
-            const int g = task % G, slice = task / G;
-            int d = 0;
-            while (first[d + 1] <= slice) d++;
-            const int p0 = (slice - first[d]) * SLICE;
-            const int p1 = p0 + SLICE < ctx_lens[d] ? p0 + SLICE : ctx_lens[d];
-            const int32_t *table = tables + (size_t)d * max_blocks;
-            float *res = pm + (size_t)task * group * (hd + 2);
-#if defined(__AVX512F__)
-            if (group <= FAST_MAX_GROUP && hd % 16 == 0 && hd <= 16 * FAST_MAX_NV && !generic_attention) {
-                attend_slice_fast(c, layer_off + (size_t)g * rw, layer_off + v_off + (size_t)g * rw, table, bs, G * rw,
-                                  p0, p1, q + (size_t)d * H * hd + (size_t)g * group * hd, group, hd / 16, scale,
-                                  scores, res);
-                continue;
-            }
-#endif
-            for (int p = p0; p < p1; p++) {
-                const size_t off = layer_off + ((size_t)table[p / bs] * bs + p % bs) * G * rw + (size_t)g * rw;
-                const float *qh = q + (size_t)d * H * hd + (size_t)g * group * hd;
-                if (i8) {
-                    /* the row's scale folds into the softmax scale: one multiply per score, not per element */
-                    const int8_t *k8 = (const int8_t *)c->kv + off;
-                    const float ks = kv_scale(c->kv, off, hd) * scale;
-                    for (int j = 0; j < group; j++) scores[j * SLICE + (p - p0)] = dot_i8(qh + (size_t)j * hd, k8, hd) * ks;
-                    continue;
-                }
-                const float *k = kv_row(c->kv, c->fmt, off, hd, kbuf);
-                for (int j = 0; j < group; j++) scores[j * SLICE + (p - p0)] = dot(qh + (size_t)j * hd, k, hd) * scale;
-            }
-            for (int j = 0; j < group; j++) {
-                float *s = scores + j * SLICE, mx = -INFINITY, sum = 0.0f;
-                for (int i = 0; i < p1 - p0; i++) mx = s[i] > mx ? s[i] : mx;
-                sum = exp_shifted_sum(s, p1 - p0, mx);
-                res[j * (hd + 2)] = mx;
-                res[j * (hd + 2) + 1] = sum;
-                memset(res + j * (hd + 2) + 2, 0, sizeof(float) * (size_t)hd);
-            }
-            for (int p = p0; p < p1; p++) {
-                const size_t off = layer_off + v_off + ((size_t)table[p / bs] * bs + p % bs) * G * rw + (size_t)g * rw;
-                if (i8) {
-                    const int8_t *v8 = (const int8_t *)c->kv + off;
-                    const float vs = kv_scale(c->kv, off, hd);
-                    for (int j = 0; j < group; j++)
-                        axpy_i8(scores[j * SLICE + (p - p0)] * vs, v8, res + j * (hd + 2) + 2, hd);
-                    continue;
-                }
-                const float *v = kv_row(c->kv, c->fmt, off, hd, vbuf);
-                for (int j = 0; j < group; j++) {
-                    const float w = scores[j * SLICE + (p - p0)];
-                    float *o = res + j * (hd + 2) + 2;
-                    for (int i = 0; i < hd; i++) o[i] += w * v[i];
-                }
-            }
-        }
-    }
+    attention_job job = {c, q, tables, ctx_lens, first, pm, layer_off, v_off, scale, H, G, hd, group, bs, rw, i8,
+                         max_blocks};
+    tg_for(n_tasks, 1, positions * G >= 1024, 1, attention_range, &job);
     /* merge the slices of each (sequence, head) */
     for (int d = 0; d < D; d++) {
         for (int h = 0; h < H; h++) {
@@ -1173,10 +1601,18 @@ static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D,
 
 /* act[d, i] = silu(gate[d, i]) * up[d, i] over [D, 2I] gate|up rows: spread over the threads and vectorized
  * (glibc's vector expf through omp simd); as a serial scalar loop it cost several ms a step at 16 streams. */
-static void silu_mul(const float *gu, int D, int I, float *act) {
-    const int64_t n = (int64_t)D * I;
-#pragma omp parallel for schedule(static) if (n >= 4096)
-    for (int64_t c = 0; c < n; c += 256) {
+typedef struct {
+    const float *gu;
+    int64_t I, n;
+    float *act;
+} silu_job;
+
+static void silu_range(void *arg, int64_t b0, int64_t b1) {
+    const silu_job *j = (const silu_job *)arg;
+    const float *gu = j->gu;
+    const int64_t I = j->I, n = j->n;
+    float *act = j->act;
+    for (int64_t c = b0 * 256; c < n && c < b1 * 256; c += 256) {
         const int64_t end = c + 256 < n ? c + 256 : n;
         for (int64_t e = c; e < end;) {
             const int64_t d = e / I, i0 = e % I;
@@ -1196,6 +1632,12 @@ static void silu_mul(const float *gu, int D, int I, float *act) {
             e = stop;
         }
     }
+}
+
+static void silu_mul(const float *gu, int D, int I, float *act) {
+    const int64_t n = (int64_t)D * I;
+    silu_job j = {gu, I, n, act};
+    tg_for((n + 255) / 256, 1, n >= 4096, 0, silu_range, &j);
 }
 
 /* Where a decode step's time goes (benchmarks/profile_native_step.py): off unless asked, one branch per phase. */
@@ -1280,6 +1722,7 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
         rms_norm(x + (size_t)d * Hd, m->final_norm, Hd, m->eps, h + (size_t)o * Hd);
     }
     if (n_out > 0) PHASE(P_HEAD, linear(h, n_out, Hd, m->lm_head.data, m->lm_head.fmt, m->vocab, logits, m->vocab, 0));
+    pool_park();
     free(x); free(h); free(qkv); free(q); free(attn); free(gu); free(act);
     return 0;
 }
