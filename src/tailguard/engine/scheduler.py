@@ -276,7 +276,7 @@ class Scheduler:
                 decodes_left -= seq.in_decode
                 continue
             n = min(seq.num_pending_tokens, budget, self.config.max_prefill_chunk)
-            if not seq.in_decode:
+            if not seq.in_decode and n > 0:
                 n = time_cap(seq.num_computed_tokens, n)
                 if n <= 0:
                     continue
