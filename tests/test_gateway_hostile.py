@@ -33,6 +33,7 @@ from tailguard.serving.config import ServerConfig
 from tailguard.serving.server import ThreadedServer
 from tests.net import free_port
 from tests.serving_helpers import ADMIN, make_config, settle, wait_until
+from tests.test_gateway import _answers
 
 Handler = Callable[["Upstream", web.Request, dict], Awaitable[web.StreamResponse]]
 
@@ -99,13 +100,6 @@ class Upstream:
             asyncio.run_coroutine_threadsafe(runner.cleanup(), self.loop).result(10)
             self.loop.call_soon_threadsafe(self.loop.stop)
             thread.join(10)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url + "/v1/models", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 async def tokens(up: Upstream, request: web.Request, body: dict, stall_after: int | None = None
