@@ -78,6 +78,13 @@ def test_plain_tokens_go_to_the_relay_and_the_rest_to_the_reader_in_order():
     feed2(sse(_upstream_chunk({"content": "b0"})))
     assert relay.written == [] and [json.loads(p)["choices"][0]["delta"]["content"] for p in payloads(feed2)] == \
         ["b0"]
+    # Taken by the reader, b0 is on its way to the server's stream, which is no longer waiting: the relay is off, so
+    # a token read now queues behind b0 instead of overtaking it (seen as "ABbacdef" in a stall fallback).
+    assert not relay.armed
+    feed2(sse(_upstream_chunk({"content": "b1"})))
+    assert relay.written == [] and [json.loads(p)["choices"][0]["delta"]["content"] for p in payloads(feed2)] == \
+        ["b1"]
+    relay.armed = True  # the server's stream wrote them and waits again
     feed2(b"".join(sse(_upstream_chunk({"content": t})) for t in ("c", "d")) + LAST + sse(b"[DONE]"))
     assert relay.written == ["c", "d"] and feed2.relayed == 2 and rep.outstanding_tokens == 8
     assert [json.loads(p)["choices"][0]["finish_reason"] for p in payloads(feed2)[:1]] == ["stop"]
@@ -106,6 +113,7 @@ def test_a_disarmed_or_refusing_relay_leaves_tokens_to_the_reader():
     feed = UpstreamFeed(chat=True, relay=relay)
     feed(sse(_upstream_chunk({"content": "first"})))  # the attempt's first token: the reader's
     assert len(payloads(feed)) == 1
+    relay.armed = True  # the server's stream wrote it and waits again
     feed(sse(_upstream_chunk({"content": "a"})) + sse(_upstream_chunk({"content": "b"}))
          + sse(_upstream_chunk({"content": "c"})))
     # "b" refused: queued, and "c" behind it queued too.

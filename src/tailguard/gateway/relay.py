@@ -122,6 +122,11 @@ class UpstreamFeed:
         """Everything queued, oldest first (and the socket read again if it was paused for it)."""
         out = list(self.queue)
         self.queue.clear()
+        if out and self.relay is not None:
+            # What the reader takes is on its way to the server's stream, which stops waiting for it: a token read
+            # before that stream has written these must not be relayed past them (the server arms the relay again
+            # when its stream waits again).
+            self.relay.armed = False
         if self.queued_bytes > HIGH_WATER and self._conn is not None:
             self._conn.pause_reading(False)  # type: ignore[attr-defined]
         self.queued_bytes = 0
