@@ -2,7 +2,7 @@
 """The demo's load on a server that shares its cores: with and without a CPU-bound neighbour, per thread setting.
 
 Issue 28 (item 10): ``tailguard demo`` on two cores gave bench E2E P99 of 9.9-15 s for 32-token answers at 0.2 req/s
-with OpenMP's default (its threads poll ~5 ms after each of a step's ~150 parallel regions, so they never slept while
+with OpenMP's default (its threads poll ~5 ms after each of a step's ~120 parallel regions, so they never slept while
 the server ran), 1.1 s with OMP_WAIT_POLICY=passive, which halves quiet single-stream decode instead. This measures:
 
 1. serving: ``tailguard serve --model smollm2`` in a subprocess on 127.0.0.1, and from this process (the load
@@ -12,7 +12,7 @@ the server ran), 1.1 s with OMP_WAIT_POLICY=passive, which halves quiet single-s
    alternating in order from round to round; the settings rotate too. Besides the latencies: the CPU seconds the
    server burns per 1k output tokens, the share of a core the neighbour got, and the cores that other processes on
    the host (other users' jobs) kept busy meanwhile: "quiet" is only as quiet as that column. A request past
-   --timeout (30 s) is cut off and counts at 30 s, a lower bound (a collapsing setting would take minutes a run).
+   --timeout (20 s) is cut off and counts at 20 s, a lower bound (a collapsing setting would take minutes a run).
 2. single-stream decode tokens/s: one engine process switching the kernels' pool between runs
    (kernels.set_thread_pool), old default / new default / best alternating for --decode-seconds; the medians are of
    the runs during which other processes kept under 0.1 cores busy (all runs' medians are printed too).
@@ -388,7 +388,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=1.0,
                    help="bench arrival rate, req/s (the demo's 0.3 would take a minute a run; 1.0 still leaves the "
                         "server mostly idle between arrivals)")
-    p.add_argument("--timeout", type=float, default=30.0,
+    p.add_argument("--timeout", type=float, default=20.0,
                    help="a request still running after this many seconds is cut off and counts at it (a lower bound): "
                         "keeps a collapsing setting from taking minutes")
     p.add_argument("--decode-seconds", type=float, default=60.0,
@@ -457,7 +457,8 @@ def main() -> None:
                  "affinity": len(os.sched_getaffinity(0)), "processor": platform.processor()},
         "load": {"burst_requests": a.burst, "burst_max_tokens": a.burst_tokens, "bench_requests": a.bench_requests,
                  "bench_rate": a.rate, "bench_input_tokens": 64, "bench_output_tokens": 32, "langs": ["en", "zh"],
-                 "rounds": a.rounds},
+                 "rounds": a.rounds, "timeout_s": a.timeout,
+                 "decode_seconds": None if a.no_decode else a.decode_seconds},
         "settings": {s: SETTINGS[s] for s in settings},
         "summary": summary, "ratios": rat, "decode": decode,
         "runs": [{**r, "bench": {k: v for k, v in r["bench"].items() if k != "e2e_s"},

@@ -145,8 +145,8 @@ static void futex_wake(void *addr, int count) {
 #define CONTENTION_WINDOW_NS 50000000
 #define CONTENTION_SWITCHES 6
 /* a second: longer than a server's usual idle gap between requests, so that each new request does not start polling
- * beside the neighbour again until the next window catches it (polling off costs serving little: no worse E2E P99
- * quiet in benchmarks/noisy_neighbour.py; it costs single-stream decode ~15% while it lasts) */
+ * beside the neighbour again until the next window catches it (polling off costs single-stream decode ~15% while it
+ * lasts; serving's quiet E2E P99 without polling was within run-to-run noise of polling's, noisy_neighbour.py) */
 #define CONTENTION_HOLD_NS 1000000000
 
 static int spin_allowed(int64_t now) {
