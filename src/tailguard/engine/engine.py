@@ -622,11 +622,11 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> AsyncLLMEngine:
-        """Load the model on the engine thread, which then steps it. OpenMP (libgomp) keeps a pool of worker threads
-        per thread that opens parallel regions: loaded on another thread, the process kept a second, idle pool, and
-        with more OpenMP threads than cores libgomp stops spin-waiting at barriers (it sleeps almost at once), so
-        every barrier of every step paid a wake-up that the engine alone does not (measured with 2 threads on 2
-        cores: ~270 sleeps per step and OpenMP thread, against ~18 this way). Blocks until the model is loaded."""
+        """Load the model on the engine thread, which then steps it: the thread that loads is the thread that steps.
+        With OpenMP's pool (``TAILGUARD_THREAD_POOL=openmp``) this matters: libgomp keeps a pool per thread that opens
+        parallel regions, and a second, idle pool made every barrier pay a wake-up (measured with 2 threads on 2
+        cores: ~270 sleeps per step and thread, against ~18 this way); the kernels' own pool (the default) is one per
+        process either way. Blocks until the model is loaded."""
         return cls(args=args)
 
     def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
