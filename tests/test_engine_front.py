@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -30,18 +31,25 @@ async def _drain(front: AsyncLLMEngine, rid: str, n: int = 200) -> tuple[int, Ba
     return got, None
 
 
-def test_steps_failing_in_a_row_outside_the_model_end_every_request_and_refuse_new_ones(engine):
-    front = AsyncLLMEngine(engine)
+def _fail_steps(engine: LLMEngine, fails: Callable[[int], bool], message: str) -> dict[str, int]:
+    """Make the engine's n-th step (counted from 1) raise wherever ``fails(n)``; returns the live step count."""
     steps = {"n": 0}
     real_step = engine.step
 
-    def failing_step():
+    def step():
         steps["n"] += 1
-        if steps["n"] >= 5:  # the scheduler itself is broken: every step from the fifth on fails
-            raise RuntimeError("injected scheduler failure")
+        if fails(steps["n"]):
+            raise RuntimeError(message)
         return real_step()
 
-    engine.step = failing_step
+    engine.step = step
+    return steps
+
+
+def test_steps_failing_in_a_row_outside_the_model_end_every_request_and_refuse_new_ones(engine):
+    front = AsyncLLMEngine(engine)
+    # The scheduler itself is broken: every step from the fifth on fails.
+    steps = _fail_steps(engine, lambda n: n >= 5, "injected scheduler failure")
 
     async def main():
         results = await asyncio.wait_for(asyncio.gather(*(_drain(front, f"crash-{i}") for i in range(4))), 30)
@@ -58,16 +66,7 @@ def test_steps_failing_in_a_row_outside_the_model_end_every_request_and_refuse_n
 
 def test_one_step_failing_outside_the_model_is_retried_and_nobody_notices(engine):
     front = AsyncLLMEngine(engine)
-    steps = {"n": 0}
-    real_step = engine.step
-
-    def flaky_step():
-        steps["n"] += 1
-        if steps["n"] == 5:
-            raise RuntimeError("injected one-off failure")
-        return real_step()
-
-    engine.step = flaky_step
+    _fail_steps(engine, lambda n: n == 5, "injected one-off failure")
 
     async def main():
         return await asyncio.wait_for(asyncio.gather(*(_drain(front, f"flaky-{i}", 20) for i in range(3))), 30)
