@@ -14,6 +14,9 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Prompt rows through the matrix units (AMX, bfloat16) round their activations, so tests that hold the C step to
+# float32's numbers run without them (and the same on every CPU); tests/test_prompt_bf16.py turns them on.
+os.environ.setdefault("TAILGUARD_PROMPT_BF16", "0")
 
 from tailguard.engine.model_store import ModelNotFoundError, resolve_model_path  # noqa: E402
 from tests.redis_server import RedisServer, RedisUnavailable  # noqa: E402

@@ -212,8 +212,11 @@ class LeanRunner:
         out_rows: list[int] = []
         row_tables: list[list[int]] = []
         bs = self.block_size
+        decode_rows = 0  # rows of decodes before the first prompt row (the scheduler puts decodes first)
         for chunk in chunks:
             table = tables[chunk.seq.request_id]
+            if chunk.is_decode and decode_rows == len(ids):
+                decode_rows += chunk.num_tokens
             ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, chunk.end))
             slots.extend(table.slot(p) for p in range(chunk.start, chunk.end))
@@ -227,7 +230,7 @@ class LeanRunner:
             padded[r, : len(t)] = t
         pos = np.array(positions, dtype=np.int64)
         return (np.array(ids, dtype=np.int64), pos, np.array(slots, dtype=np.int64), padded,
-                (pos + 1).astype(np.int32), np.array(out_rows, dtype=np.int32))
+                (pos + 1).astype(np.int32), np.array(out_rows, dtype=np.int32), decode_rows)
 
     def _threads(self) -> None:
         """Apply the engine's thread count on whichever thread steps: the kernels' own pool's count is process-wide,
@@ -245,8 +248,8 @@ class LeanRunner:
             runner = self.torch_runner()
             runner.native_prefill_max_context = self.native_prefill_max_context  # the same hand-off rule on both
             return runner.chunk_logits(chunks, tables).numpy()
-        ids, pos, slots, tabs, lens, rows = self._build(chunks, tables)
-        return self._step(ids, pos, slots, tabs, lens, rows)
+        ids, pos, slots, tabs, lens, rows, decode_rows = self._build(chunks, tables)
+        return self._step(ids, pos, slots, tabs, lens, rows, decode_rows)
 
     def execute(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable],
                 stop_ids: set[int], probe: Any = None) -> list[list[SampledToken]]:

@@ -127,6 +127,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] True where a key is real
     prefills: list[PrefillSpan]
     decode_lens: torch.Tensor | None = None  # [D] int32: keys each decode attends to (its position + 1)
+    # The one-call C step: its first rows are decodes and verifications, the rest prompt tokens (None: all decodes)
+    num_decode_rows: int | None = None
 
 
 class Linear:
@@ -238,7 +240,7 @@ class LlamaModel:
             self._decode_step_cache = kv_cache
         assert meta.decode_gather is not None and meta.decode_lens is not None
         return self._decode_step(input_ids, meta.positions, meta.slot_mapping, meta.decode_gather, meta.decode_lens,
-                                 logits_indices)
+                                 logits_indices, meta.num_decode_rows)
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype | str) -> int:
         return _kv_bytes_per_token(self.config, kv_dtype)

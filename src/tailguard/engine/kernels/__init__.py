@@ -32,7 +32,7 @@ from tailguard.engine import threads as thread_settings
 from tailguard.engine.model_store import cache_dir
 
 SOURCE = Path(__file__).with_name("tg_kernels.c")
-ABI_VERSION = 10
+ABI_VERSION = 11
 THREAD_POOLS = {"tailguard": 0, "openmp": 1}  # tg_kernels.c's TG_POOL_*
 
 # ggml type ids (GGUF's own numbering) of the formats the kernels read directly, and Q4_1R: Q4_1 repacked at load
@@ -50,6 +50,8 @@ GROUP_ROWS = 16  # rows per interleaved group
 # slices: perplexity +3.1% on English, logits off by up to 14% of their scale), an opt-in speed option; 0 float32
 # activations (the exact products, Q4_1R layout).
 INT8_ACTIVATIONS_ENV = "TAILGUARD_INT8_ACTIVATIONS"
+# "0": prompt rows of the C step through the block kernels, as decodes, instead of the matrix units (AMX, bfloat16)
+PROMPT_BF16_ENV = "TAILGUARD_PROMPT_BF16"
 DEFAULT_ACTIVATION_PASSES = 2
 # KV cache formats the decode step reads (tg_kernels.c's TG_KV_*), by dtype name: int8 rows with a float16 scale each.
 KV_FORMATS = {"float32": 0, "float16": 1, "int8": 2}
@@ -160,7 +162,9 @@ def lib() -> ctypes.CDLL:
             handle.tg_int8_dot.restype = ctypes.c_int
             handle.tg_set_activation_passes.argtypes = [i]
             handle.tg_set_generic_attention.argtypes = [i]
-            handle.tg_decode.argtypes = [p, p, i, p, p, p, p, i, p, i, p, p]
+            handle.tg_decode.argtypes = [p, p, i, p, p, p, p, i, p, i, p, p, i]
+            handle.tg_pack_bf16.argtypes = [p, i, i, i, p]
+            handle.tg_amx_available.restype = i
             handle.tg_profile.argtypes = [i]
             handle.tg_profile_read.argtypes = [p]
             handle.tg_set_num_threads.argtypes = [i]
@@ -426,7 +430,7 @@ def embed(ids: Array, w: PackedMatrix) -> Array:
 
 class _Mat(ctypes.Structure):
     _fields_ = [("data", ctypes.c_void_p), ("fmt", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32),
-                ("pad", ctypes.c_int32)]
+                ("pad", ctypes.c_int32), ("bf16", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -447,8 +451,29 @@ class _KV(ctypes.Structure):
                 ("block_size", ctypes.c_int32), ("pad", ctypes.c_int32)]
 
 
-def _mat(w: PackedMatrix) -> _Mat:
-    return _Mat(_ptr(w.array), w.fmt, w.out_features, w.in_features, 0)
+def _mat(w: PackedMatrix, bf16: np.ndarray | None = None) -> _Mat:
+    return _Mat(_ptr(w.array), w.fmt, w.out_features, w.in_features, 0, None if bf16 is None else _ptr(bf16))
+
+
+def amx_available() -> bool:
+    """The kernels multiply bfloat16 on this CPU's matrix units (AMX): built for them, and the OS granted the tiles."""
+    return bool(lib().tg_amx_available())
+
+
+def prompt_rows_bf16() -> bool:
+    """Prompt rows of the C step go through the matrix units: AMX here, and TAILGUARD_PROMPT_BF16 is not 0."""
+    return os.environ.get(PROMPT_BF16_ENV, "1") != "0" and amx_available()
+
+
+def pack_bf16(w: PackedMatrix) -> np.ndarray | None:
+    """W as bfloat16 tiles for the matrix units (tg_pack_bf16), or None when its shape does not tile (N or K not
+    a multiple of 32)."""
+    if w.out_features % 32 or w.in_features % 32:
+        return None
+    out = np.empty(w.out_features * w.in_features, dtype=np.uint16)
+    if lib().tg_pack_bf16(_ptr(w.array), w.fmt, w.out_features, w.in_features, _ptr(out)) != 0:
+        return None
+    return out
 
 
 class DecodeStep:
@@ -459,7 +484,10 @@ class DecodeStep:
     """
 
     def __init__(self, *, config, layers: list[tuple], final_norm: Array, embed_w: PackedMatrix,
-                 lm_head: PackedMatrix, cos: Array, sin: Array, kv_cache: Array) -> None:
+                 lm_head: PackedMatrix, cos: Array, sin: Array, kv_cache: Array,
+                 prompt_bf16: bool | None = None) -> None:
+        """``prompt_bf16``: prompt rows through bfloat16 copies of the layers' weights on the matrix units (2 bytes a
+        weight more in memory); None: where the CPU has them (prompt_rows_bf16)."""
         def f32(a: Array) -> np.ndarray:
             arr = _np(a)
             if arr.dtype != np.float32 or not arr.flags.c_contiguous:
@@ -469,12 +497,20 @@ class DecodeStep:
         final_norm, cos, sin = f32(final_norm), f32(cos), f32(sin)
         kv = _np(kv_cache)
         self._keep = [final_norm, cos, sin, kv, embed_w.array, lm_head.array]
+        self.prompt_bf16 = prompt_rows_bf16() if prompt_bf16 is None else prompt_bf16 and amx_available()
+        self.bf16_bytes = 0
         layer_structs = []
         for attn_norm, qkv, o, ffn_norm, gate_up, down in layers:
             attn_norm, ffn_norm = f32(attn_norm), f32(ffn_norm)
             self._keep += [attn_norm, ffn_norm, qkv.array, o.array, gate_up.array, down.array]
-            layer_structs.append(_Layer(_ptr(attn_norm), _ptr(ffn_norm), _mat(qkv), _mat(o), _mat(gate_up),
-                                        _mat(down)))
+            mats = []
+            for w in (qkv, o, gate_up, down):
+                tiles = pack_bf16(w) if self.prompt_bf16 else None
+                if tiles is not None:
+                    self._keep.append(tiles)
+                    self.bf16_bytes += tiles.nbytes
+                mats.append(_mat(w, tiles))
+            layer_structs.append(_Layer(_ptr(attn_norm), _ptr(ffn_norm), *mats))
         self._layers = (_Layer * len(layer_structs))(*layer_structs)
         self.vocab = lm_head.out_features
         self._model = _Model(config.num_layers, config.hidden_size, config.intermediate_size, config.num_heads,
@@ -491,8 +527,10 @@ class DecodeStep:
         self._kv = _KV(_ptr(kv), fmt, num_blocks, block_size, 0)
 
     def __call__(self, tokens: Array, positions: Array, slots: Array, tables: Array, ctx_lens: Array,
-                 out_rows: Array | None = None) -> Array:
-        """Logits [len(out_rows), vocab] of the rows ``out_rows`` names (None: every row), of the kind of ``tokens``."""
+                 out_rows: Array | None = None, num_decode_rows: int | None = None) -> Array:
+        """Logits [len(out_rows), vocab] of the rows ``out_rows`` names (None: every row), of the kind of ``tokens``.
+        ``num_decode_rows``: the first rows are decodes (or verifications), the rest prompt tokens, which go through
+        the matrix units when the step has them (None: every row is a decode)."""
         t, pos, sl, tab, lens = (_np(a) for a in (tokens, positions, slots, tables, ctx_lens))
         d = t.shape[0]
         if not (t.dtype == pos.dtype == sl.dtype == np.int64 and tab.dtype == lens.dtype == np.int32
@@ -505,7 +543,8 @@ class DecodeStep:
             rows_ptr, n_out = (_ptr(rows) if rows.size else None), rows.shape[0]
         logits = np.empty((n_out, self.vocab), dtype=np.float32)
         _check(lib().tg_decode(ctypes.byref(self._model), ctypes.byref(self._kv), d, _ptr(t), _ptr(pos), _ptr(sl),
-                               _ptr(tab), tab.shape[1], _ptr(lens), n_out, rows_ptr, _ptr(logits)))
+                               _ptr(tab), tab.shape[1], _ptr(lens), n_out, rows_ptr, _ptr(logits),
+                               d if num_decode_rows is None else num_decode_rows))
         return _like(logits, tokens)
 
 

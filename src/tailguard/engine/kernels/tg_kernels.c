@@ -51,7 +51,7 @@ enum { TG_F32 = 0, TG_F16 = 1, TG_Q4_0 = 2, TG_Q4_1 = 3, TG_Q8_0 = 8, TG_Q4_1R =
 #define XG 16
 static inline int is_interleaved(int fmt) { return fmt == TG_Q4_1X || fmt == TG_Q8_0X; }
 
-int tg_abi_version(void) { return 10; }
+int tg_abi_version(void) { return 11; }
 
 /* ---- threads -------------------------------------------------------------------------------------------------------
  * Every parallel loop goes through tg_for: a range [0, n) cut into chunks that the calling thread and a pool of worker
@@ -1162,12 +1162,162 @@ int tg_embed(const int64_t *ids, int T, const uint8_t *w, int fmt, int vocab, in
     return 0;
 }
 
+/* ---- prompt rows on the matrix units (AMX, bfloat16) ----------------------------------------------------------------
+ * A prompt's tokens are many rows through the same weights: a GEMM, where the int8 kernels above, built for a few rows
+ * (decode), leave most of this CPU's compute unused. With AMX a core multiplies 16x32 by 32x16 bfloat16 tiles into
+ * float32 in one instruction (TDPBF16PS), ~8x what AVX-512 reaches. Each weight matrix gets a bfloat16 copy (its GGUF
+ * blocks dequantized, then rounded to nearest even) in the tiles' layout: for every 16 output rows n and 32 inputs k,
+ * one 1 KiB tile of 16 lines (input pairs k = 2i, 2i+1) x 16 output rows x 2 values. Activations are rounded to
+ * bfloat16 per product; sums stay float32. The OS hands the tiles out on request (Linux's arch_prctl), once a
+ * process. Built only where the compiler targets AMX (-march=native on such a CPU); elsewhere tg_amx_available is 0. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define TG_AMX 1
+#define AMX_TILE_ELEMS 512 /* bfloat16 values in one 16 x 64-byte tile */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+static int amx_state = -1; /* -1: not asked yet, 0: refused, 1: granted */
+
+int tg_amx_available(void) {
+    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_state;
+}
+
+static inline uint16_t f2bf(float f) { /* round to nearest even (weights; NaN does not occur in them) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+typedef struct { const uint8_t *w; int fmt, K; int64_t rb; uint16_t *out; } bf16_pack_job;
+
+static void bf16_pack_range(void *arg, int64_t nb0, int64_t nb1) { /* nb: blocks of 16 output rows */
+    const bf16_pack_job *j = (const bf16_pack_job *)arg;
+    const int K = j->K, kbn = K / 32;
+    float *row = (float *)malloc(sizeof(float) * (size_t)K);
+    for (int64_t nb = nb0; nb < nb1; nb++)
+        for (int c = 0; c < 16; c++) {
+            dequant_row_at(j->w, j->fmt, K, j->rb, nb * 16 + c, row);
+            for (int k = 0; k < K; k++) {
+                const size_t tile = (size_t)nb * kbn + k / 32;
+                j->out[tile * AMX_TILE_ELEMS + (size_t)((k % 32) / 2) * 32 + c * 2 + (k & 1)] = f2bf(row[k]);
+            }
+        }
+    free(row);
+}
+
+/* out[N * K] (bfloat16): W [N, K] in `fmt`, in the tiles' layout. N a multiple of 32, K of 32. */
+int tg_pack_bf16(const uint8_t *w, int fmt, int N, int K, uint16_t *out) {
+    if (bad_shape(fmt, N, K) || N % 32 || K % 32) return -1;
+    bf16_pack_job j = {w, fmt, K, row_bytes(fmt, K), out};
+    tg_for(N / 16, 1, 1, 0, bf16_pack_range, &j);
+    return 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config;
+
+typedef struct {
+    const uint16_t *x; /* [Tp, K] bfloat16, Tp = T rounded up to 32 (zero rows) */
+    const uint16_t *w; /* the tiles */
+    int T, Tp, K;
+    float *y;
+    int ldy, accumulate;
+} amx_job;
+
+/* Output columns [32 g0, 32 g1): each 32 x 32 block of y as four accumulator tiles over the whole of K. */
+static void amx_range(void *arg, int64_t g0, int64_t g1) {
+    const amx_job *j = (const amx_job *)arg;
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
+    const int K = j->K, kbn = K / 32;
+    const size_t lda = (size_t)K * 2; /* bytes */
+    float c[32 * 32] __attribute__((aligned(64)));
+    for (int64_t g = g0; g < g1; g++) {
+        const uint16_t *b0 = j->w + (size_t)(2 * g) * kbn * AMX_TILE_ELEMS, *b1 = b0 + (size_t)kbn * AMX_TILE_ELEMS;
+        for (int m0 = 0; m0 < j->Tp; m0 += 32) {
+            const uint16_t *a0 = j->x + (size_t)m0 * K, *a1 = a0 + (size_t)16 * K;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int kb = 0; kb < kbn; kb++) {
+                _tile_loadd(4, a0 + kb * 32, lda);
+                _tile_loadd(5, a1 + kb * 32, lda);
+                _tile_loadd(6, b0 + (size_t)kb * AMX_TILE_ELEMS, 64);
+                _tile_loadd(7, b1 + (size_t)kb * AMX_TILE_ELEMS, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, c, 128);
+            _tile_stored(1, c + 16, 128);
+            _tile_stored(2, c + 16 * 32, 128);
+            _tile_stored(3, c + 16 * 32 + 16, 128);
+            const int rows = j->T - m0 < 32 ? j->T - m0 : 32;
+            for (int r = 0; r < rows; r++) {
+                float *yr = j->y + (size_t)(m0 + r) * j->ldy + g * 32;
+                const __m512 lo = _mm512_load_ps(c + r * 32), hi = _mm512_load_ps(c + r * 32 + 16);
+                if (j->accumulate) {
+                    _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), lo));
+                    _mm512_storeu_ps(yr + 16, _mm512_add_ps(_mm512_loadu_ps(yr + 16), hi));
+                } else {
+                    _mm512_storeu_ps(yr, lo);
+                    _mm512_storeu_ps(yr + 16, hi);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* y[T, N] (+)= x[T, K] @ W^T with W's bfloat16 tiles `wb`. */
+static void linear_amx(const float *x, int T, int K, const uint16_t *wb, int N, float *y, int ldy, int accumulate) {
+    const int Tp = (T + 31) / 32 * 32;
+    uint16_t *xb = (uint16_t *)aligned_alloc(64, (size_t)Tp * K * 2);
+    for (int t = 0; t < T; t++)
+        for (int k = 0; k < K; k += 32) {
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + (size_t)t * K + k + 16),
+                                                   _mm512_loadu_ps(x + (size_t)t * K + k));
+            _mm512_storeu_si512((void *)(xb + (size_t)t * K + k), (__m512i)v);
+        }
+    memset(xb + (size_t)T * K, 0, (size_t)(Tp - T) * K * 2);
+    amx_job j = {xb, wb, T, Tp, K, y, ldy, accumulate};
+    tg_for(N / 32, 1, 1, 0, amx_range, &j);
+    free(xb);
+}
+#else
+int tg_amx_available(void) { return 0; }
+int tg_pack_bf16(const uint8_t *w, int fmt, int N, int K, uint16_t *out) {
+    (void)w; (void)fmt; (void)N; (void)K; (void)out;
+    return -1;
+}
+#endif
+
 /* ---- the decode step ---------------------------------------------------------------------------------------------- */
 
 typedef struct {
     const uint8_t *data;
     int32_t fmt, N, K, pad;
+    const uint16_t *bf16; /* the weights as bfloat16 tiles for prompt rows (tg_pack_bf16), or NULL */
 } tg_mat;
+
+/* y (+)= x @ W^T for a step's rows: rows [0, n_dec) (decodes) through the block kernels, the rest (prompt rows)
+ * through the matrix units when W has its tiles. A row's numbers depend on its kind and its own values only. */
+static void step_linear(const float *x, int T, int n_dec, int K, const tg_mat *W, float *y, int ldy, int accumulate) {
+#if defined(TG_AMX)
+    if (W->bf16 != NULL && n_dec < T) {
+        if (n_dec > 0) linear(x, n_dec, K, W->data, W->fmt, W->N, y, ldy, accumulate);
+        linear_amx(x + (size_t)n_dec * K, T - n_dec, K, W->bf16, W->N, y + (size_t)n_dec * ldy, ldy, accumulate);
+        return;
+    }
+#endif
+    (void)n_dec;
+    linear(x, T, K, W->data, W->fmt, W->N, y, ldy, accumulate);
+}
 
 typedef struct {
     const float *attn_norm, *ffn_norm;
@@ -1663,9 +1813,54 @@ void tg_profile_read(double *out) { memcpy(out, tg_prof, sizeof(tg_prof)); }
  * attention reads the cache, so each row attends exactly to its positions 0..position (causal), and its numbers
  * depend on its own sequence only, not on who shares the step.
  * tables: [D, max_blocks] block ids; ctx_lens[d] = position + 1 (the keys the token attends to, itself included). */
+/* The per-row work between a step's products (norms, RoPE, the KV write, the Hadamard turn of the attention output):
+ * spread over the pool when a step has many rows (prompts), on the calling thread for a few (decode). */
+#define ROWS_PARALLEL_MIN 32
+typedef struct {
+    const tg_model *m;
+    const tg_kv *c;
+    const float *norm_w;
+    const float *in;
+    float *out, *q;
+    const int64_t *positions, *slots;
+    size_t layer_off, v_off;
+    int rw, rotated;
+} rows_job;
+
+static void norm_range(void *arg, int64_t d0, int64_t d1) {
+    const rows_job *j = (const rows_job *)arg;
+    const int Hd = j->m->hidden;
+    for (int64_t d = d0; d < d1; d++) rms_norm(j->in + (size_t)d * Hd, j->norm_w, Hd, j->m->eps, j->out + (size_t)d * Hd);
+}
+
+static void rope_kv_range(void *arg, int64_t d0, int64_t d1) {
+    const rows_job *j = (const rows_job *)arg;
+    const tg_model *m = j->m;
+    const int H = m->n_heads, G = m->n_kv, hd = m->head_dim, qd = H * hd, kvd = G * hd, qkv_w = qd + 2 * kvd;
+    for (int64_t d = d0; d < d1; d++) {
+        float *row = j->out + (size_t)d * qkv_w;
+        const float *cs = m->cos + (size_t)j->positions[d] * hd, *sn = m->sin + (size_t)j->positions[d] * hd;
+        for (int i = 0; i < H + G; i++) rope(row + (size_t)i * hd, hd, cs, sn);
+        if (j->rotated)
+            for (int i = 0; i < H + 2 * G; i++) hadamard(row + (size_t)i * hd, hd);
+        memcpy(j->q + (size_t)d * qd, row, sizeof(float) * (size_t)qd);
+        for (int g = 0; g < G; g++) {
+            const size_t at = j->layer_off + ((size_t)j->slots[d] * G + g) * j->rw;
+            kv_store(j->c->kv, j->c->fmt, at, row + qd + (size_t)g * hd, hd);
+            kv_store(j->c->kv, j->c->fmt, at + j->v_off, row + qd + kvd + (size_t)g * hd, hd);
+        }
+    }
+}
+
+static void unturn_range(void *arg, int64_t d0, int64_t d1) { /* the attention output back from the turned basis */
+    const rows_job *j = (const rows_job *)arg;
+    const int H = j->m->n_heads, hd = j->m->head_dim;
+    for (int64_t i = d0 * H; i < d1 * H; i++) hadamard(j->out + (size_t)i * hd, hd);
+}
+
 int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, const int64_t *positions,
               const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *ctx_lens, int n_out,
-              const int32_t *out_rows, float *logits) {
+              const int32_t *out_rows, float *logits, int n_dec) {
     const int Hd = m->hidden, I = m->inter, H = m->n_heads, G = m->n_kv, hd = m->head_dim;
     const int qd = H * hd, kvd = G * hd, qkv_w = qd + 2 * kvd;
     if (hd > 512 || H / G > MAX_GROUP || H % G) return -1;
@@ -1674,6 +1869,7 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
         if (tokens[d] < 0 || tokens[d] >= m->embed.N) return -3;
     }
     if (n_out < 0 || n_out > D) return -5;
+    if (n_dec < 0 || n_dec > D) n_dec = D;
     if (c->fmt < TG_KV_F32 || c->fmt > TG_KV_I8) return -4;
     for (int o = 0; out_rows != NULL && o < n_out; o++)
         if (out_rows[o] < 0 || out_rows[o] >= D) return -5;
@@ -1692,29 +1888,24 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
     for (int l = 0; l < m->n_layers; l++) {
         const tg_layer *L = &m->layers[l];
         const size_t layer_off = (size_t)l * 2 * v_off;
-        PHASE(P_NORM, for (int d = 0; d < D; d++) rms_norm(x + (size_t)d * Hd, L->attn_norm, Hd, m->eps, h + (size_t)d * Hd));
-        PHASE(P_QKV, linear(h, D, Hd, L->qkv.data, L->qkv.fmt, qkv_w, qkv, qkv_w, 0));
-        PHASE(P_ROPE_KV, for (int d = 0; d < D; d++) {
-            float *row = qkv + (size_t)d * qkv_w;
-            const float *cs = m->cos + (size_t)positions[d] * hd, *sn = m->sin + (size_t)positions[d] * hd;
-            for (int i = 0; i < H + G; i++) rope(row + (size_t)i * hd, hd, cs, sn);
-            if (rotated)
-                for (int i = 0; i < H + 2 * G; i++) hadamard(row + (size_t)i * hd, hd);
-            memcpy(q + (size_t)d * qd, row, sizeof(float) * (size_t)qd);
-            for (int g = 0; g < G; g++) {
-                const size_t at = layer_off + ((size_t)slots[d] * G + g) * rw;
-                kv_store(c->kv, c->fmt, at, row + qd + (size_t)g * hd, hd);
-                kv_store(c->kv, c->fmt, at + v_off, row + qd + kvd + (size_t)g * hd, hd);
-            }
-        });
+        const int par = D >= ROWS_PARALLEL_MIN;
+        rows_job rj = {m, c, L->attn_norm, x, h, q, positions, slots, layer_off, v_off, rw, rotated};
+        PHASE(P_NORM, tg_for(D, 8, par, 0, norm_range, &rj));
+        PHASE(P_QKV, step_linear(h, D, n_dec, Hd, &L->qkv, qkv, qkv_w, 0));
+        rj.out = qkv;
+        PHASE(P_ROPE_KV, tg_for(D, 8, par, 0, rope_kv_range, &rj));
         PHASE(P_ATTN, paged_attention(m, c, l, D, q, tables, max_blocks, ctx_lens, attn));
-        if (rotated)
-            for (int i = 0; i < D * H; i++) hadamard(attn + (size_t)i * hd, hd);
-        PHASE(P_O, linear(attn, D, qd, L->o.data, L->o.fmt, Hd, x, Hd, 1));
-        PHASE(P_NORM, for (int d = 0; d < D; d++) rms_norm(x + (size_t)d * Hd, L->ffn_norm, Hd, m->eps, h + (size_t)d * Hd));
-        PHASE(P_GATE_UP, linear(h, D, Hd, L->gate_up.data, L->gate_up.fmt, 2 * I, gu, 2 * I, 0));
+        if (rotated) {
+            rj.out = attn;
+            tg_for(D, 8, par, 0, unturn_range, &rj);
+        }
+        PHASE(P_O, step_linear(attn, D, n_dec, qd, &L->o, x, Hd, 1));
+        rj.norm_w = L->ffn_norm;
+        rj.out = h;
+        PHASE(P_NORM, tg_for(D, 8, par, 0, norm_range, &rj));
+        PHASE(P_GATE_UP, step_linear(h, D, n_dec, Hd, &L->gate_up, gu, 2 * I, 0));
         PHASE(P_SILU, silu_mul(gu, D, I, act));
-        PHASE(P_DOWN, linear(act, D, I, L->down.data, L->down.fmt, Hd, x, Hd, 1));
+        PHASE(P_DOWN, step_linear(act, D, n_dec, I, &L->down, x, Hd, 1));
     }
     /* the LM head costs more than a layer: only the rows that are sampled */
     for (int o = 0; o < n_out; o++) {

@@ -1,0 +1,99 @@
+"""Prompt rows of the C step on the CPU's matrix units (AMX, bfloat16): the tiles' layout, the numbers against the
+block kernels', and a decode row's numbers unchanged by the prompt rows that share its step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tailguard.engine import kernels
+from tailguard.engine.blocks import BlockTable
+from tailguard.engine.engine import EngineArgs, LLMEngine
+from tailguard.engine.request import SamplingParams, Sequence
+from tailguard.engine.scheduler import ScheduledChunk
+
+pytestmark = pytest.mark.skipif(not kernels.available() or not kernels.amx_available(),
+                                reason="the CPU (or the OS) offers no AMX tiles")
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> the float32 value of its bfloat16 rounding (nearest even)."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32)).view(np.float32)
+
+
+def q8_0_matrix(n: int, k: int, seed: int) -> kernels.PackedMatrix:
+    """A random Q8_0 matrix: per 32 weights a float16 scale, then 32 int8 values."""
+    rng = np.random.default_rng(seed)
+    rows = np.empty((n, k // 32, 34), dtype=np.uint8)
+    rows[:, :, :2] = rng.uniform(0.01, 0.1, size=(n, k // 32)).astype(np.float16).view(np.uint8).reshape(n, k // 32, 2)
+    rows[:, :, 2:] = rng.integers(-127, 128, size=(n, k // 32, 32)).astype(np.int8).view(np.uint8)
+    return kernels.PackedMatrix(rows.reshape(n, -1), kernels.Q8_0, n, k)
+
+
+def test_packed_tiles_hold_each_weight_rounded_where_the_tile_instruction_reads_it():
+    w = q8_0_matrix(64, 96, seed=1)
+    tiles = kernels.pack_bf16(w)
+    assert tiles is not None and tiles.size == 64 * 96
+    dense = np.asarray(w.dequantize())
+    got = (tiles.astype(np.uint32) << 16).view(np.float32)
+    for n, k in [(0, 0), (0, 1), (1, 0), (15, 31), (16, 32), (33, 63), (63, 95), (40, 70)]:
+        tile = (n // 16) * (96 // 32) + k // 32  # tiles of 16 output rows x 32 inputs, inputs in pairs
+        at = tile * 512 + ((k % 32) // 2) * 32 + (n % 16) * 2 + (k % 2)
+        assert got[at] == to_bf16(dense[n, k]), (n, k)
+    assert kernels.pack_bf16(q8_0_matrix(48, 96, seed=2)) is None  # 48 rows do not fill the 32-row blocks
+
+
+def tiny_engine(monkeypatch, prompt_bf16: bool) -> LLMEngine:
+    monkeypatch.setenv(kernels.PROMPT_BF16_ENV, "1" if prompt_bf16 else "0")
+    engine = LLMEngine(EngineArgs(model="tiny", num_threads=2, enable_prefix_caching=False))
+    assert (engine.runner._step.bf16_bytes > 0) == prompt_bf16
+    return engine
+
+
+def sequences(engine) -> tuple[dict[str, BlockTable], Sequence, Sequence]:
+    """A sequence whose 12-token prompt is in the cache, about to decode its 13th token, and a fresh 40-token prompt."""
+    rng = np.random.default_rng(7)
+    decoding = Sequence(request_id="d", prompt_token_ids=rng.integers(100, 40000, size=12).tolist(),
+                        sampling=SamplingParams())
+    prompt = Sequence(request_id="p", prompt_token_ids=rng.integers(100, 40000, size=40).tolist(),
+                      sampling=SamplingParams())
+    tables = {}
+    for seq in (decoding, prompt):
+        tables[seq.request_id] = BlockTable(engine.pool, seq.request_id)
+        assert tables[seq.request_id].ensure(seq.num_tokens + 1)
+    engine.runner.chunk_logits([ScheduledChunk(decoding, 0, 12)], tables)
+    decoding.num_computed_tokens = 12
+    decoding.output_token_ids.append(int(rng.integers(100, 40000)))
+    return tables, decoding, prompt
+
+
+def step(engine, tables, chunks) -> tuple[np.ndarray, int]:
+    """Every row's logits, and how many rows are decodes."""
+    ids, pos, slots, tabs, lens, _, decode_rows = engine.runner._build(chunks, tables)
+    return engine.runner._step(ids, pos, slots, tabs, lens, None, decode_rows), decode_rows
+
+
+def test_a_decode_row_is_the_same_beside_prompt_rows_on_the_matrix_units(monkeypatch):
+    engine = tiny_engine(monkeypatch, prompt_bf16=True)
+    tables, decoding, prompt = sequences(engine)
+    alone, n = step(engine, tables, [ScheduledChunk(decoding, 12, 1)])
+    beside, m = step(engine, tables, [ScheduledChunk(decoding, 12, 1), ScheduledChunk(prompt, 0, 40)])
+    assert n == m == 1
+    np.testing.assert_array_equal(beside[0], alone[0])
+
+
+def test_prompt_rows_on_the_matrix_units_stay_close_to_the_block_kernels(monkeypatch):
+    logits = {}
+    for bf16 in (False, True):
+        engine = tiny_engine(monkeypatch, prompt_bf16=bf16)
+        tables, _, prompt = sequences(engine)
+        logits[bf16], decode_rows = step(engine, tables, [ScheduledChunk(prompt, 0, 40)])
+        assert decode_rows == 0
+    blocks, tiles = logits[False], logits[True]
+    scale = float(np.abs(blocks).max())
+    diff = np.abs(tiles - blocks).max(axis=1)
+    assert float(diff.max()) > 0, "prompt rows did not go through the matrix units"
+    assert float(diff.max()) <= 0.05 * scale, f"max |bf16 - blocks| {diff.max():.3g} vs max |logit| {scale:.3g}"
+    agree = float((tiles.argmax(axis=1) == blocks.argmax(axis=1)).mean())
+    assert agree >= 0.9, f"top-1 agreement {agree:.2f}"
