@@ -297,10 +297,17 @@ class LLMEngine:
             dtype += f" (float16 scale per token and head{turned}; {gain:.2f}x float16's tokens per byte)"
         full = self.kv_capacity_tokens // max(1, self.max_model_len)
         return (f"{self.model_name}: {self.weight_format} weights ({format_bytes(self.model.weight_bytes())} read per "
-                f"token) on {self.device}{' (lean runner)' if self.lean else ''}; KV cache "
+                f"token) on {self.device}{' (lean runner)' if self.lean else ''}{self._prompt_path()}; KV cache "
                 f"{format_bytes(self.kv_cache_bytes)} {dtype} = "
                 f"{self.kv_capacity_tokens:,} tokens ({full} sequences of the full {self.max_model_len:,}-token "
                 f"context, {self.kv_capacity_tokens // 2048} of 2,048)")
+
+    def _prompt_path(self) -> str:
+        """Where prompt rows of the C step are multiplied, when not by the block kernels."""
+        step = getattr(self.runner, "_step", None)
+        if step is not None and getattr(step, "prompt_bf16", False):
+            return f", prompt rows on the matrix units (AMX, {format_bytes(step.bf16_bytes)} of bfloat16 weights)"
+        return ""
 
     # --- requests -------------------------------------------------------------------------------------------------
     def add_request(
