@@ -44,9 +44,12 @@ def test_packed_tiles_hold_each_weight_rounded_where_the_tile_instruction_reads_
     assert kernels.pack_bf16(q8_0_matrix(48, 96, seed=2)) is None  # 48 rows do not fill the 32-row blocks
 
 
-def tiny_engine(monkeypatch, prompt_bf16: bool) -> LLMEngine:
+def tiny_engine(monkeypatch, prompt_bf16: bool, model: str = "tiny") -> LLMEngine:
+    """The tiny model (head_dim 16: attention stays row by row) or the real one (head_dim 64: attention on the tiles
+    too)."""
     monkeypatch.setenv(kernels.PROMPT_BF16_ENV, "1" if prompt_bf16 else "0")
-    engine = LLMEngine(EngineArgs(model="tiny", num_threads=2, enable_prefix_caching=False))
+    engine = LLMEngine(EngineArgs(model=model, num_threads=2, enable_prefix_caching=False,
+                                  kv_cache_memory="64MiB"))
     assert (engine.runner._step.bf16_bytes > 0) == prompt_bf16
     return engine
 
@@ -83,13 +86,22 @@ def test_a_decode_row_is_the_same_beside_prompt_rows_on_the_matrix_units(monkeyp
     np.testing.assert_array_equal(beside[0], alone[0])
 
 
-def test_prompt_rows_on_the_matrix_units_stay_close_to_the_block_kernels(monkeypatch):
+@pytest.mark.parametrize("chunks", [[40], [24, 16], [30, 10]], ids=["one chunk", "two on the tiles", "a short tail"])
+def test_prompt_rows_on_the_matrix_units_stay_close_to_the_block_kernels(monkeypatch, chunks):
+    """The real model: products and attention on the tiles (a chunk of 16 rows or more; shorter ones attend row by
+    row), a later chunk attending to the keys an earlier one cached, beside a decode row."""
     logits = {}
     for bf16 in (False, True):
-        engine = tiny_engine(monkeypatch, prompt_bf16=bf16)
-        tables, _, prompt = sequences(engine)
-        logits[bf16], decode_rows = step(engine, tables, [ScheduledChunk(prompt, 0, 40)])
-        assert decode_rows == 0
+        engine = tiny_engine(monkeypatch, prompt_bf16=bf16, model="smollm2")
+        tables, decoding, prompt = sequences(engine)
+        rows, start = [], 0
+        for n in chunks:
+            out, decode_rows = step(engine, tables, [ScheduledChunk(decoding, 12, 1), ScheduledChunk(prompt, start, n)])
+            assert decode_rows == 1
+            rows.append(out[1:])
+            start += n
+            prompt.num_computed_tokens = start
+        logits[bf16] = np.concatenate(rows)
     blocks, tiles = logits[False], logits[True]
     scale = float(np.abs(blocks).max())
     diff = np.abs(tiles - blocks).max(axis=1)

@@ -1749,6 +1749,228 @@ static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D,
     free(first);
 }
 
+#if defined(TG_AMX)
+/* A prompt chunk's attention on the matrix units. The per-row kernel above reads every key once per query row, so a
+ * 512-token chunk read its keys ~256 times over and attention took half the chunk's time. Here the chunk's rows are
+ * attended as blocks: its sequence's K and V are read once per layer and KV head into bfloat16 tiles, then for every
+ * 32 query rows (the group's heads of consecutive positions) S = Q K^T on the tiles, a causal softmax in float32
+ * over the whole row of scores (no running rescale: the row fits), and P V on the tiles again. Rows are the chunk's
+ * rows at positions p0 .. p0 + n - 1, keys 0 .. p0 + n - 1 of one block table. */
+#define PA_ROWS 32
+typedef struct {
+    const tg_kv *c;
+    const float *q; /* [n, H * hd] the chunk's rows */
+    float *out;     /* [n, H * hd] */
+    const int32_t *table;
+    int p0, n, ctx, ctx_pad, H, G, hd, group, bs, rw, i8, nkb16, nkb32;
+    size_t layer_off, v_off;
+    float scale;
+    uint16_t *kt, *vt; /* per KV head: K as B tiles of 16 keys x 32 dims, V as B tiles of 32 keys x 16 dims */
+} pattn_job;
+
+static inline void kv_value_row(const tg_kv *c, size_t off, int hd, int i8, float *out) {
+    if (i8) {
+        const int8_t *b = (const int8_t *)c->kv + off;
+        const float sc = kv_scale(c->kv, off, hd);
+        for (int i = 0; i < hd; i++) out[i] = (float)b[i] * sc;
+    } else if (c->fmt == TG_KV_F16) {
+        const uint16_t *h = (const uint16_t *)c->kv + off;
+        for (int i = 0; i < hd; i++) out[i] = h2f(h[i]);
+    } else {
+        memcpy(out, (const float *)c->kv + off, sizeof(float) * (size_t)hd);
+    }
+}
+
+/* Tasks (KV head, 32 keys): K and V rows into their tiles; keys past ctx are zeros. */
+static void pattn_pack_range(void *arg, int64_t t0, int64_t t1) {
+    const pattn_job *j = (const pattn_job *)arg;
+    const int hd = j->hd, G = j->G, ndb = hd / 32, nvb = hd / 16;
+    float kr[512], vr[512];
+    for (int64_t t = t0; t < t1; t++) {
+        const int g = (int)(t / j->nkb32), kb = (int)(t % j->nkb32);
+        uint16_t *kt = j->kt + (size_t)g * j->ctx_pad * hd, *vt = j->vt + (size_t)g * j->ctx_pad * hd;
+        for (int jj = 0; jj < 32; jj++) {
+            const int key = kb * 32 + jj;
+            if (key < j->ctx) {
+                const size_t slot = (size_t)j->table[key / j->bs] * j->bs + key % j->bs;
+                const size_t at = j->layer_off + (slot * G + g) * j->rw;
+                kv_value_row(j->c, at, hd, j->i8, kr);
+                kv_value_row(j->c, at + j->v_off, hd, j->i8, vr);
+            } else {
+                memset(kr, 0, sizeof(float) * (size_t)hd);
+                memset(vr, 0, sizeof(float) * (size_t)hd);
+            }
+            /* K: tile (16-key block, 32-dim block): [dim pair][key][2] */
+            const int k16 = key / 16, kk = key % 16;
+            for (int db = 0; db < ndb; db++) {
+                uint16_t *tile = kt + ((size_t)k16 * ndb + db) * AMX_TILE_ELEMS;
+                for (int r = 0; r < 16; r++) {
+                    tile[r * 32 + kk * 2] = f2bf(kr[db * 32 + 2 * r]);
+                    tile[r * 32 + kk * 2 + 1] = f2bf(kr[db * 32 + 2 * r + 1]);
+                }
+            }
+            /* V: tile (16-dim block, 32-key block): [key pair][dim][2] */
+            const int r = jj / 2, e = jj & 1;
+            for (int vb = 0; vb < nvb; vb++) {
+                uint16_t *tile = vt + ((size_t)vb * j->nkb32 + kb) * AMX_TILE_ELEMS;
+                for (int dd = 0; dd < 16; dd++) tile[r * 32 + dd * 2 + e] = f2bf(vr[vb * 16 + dd]);
+            }
+        }
+    }
+}
+
+/* Tasks (KV head, 32 rows of its group's queries): row m of the group is query head g * group + m % group of chunk
+ * row m / group. */
+static void pattn_range(void *arg, int64_t t0, int64_t t1) {
+    const pattn_job *j = (const pattn_job *)arg;
+    const int hd = j->hd, group = j->group, qd = j->H * hd, ndb = hd / 32, M = j->n * group;
+    const int nblocks = (M + PA_ROWS - 1) / PA_ROWS;
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
+    float *sc = (float *)aligned_alloc(64, sizeof(float) * PA_ROWS * (size_t)j->ctx_pad);
+    uint16_t *pb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * PA_ROWS * (size_t)j->ctx_pad);
+    uint16_t qa[PA_ROWS * 512] __attribute__((aligned(64)));
+    float ob[PA_ROWS * 512] __attribute__((aligned(64)));
+    float inv[PA_ROWS];
+    for (int64_t t = t0; t < t1; t++) {
+        const int g = (int)(t / nblocks), m0 = (int)(t % nblocks) * PA_ROWS;
+        const int rows = M - m0 < PA_ROWS ? M - m0 : PA_ROWS;
+        const uint16_t *kt = j->kt + (size_t)g * j->ctx_pad * hd, *vt = j->vt + (size_t)g * j->ctx_pad * hd;
+        for (int m = 0; m < PA_ROWS; m++) {
+            uint16_t *dst = qa + (size_t)m * hd;
+            if (m < rows) {
+                const int i = (m0 + m) / group, h = g * group + (m0 + m) % group;
+                const float *src = j->q + (size_t)i * qd + (size_t)h * hd;
+                for (int d = 0; d < hd; d++) dst[d] = f2bf(src[d] * j->scale);
+            } else {
+                memset(dst, 0, sizeof(uint16_t) * (size_t)hd);
+            }
+        }
+        /* keys this block needs: up to its last row's position */
+        const int last_i = (m0 + rows - 1) / group;
+        const int nk = j->p0 + last_i + 1, nk32 = (nk + 31) / 32;
+        for (int kb = 0; kb < nk32; kb++) { /* S = Q K^T for 32 keys at a time */
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int db = 0; db < ndb; db++) {
+                _tile_loadd(4, qa + db * 32, hd * 2);
+                _tile_loadd(5, qa + 16 * hd + db * 32, hd * 2);
+                _tile_loadd(6, kt + ((size_t)(2 * kb) * ndb + db) * AMX_TILE_ELEMS, 64);
+                _tile_loadd(7, kt + ((size_t)(2 * kb + 1) * ndb + db) * AMX_TILE_ELEMS, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            const size_t ld = (size_t)j->ctx_pad * 4;
+            _tile_stored(0, sc + kb * 32, ld);
+            _tile_stored(1, sc + kb * 32 + 16, ld);
+            _tile_stored(2, sc + (size_t)16 * j->ctx_pad + kb * 32, ld);
+            _tile_stored(3, sc + (size_t)16 * j->ctx_pad + kb * 32 + 16, ld);
+        }
+        /* causal softmax per row, in float32; P rounded to bfloat16, normalised after P V */
+        for (int m = 0; m < PA_ROWS; m++) {
+            float *srow = sc + (size_t)m * j->ctx_pad;
+            uint16_t *prow = pb + (size_t)m * j->ctx_pad;
+            const int seen = m < rows ? j->p0 + (m0 + m) / group + 1 : 0;
+            if (seen > 0) {
+                float mx = -INFINITY;
+                for (int k = 0; k < seen; k++) mx = srow[k] > mx ? srow[k] : mx;
+                const float total = exp_shifted_sum(srow, seen, mx);
+                inv[m] = 1.0f / total;
+                for (int k = 0; k < seen; k++) prow[k] = f2bf(srow[k]);
+            } else {
+                inv[m] = 0.0f;
+            }
+            for (int k = seen; k < nk32 * 32; k++) prow[k] = 0;
+        }
+        /* O = P V, 32 dims at a time */
+        for (int db = 0; db < ndb; db++) {
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int kb = 0; kb < nk32; kb++) {
+                _tile_loadd(4, pb + kb * 32, (size_t)j->ctx_pad * 2);
+                _tile_loadd(5, pb + (size_t)16 * j->ctx_pad + kb * 32, (size_t)j->ctx_pad * 2);
+                _tile_loadd(6, vt + ((size_t)(2 * db) * j->nkb32 + kb) * AMX_TILE_ELEMS, 64);
+                _tile_loadd(7, vt + ((size_t)(2 * db + 1) * j->nkb32 + kb) * AMX_TILE_ELEMS, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, ob + db * 32, hd * 4);
+            _tile_stored(1, ob + db * 32 + 16, hd * 4);
+            _tile_stored(2, ob + 16 * hd + db * 32, hd * 4);
+            _tile_stored(3, ob + 16 * hd + db * 32 + 16, hd * 4);
+        }
+        for (int m = 0; m < rows; m++) {
+            const int i = (m0 + m) / group, h = g * group + (m0 + m) % group;
+            float *dst = j->out + (size_t)i * qd + (size_t)h * hd;
+            for (int d = 0; d < hd; d++) dst[d] = ob[(size_t)m * hd + d] * inv[m];
+        }
+    }
+    _tile_release();
+    free(sc);
+    free(pb);
+}
+
+static void prompt_attention_amx(const tg_model *m, const tg_kv *c, int layer, const float *q, const int32_t *table,
+                                 int p0, int n, float *out) {
+    const int H = m->n_heads, G = m->n_kv, hd = m->head_dim, bs = c->block_size;
+    const int rw = kv_row_width(c->fmt, hd);
+    const int ctx = p0 + n, ctx_pad = (ctx + 31) / 32 * 32;
+    pattn_job j = {c, q, out, table, p0, n, ctx, ctx_pad, H, G, hd, H / G, bs, rw, c->fmt == TG_KV_I8, ctx_pad / 16,
+                   ctx_pad / 32, (size_t)layer * 2 * c->num_blocks * bs * G * rw, (size_t)c->num_blocks * bs * G * rw,
+                   1.0f / sqrtf((float)hd), NULL, NULL};
+    j.kt = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)G * ctx_pad * hd);
+    j.vt = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)G * ctx_pad * hd);
+    tg_for((int64_t)G * j.nkb32, 1, 1, 0, pattn_pack_range, &j);
+    const int64_t tasks = (int64_t)G * ((n * (H / G) + PA_ROWS - 1) / PA_ROWS);
+    tg_for(tasks, 1, 1, 1, pattn_range, &j);
+    free(j.kt);
+    free(j.vt);
+}
+#endif
+
+/* The step's attention: decode rows (and short prompt runs) by the per-row kernel; runs of at least
+ * PROMPT_ATTN_MIN_ROWS prompt rows of one sequence (consecutive positions over the same block table) on the matrix
+ * units when the step's weights have their tiles. */
+#define PROMPT_ATTN_MIN_ROWS 16
+static void step_attention(const tg_model *m, const tg_kv *c, int layer, int D, int n_dec, const float *q,
+                           const int32_t *tables, int max_blocks, const int32_t *ctx_lens, const int64_t *positions,
+                           float *out) {
+#if defined(TG_AMX)
+    const int hd = m->head_dim, qd = m->n_heads * hd;
+    if (m->layers[0].qkv.bf16 != NULL && hd % 32 == 0 && hd <= 512 && n_dec < D) {
+        int done = 0; /* rows [0, done) attended */
+        int d = n_dec;
+        while (d < D) {
+            int e = d + 1;
+            while (e < D && positions[e] == positions[e - 1] + 1 &&
+                   memcmp(tables + (size_t)e * max_blocks, tables + (size_t)d * max_blocks,
+                          sizeof(int32_t) * (size_t)((ctx_lens[e] + c->block_size - 1) / c->block_size)) == 0)
+                e++;
+            if (e - d >= PROMPT_ATTN_MIN_ROWS) {
+                if (d > done)
+                    paged_attention(m, c, layer, d - done, q + (size_t)done * qd, tables + (size_t)done * max_blocks,
+                                    max_blocks, ctx_lens + done, out + (size_t)done * qd);
+                prompt_attention_amx(m, c, layer, q + (size_t)d * qd, tables + (size_t)d * max_blocks,
+                                     (int)positions[d], e - d, out + (size_t)d * qd);
+                done = e;
+            }
+            d = e;
+        }
+        if (D > done)
+            paged_attention(m, c, layer, D - done, q + (size_t)done * qd, tables + (size_t)done * max_blocks,
+                            max_blocks, ctx_lens + done, out + (size_t)done * qd);
+        return;
+    }
+#endif
+    (void)n_dec; (void)positions;
+    paged_attention(m, c, layer, D, q, tables, max_blocks, ctx_lens, out);
+}
+
 /* act[d, i] = silu(gate[d, i]) * up[d, i] over [D, 2I] gate|up rows: spread over the threads and vectorized
  * (glibc's vector expf through omp simd); as a serial scalar loop it cost several ms a step at 16 streams. */
 typedef struct {
@@ -1894,7 +2116,7 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
         PHASE(P_QKV, step_linear(h, D, n_dec, Hd, &L->qkv, qkv, qkv_w, 0));
         rj.out = qkv;
         PHASE(P_ROPE_KV, tg_for(D, 8, par, 0, rope_kv_range, &rj));
-        PHASE(P_ATTN, paged_attention(m, c, l, D, q, tables, max_blocks, ctx_lens, attn));
+        PHASE(P_ATTN, step_attention(m, c, l, D, n_dec, q, tables, max_blocks, ctx_lens, positions, attn));
         if (rotated) {
             rj.out = attn;
             tg_for(D, 8, par, 0, unturn_range, &rj);
