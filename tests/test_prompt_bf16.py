@@ -109,3 +109,15 @@ def test_prompt_rows_on_the_matrix_units_stay_close_to_the_block_kernels(monkeyp
     assert float(diff.max()) <= 0.05 * scale, f"max |bf16 - blocks| {diff.max():.3g} vs max |logit| {scale:.3g}"
     agree = float((tiles.argmax(axis=1) == blocks.argmax(axis=1)).mean())
     assert agree >= 0.9, f"top-1 agreement {agree:.2f}"
+
+
+@pytest.mark.parametrize("rows", [1, 17, 32, 100])
+def test_the_tile_product_is_the_product_of_the_rounded_values(rows):
+    """y = x W^T on the tiles equals the float64 product of x and W rounded to bfloat16 (sums kept in float32), for
+    row counts that fill no tile, part of one, and several."""
+    w = q8_0_matrix(64, 96, seed=5)
+    tiles = kernels.pack_bf16(w)
+    x = np.random.default_rng(rows).standard_normal((rows, 96)).astype(np.float32)
+    got = kernels.linear_bf16(x, tiles, 64)
+    want = to_bf16(x).astype(np.float64) @ to_bf16(np.asarray(w.dequantize())).astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))

@@ -164,6 +164,7 @@ def lib() -> ctypes.CDLL:
             handle.tg_set_generic_attention.argtypes = [i]
             handle.tg_decode.argtypes = [p, p, i, p, p, p, p, i, p, i, p, p, i]
             handle.tg_pack_bf16.argtypes = [p, i, i, i, p]
+            handle.tg_linear_bf16.argtypes = [p, i, i, p, i, p, i]
             handle.tg_amx_available.restype = i
             handle.tg_profile.argtypes = [i]
             handle.tg_profile_read.argtypes = [p]
@@ -463,6 +464,14 @@ def amx_available() -> bool:
 def prompt_rows_bf16() -> bool:
     """Prompt rows of the C step go through the matrix units: AMX here, and TAILGUARD_PROMPT_BF16 is not 0."""
     return os.environ.get(PROMPT_BF16_ENV, "1") != "0" and amx_available()
+
+
+def linear_bf16(x: np.ndarray, tiles: np.ndarray, out_features: int) -> np.ndarray:
+    """x [T, K] float32 @ W^T through W's bfloat16 tiles (pack_bf16) on the matrix units: [T, out_features]."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    y = np.empty((x.shape[0], out_features), dtype=np.float32)
+    _check(lib().tg_linear_bf16(_ptr(x), x.shape[0], x.shape[1], _ptr(tiles), out_features, _ptr(y), 0))
+    return y
 
 
 def pack_bf16(w: PackedMatrix) -> np.ndarray | None:

@@ -1220,14 +1220,16 @@ typedef struct {
 } __attribute__((packed)) amx_config;
 
 typedef struct {
-    const uint16_t *x; /* [Tp, K] bfloat16, Tp = T rounded up to 32 (zero rows) */
-    const uint16_t *w; /* the tiles */
+    const uint16_t *x; /* activations as A tiles: [Tp / 16 row blocks][K / 32][16 rows x 32], Tp = T rounded to 32 */
+    const uint16_t *w; /* the weight's tiles */
     int T, Tp, K;
     float *y;
     int ldy, accumulate;
 } amx_job;
 
-/* Output columns [32 g0, 32 g1): each 32 x 32 block of y as four accumulator tiles over the whole of K. */
+/* Output columns [32 g0, 32 g1): each 32 x 32 block of y as four accumulator tiles over the whole of K. The weight's
+ * tiles for 32 columns (2 x K x 32 bytes) stay in L1 while the activations' tiles (contiguous 1 KiB each, so the
+ * loads stream) come from L2. */
 static void amx_range(void *arg, int64_t g0, int64_t g1) {
     const amx_job *j = (const amx_job *)arg;
     amx_config cfg;
@@ -1236,16 +1238,22 @@ static void amx_range(void *arg, int64_t g0, int64_t g1) {
     for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
     _tile_loadconfig(&cfg);
     const int K = j->K, kbn = K / 32;
-    const size_t lda = (size_t)K * 2; /* bytes */
     float c[32 * 32] __attribute__((aligned(64)));
     for (int64_t g = g0; g < g1; g++) {
         const uint16_t *b0 = j->w + (size_t)(2 * g) * kbn * AMX_TILE_ELEMS, *b1 = b0 + (size_t)kbn * AMX_TILE_ELEMS;
         for (int m0 = 0; m0 < j->Tp; m0 += 32) {
-            const uint16_t *a0 = j->x + (size_t)m0 * K, *a1 = a0 + (size_t)16 * K;
+            const uint16_t *a0 = j->x + (size_t)(m0 / 16) * kbn * AMX_TILE_ELEMS, *a1 = a0 + (size_t)kbn * AMX_TILE_ELEMS;
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int kb = 0; kb < kbn; kb++) {
-                _tile_loadd(4, a0 + kb * 32, lda);
-                _tile_loadd(5, a1 + kb * 32, lda);
+                /* the activations' tiles two steps ahead into L1 (they come from L2; the weight's are there) */
+                const char *ahead0 = (const char *)(a0 + (size_t)(kb + 2) * AMX_TILE_ELEMS);
+                const char *ahead1 = (const char *)(a1 + (size_t)(kb + 2) * AMX_TILE_ELEMS);
+                for (int l = 0; l < 1024; l += 64) {
+                    _mm_prefetch(ahead0 + l, _MM_HINT_T0);
+                    _mm_prefetch(ahead1 + l, _MM_HINT_T0);
+                }
+                _tile_loadd(4, a0 + (size_t)kb * AMX_TILE_ELEMS, 64);
+                _tile_loadd(5, a1 + (size_t)kb * AMX_TILE_ELEMS, 64);
                 _tile_loadd(6, b0 + (size_t)kb * AMX_TILE_ELEMS, 64);
                 _tile_loadd(7, b1 + (size_t)kb * AMX_TILE_ELEMS, 64);
                 _tile_dpbf16ps(0, 4, 6);
@@ -1274,23 +1282,51 @@ static void amx_range(void *arg, int64_t g0, int64_t g1) {
     _tile_release();
 }
 
+typedef struct { const float *x; int T, K; uint16_t *xb; } to_tiles_job;
+
+/* Rows [16 b0, 16 b1) of x into A tiles (rows past T are zeros). */
+static void to_tiles_range(void *arg, int64_t b0, int64_t b1) {
+    const to_tiles_job *j = (const to_tiles_job *)arg;
+    const int K = j->K, kbn = K / 32;
+    for (int64_t b = b0; b < b1; b++)
+        for (int r = 0; r < 16; r++) {
+            const int64_t t = b * 16 + r;
+            for (int kb = 0; kb < kbn; kb++) {
+                uint16_t *dst = j->xb + ((size_t)b * kbn + kb) * AMX_TILE_ELEMS + r * 32;
+                if (t < j->T) {
+                    const float *src = j->x + (size_t)t * K + kb * 32;
+                    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+                    _mm512_store_si512((void *)dst, (__m512i)v);
+                } else {
+                    memset(dst, 0, 64);
+                }
+            }
+        }
+}
+
 /* y[T, N] (+)= x[T, K] @ W^T with W's bfloat16 tiles `wb`. */
 static void linear_amx(const float *x, int T, int K, const uint16_t *wb, int N, float *y, int ldy, int accumulate) {
     const int Tp = (T + 31) / 32 * 32;
     uint16_t *xb = (uint16_t *)aligned_alloc(64, (size_t)Tp * K * 2);
-    for (int t = 0; t < T; t++)
-        for (int k = 0; k < K; k += 32) {
-            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + (size_t)t * K + k + 16),
-                                                   _mm512_loadu_ps(x + (size_t)t * K + k));
-            _mm512_storeu_si512((void *)(xb + (size_t)t * K + k), (__m512i)v);
-        }
-    memset(xb + (size_t)T * K, 0, (size_t)(Tp - T) * K * 2);
+    to_tiles_job tj = {x, T, K, xb};
+    tg_for(Tp / 16, 2, Tp >= 64, 0, to_tiles_range, &tj);
     amx_job j = {xb, wb, T, Tp, K, y, ldy, accumulate};
     tg_for(N / 32, 1, 1, 0, amx_range, &j);
     free(xb);
 }
+
+/* y[T, N] (+)= x[T, K] @ W^T through W's tiles (tg_pack_bf16): for tests and benchmarks. */
+int tg_linear_bf16(const float *x, int T, int K, const uint16_t *wb, int N, float *y, int accumulate) {
+    if (T < 1 || K % 32 || N % 32 || !tg_amx_available()) return -1;
+    linear_amx(x, T, K, wb, N, y, N, accumulate);
+    return 0;
+}
 #else
 int tg_amx_available(void) { return 0; }
+int tg_linear_bf16(const float *x, int T, int K, const uint16_t *wb, int N, float *y, int accumulate) {
+    (void)x; (void)T; (void)K; (void)wb; (void)N; (void)y; (void)accumulate;
+    return -1;
+}
 int tg_pack_bf16(const uint8_t *w, int fmt, int N, int K, uint16_t *out) {
     (void)w; (void)fmt; (void)N; (void)K; (void)out;
     return -1;
