@@ -1912,15 +1912,22 @@ static void pattn_range(void *arg, int64_t t0, int64_t t1) {
             uint16_t *prow = pb + (size_t)m * j->ctx_pad;
             const int seen = m < rows ? j->p0 + (m0 + m) / group + 1 : 0;
             if (seen > 0) {
-                float mx = -INFINITY;
-                for (int k = 0; k < seen; k++) mx = srow[k] > mx ? srow[k] : mx;
+                __m512 vmx = _mm512_set1_ps(-INFINITY);
+                int k = 0;
+                for (; k + 16 <= seen; k += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(srow + k));
+                float mx = _mm512_reduce_max_ps(vmx);
+                for (; k < seen; k++) mx = srow[k] > mx ? srow[k] : mx;
                 const float total = exp_shifted_sum(srow, seen, mx);
                 inv[m] = 1.0f / total;
-                for (int k = 0; k < seen; k++) prow[k] = f2bf(srow[k]);
+                for (k = seen; k < nk32 * 32; k++) srow[k] = 0.0f; /* masked and padding keys: probability 0 */
             } else {
                 inv[m] = 0.0f;
+                memset(srow, 0, sizeof(float) * (size_t)nk32 * 32);
             }
-            for (int k = seen; k < nk32 * 32; k++) prow[k] = 0;
+            for (int k = 0; k < nk32 * 32; k += 32) {
+                const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(srow + k + 16), _mm512_loadu_ps(srow + k));
+                _mm512_storeu_si512((void *)(prow + k), (__m512i)v);
+            }
         }
         /* O = P V, 32 dims at a time */
         for (int db = 0; db < ndb; db++) {
