@@ -1385,7 +1385,16 @@ static inline int kv_row_width(int fmt, int hd) { return fmt == TG_KV_I8 ? hd + 
 
 static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
     double ss = 0.0;
-    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    int i0 = 0;
+#if defined(__AVX512F__)
+    __m512d acc = _mm512_setzero_pd();
+    for (; i0 + 8 <= n; i0 += 8) {
+        const __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x + i0));
+        acc = _mm512_fmadd_pd(v, v, acc);
+    }
+    ss = _mm512_reduce_add_pd(acc);
+#endif
+    for (int i = i0; i < n; i++) ss += (double)x[i] * x[i];
     const float r = 1.0f / sqrtf((float)(ss / n) + eps);
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
@@ -1407,7 +1416,41 @@ static void rope(float *v, int hd, const float *cos, const float *sin) {
  * 0.012 / 0.016 turned (benchmarks/kv_rotation.py). */
 static inline int kv_rotated(int fmt, int hd) { return fmt == TG_KV_I8 && hd >= 2 && (hd & (hd - 1)) == 0; }
 
+#if defined(__AVX512F__)
+/* hadamard below for n = 16 .. 512 in registers: the same adds in the same order, so the same numbers. Butterflies
+ * within a vector pair lane L with lane L ^ s (a permute, then a masked subtract), across vectors whole vectors. */
+static void hadamard_avx512(float *v, int n) {
+    const int nv = n / 16;
+    __m512 r[32];
+    for (int i = 0; i < nv; i++) r[i] = _mm512_loadu_ps(v + 16 * i);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int s = 1; s < 16; s <<= 1) {
+        const __m512i partner = _mm512_xor_si512(lane, _mm512_set1_epi32(s));
+        const __mmask16 upper = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(s));
+        for (int i = 0; i < nv; i++) {
+            const __m512 p = _mm512_permutexvar_ps(partner, r[i]);
+            r[i] = _mm512_mask_sub_ps(_mm512_add_ps(r[i], p), upper, p, r[i]);
+        }
+    }
+    for (int len = 1; len < nv; len <<= 1)
+        for (int i = 0; i < nv; i += len << 1)
+            for (int j = i; j < i + len; j++) {
+                const __m512 a = r[j], b = r[j + len];
+                r[j] = _mm512_add_ps(a, b);
+                r[j + len] = _mm512_sub_ps(a, b);
+            }
+    const __m512 sc = _mm512_set1_ps(1.0f / sqrtf((float)n));
+    for (int i = 0; i < nv; i++) _mm512_storeu_ps(v + 16 * i, _mm512_mul_ps(r[i], sc));
+}
+#endif
+
 static void hadamard(float *v, int n) {
+#if defined(__AVX512F__)
+    if (n >= 16 && n <= 512) {
+        hadamard_avx512(v, n);
+        return;
+    }
+#endif
     for (int len = 1; len < n; len <<= 1)
         for (int i = 0; i < n; i += len << 1)
             for (int j = i; j < i + len; j++) {
