@@ -36,6 +36,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
     p.add_argument("--max-prefill-chunk", type=int, default=256)
+    p.add_argument("--step-time-budget", type=_budget, default=None, metavar="SECONDS",
+                   help="while streams decode, size each step's prompt chunks so that the step's predicted time (a "
+                        "cost model fitted online from every step's time) stays within this many seconds, the "
+                        "decoding streams' inter-token budget; off (the default): the token budget alone")
+    p.add_argument("--prompt-rank", type=float, default=0.0, metavar="SECONDS_PER_TOKEN",
+                   help="within a priority, waiting requests are taken by arrival time plus this many seconds per "
+                        "prompt token still to compute: short prompts pass long ones that arrived less than that "
+                        "before them, which cuts the TTFT tail of mixed prompts; 0 (the default): first come, first "
+                        "served")
     p.add_argument("--max-background-seqs", type=int, default=None,
                    help="while a more important request (a lower priority value: the VIP lane) runs, at most this "
                         "many less important sequences take each step; the rest pause (default: no limit)")
@@ -64,6 +73,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "times, hidden-state norms and attention entropy kept with the record (default 0: off)")
 
 
+def _budget(text: str) -> float | None:
+    """Seconds (> 0), or off."""
+    if text.lower() in ("off", "none", ""):
+        return None
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("a step time budget is a positive number of seconds, or off")
+    return value
+
+
 def _share(text: str) -> float:
     try:
         value = float(text)
@@ -90,6 +109,8 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_prefill_chunk=ns.max_prefill_chunk,
         max_background_seqs=ns.max_background_seqs,
+        step_time_budget_s=ns.step_time_budget,
+        prompt_rank_s_per_token=ns.prompt_rank,
         num_threads=ns.threads,
         speculative=ns.speculative,
         num_speculative_tokens=ns.num_speculative_tokens,

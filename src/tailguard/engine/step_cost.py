@@ -12,6 +12,7 @@ step passing the decoding streams' inter-token budget (stall-free batching, as i
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 FEATURES = ("fixed", "decode_rows", "decode_kilokeys", "prefill_tokens", "prefill_kilokeys")
@@ -37,47 +38,83 @@ def chunk_keys(start: int, num_tokens: int) -> int:
 
 
 class StepCostModel:
-    """Seconds per step from its shape, fitted online (recursive least squares, forgetting factor ``forget``).
+    """Seconds per step from its shape, fitted to the last ``window`` timed steps.
 
-    ``prior`` gives the starting coefficients (seconds per unit of each feature); a large starting covariance lets the
-    first few timed steps override it. Coefficients are kept non-negative when predicting, so a noisy fit never
-    promises that more work is faster."""
+    The fit is least squares on relative errors (each step's equation divided by its time: timing noise grows with
+    the step, and a 2 ms fixed cost matters as much to a decode-only step as a 20 ms error does to a 400 ms prefill),
+    with every coefficient kept non-negative (more work is never faster) and a light pull toward the previous fit, so
+    a count the window barely varies keeps its last value instead of swinging. Serving makes such counts: decode rows
+    and their keys grow together, and whole stretches have no prefill at all; recursive least squares with forgetting
+    wound up on them (its covariance grew without bound), and one decode step was then predicted at 100 ms, which
+    shrank every prompt chunk to the minimum and collapsed the prompt throughput (benchmarks/vs_vllm.py, 6 req/s).
+    Refit every ``refit_every`` steps: a few thousand float operations in plain Python.
 
-    def __init__(self, prior: dict[str, float] | None = None, forget: float = 0.98, spread: float = 1e-3) -> None:
+    ``prior`` gives the starting coefficients (seconds per unit of each feature)."""
+
+    def __init__(self, prior: dict[str, float] | None = None, window: int = 256, refit_every: int = 8,
+                 pull: float = 1e-2) -> None:
         start = {"fixed": 2e-3, "decode_rows": 5e-4, "decode_kilokeys": 1e-4, "prefill_tokens": 1e-3,
                  "prefill_kilokeys": 1e-5}
         start.update(prior or {})
         self.theta = [start[name] for name in FEATURES]
+        self.window = window
+        self.refit_every = refit_every
+        self.pull = pull
+        self._samples: deque[tuple[list[float], float]] = deque()
         n = len(FEATURES)
-        self.p = [[spread if i == j else 0.0 for j in range(n)] for i in range(n)]
-        self.forget = forget
+        self._gram = [[0.0] * n for _ in range(n)]  # the window's normal equations, kept as steps come and go
+        self._rhs = [0.0] * n
         self.observed = 0
 
     def predict(self, shape: StepShape) -> float:
-        return sum(max(0.0, c) * x for c, x in zip(self.theta, shape.features()))
+        return sum(c * x for c, x in zip(self.theta, shape.features()))
+
+    def _add(self, x: list[float], y: float, sign: float) -> None:
+        for i, xi in enumerate(x):
+            if xi == 0.0:
+                continue
+            self._rhs[i] += sign * xi * y
+            row = self._gram[i]
+            for j, xj in enumerate(x):
+                row[j] += sign * xi * xj
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        """One timed step: move the coefficients toward explaining it (RLS update, O(features^2)).
-
-        Errors are weighed relative to the step's time (both sides divided by it): timing noise grows with the step,
-        and a 2 ms fixed cost matters as much to a decode-only step as a 20 ms error does to a 400 ms prefill."""
+        """One timed step; the coefficients are refitted every ``refit_every`` steps (and at the first ones)."""
         w = 1.0 / max(seconds, 1e-4)
-        x = [v * w for v in shape.features()]
-        seconds *= w
-        n = len(x)
-        px = [sum(self.p[i][j] * x[j] for j in range(n)) for i in range(n)]
-        denom = self.forget + sum(x[i] * px[i] for i in range(n))
-        if denom <= 0:
-            return
-        gain = [v / denom for v in px]
-        err = seconds - sum(c * v for c, v in zip(self.theta, x))
-        self.theta = [c + g * err for c, g in zip(self.theta, gain)]
-        # P <- (P - gain px^T) / forget, kept symmetric.
-        self.p = [[(self.p[i][j] - gain[i] * px[j]) / self.forget for j in range(n)] for i in range(n)]
-        for i in range(n):
-            for j in range(i + 1, n):
-                self.p[i][j] = self.p[j][i] = (self.p[i][j] + self.p[j][i]) / 2
+        sample = ([v * w for v in shape.features()], seconds * w)
+        self._samples.append(sample)
+        self._add(*sample, 1.0)
+        if len(self._samples) > self.window:
+            self._add(*self._samples.popleft(), -1.0)
         self.observed += 1
+        if self.observed % self.window == 0:  # rebuilt now and then: no drift from the subtractions
+            n = len(FEATURES)
+            self._gram = [[0.0] * n for _ in range(n)]
+            self._rhs = [0.0] * n
+            for x, y in self._samples:
+                self._add(x, y, 1.0)
+        if self.observed <= self.refit_every or self.observed % self.refit_every == 0:
+            self._refit()
+
+    def _refit(self) -> None:
+        """Non-negative least squares on the window's (relative) equations plus ``pull`` x (theta - previous)^2 per
+        coefficient, scaled by how much of its feature the window holds, by cyclic coordinate descent."""
+        n = len(FEATURES)
+        gram = [list(row) for row in self._gram]
+        rhs = list(self._rhs)
+        m = len(self._samples)
+        prev = list(self.theta)
+        for i in range(n):
+            # the pull is relative to how much of feature i the window holds (an unexcited feature keeps its value)
+            reg = self.pull * max(gram[i][i], 1e-12) + 1e-12 * m
+            gram[i][i] += reg
+            rhs[i] += reg * prev[i]
+        theta = list(prev)
+        for _ in range(60):
+            for i in range(n):
+                partial = rhs[i] - sum(gram[i][j] * theta[j] for j in range(n) if j != i)
+                theta[i] = max(0.0, partial / gram[i][i])
+        self.theta = theta
 
     def prefill_room(self, base: StepShape, budget_s: float, start: int, limit: int) -> int:
         """The most prompt tokens (up to ``limit``) a chunk starting at position ``start`` may add to a step shaped
