@@ -98,8 +98,9 @@ def run_steps(sched: Scheduler, steps: int) -> list:
 
 
 def make_timed(budget_s: float | None) -> Scheduler:
+    # the fake clock moves a second a call: the prompt-wait guard kept out of these tests
     sched = Scheduler(SchedulerConfig(max_model_len=8192, max_num_batched_tokens=2048, max_prefill_chunk=2048,
-                                      step_time_budget_s=budget_s, min_prefill_chunk=16),
+                                      step_time_budget_s=budget_s, min_prefill_chunk=16, prompt_wait_guard_s=1e12),
                       BlockPool(1024, 16), clock=FakeClock())
     sched.cost = StepCostModel(prior=TRUE)
     return sched
@@ -187,3 +188,31 @@ def test_the_time_budget_and_the_prompt_rank_are_command_line_options():
     assert engine_args_from(parser.parse_args(["--step-time-budget", "off"])).step_time_budget_s is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--step-time-budget", "0"])
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_prompt_queue_lifts_the_time_budget_until_it_drains():
+    """With streams decoding, a prompt goes in chunks the budget allows; once it has waited longer than the guard
+    since it arrived, prefill takes the whole token budget."""
+    clock = ManualClock()
+    sched = Scheduler(SchedulerConfig(max_model_len=8192, max_num_batched_tokens=2048, max_prefill_chunk=2048,
+                                      step_time_budget_s=0.02, prompt_wait_guard_s=0.5),
+                      BlockPool(1024, 16), clock=clock)
+    sched.cost = StepCostModel(prior=TRUE)
+    for i in range(8):
+        sched.add(make_seq(f"s{i}", 32, max_tokens=1000, arrival=clock.t))
+    run_steps(sched, 2)
+    long = make_seq("long", 3000, max_tokens=4, arrival=clock.t)
+    sched.add(long)
+    first = sum(c.num_tokens for c in run_steps(sched, 1)[0].chunks if c.seq is long)
+    assert 0 < first < 2048  # within the guard: the budget's chunk
+    clock.t += 0.6  # the prompt has waited past the guard
+    lifted = sum(c.num_tokens for c in run_steps(sched, 1)[0].chunks if c.seq is long)
+    assert lifted == 2048 - 8  # the token budget, less the decodes

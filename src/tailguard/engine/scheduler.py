@@ -29,6 +29,10 @@ from tailguard.engine.prefix_cache import cacheable_prefix_blocks, sequence_bloc
 from tailguard.engine.request import FinishReason, RequestError, Sequence, SequenceStatus
 from tailguard.engine.step_cost import StepCostModel, StepShape, chunk_keys
 
+# With a step time budget, a prompt that has waited this many budgets since it arrived lifts the budget (see
+# SchedulerConfig.prompt_wait_guard_s): 4 x 0.1 s held TTFT P99 within 1 s at 9 req/s where the budget alone did not.
+PROMPT_WAIT_GUARD_STEPS = 4
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -52,6 +56,10 @@ class SchedulerConfig:
     step_time_budget_s: float | None = None
     # The least prompt tokens a step carries while prefills wait, whatever the time budget: prompts always progress.
     min_prefill_chunk: int = 16
+    # The time budget yields while a prompt has waited longer than this since it arrived: past it, a queue of prompts
+    # is building up (the budget caps how fast prompts go in), and their TTFT matters more than the decoding streams'
+    # next gap, so prefill takes the token budget until the queue drains. None: PROMPT_WAIT_GUARD_STEPS budgets.
+    prompt_wait_guard_s: float | None = None
     # Within a priority, waiting requests are taken in the order of their arrival plus this many seconds per prompt
     # token still to compute: short prompts pass long ones that arrived less than that long before them, which cuts
     # the TTFT tail of a mixed load, and a long prompt is passed only by requests that arrive within its handicap
@@ -202,6 +210,21 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running or self._waiting)
 
+    def _prompts_overdue(self, budget_s: float) -> bool:
+        """A prompt still to compute (waiting, or part-way through its prefill) arrived longer ago than the guard."""
+        guard = self.config.prompt_wait_guard_s
+        if guard is None:
+            guard = PROMPT_WAIT_GUARD_STEPS * budget_s
+        oldest = now = self.clock()
+        for seq in self.running:
+            if not seq.in_decode and seq.arrival_time < oldest:
+                oldest = seq.arrival_time
+        for item in self._waiting:
+            seq = item[-1]
+            if seq.arrival_time < oldest:
+                oldest = seq.arrival_time
+        return now - oldest > guard
+
     # --- the step -------------------------------------------------------------------------------------------------
     def schedule(self, draft_for: Callable[[Sequence], list[int]] | None = None) -> SchedulerOutput:
         """Plan one step. ``draft_for`` (speculative decoding) gives guesses for a sequence about to decode; they are
@@ -211,6 +234,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunk_of: dict[str, ScheduledChunk] = {}
         budget_s = self.config.step_time_budget_s
+        if budget_s is not None and self._prompts_overdue(budget_s):
+            budget_s = None  # a prompt queue is building: prefill at full speed until it drains
         counts = [0, 0, 0, 0]  # decode rows, their keys, prefill tokens, their keys: the step's shape so far
 
         added: dict[str, tuple[int, int, int, int]] = {}
