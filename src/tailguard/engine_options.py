@@ -35,7 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
-    p.add_argument("--max-prefill-chunk", type=int, default=256)
+    p.add_argument("--max-prefill-chunk", type=int, default=512,
+                   help="longest prompt chunk one sequence may take in a step (default 512: the whole token budget)")
     p.add_argument("--step-time-budget", type=_budget, default=None, metavar="SECONDS",
                    help="while streams decode, size each step's prompt chunks so that the step's predicted time (a "
                         "cost model fitted online from every step's time) stays within this many seconds, the "

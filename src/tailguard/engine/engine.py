@@ -79,7 +79,7 @@ class EngineArgs:
     max_model_len: int | None = None  # defaults to the model's context length, clamped to what the KV cache holds
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_prefill_chunk: int = 256
+    max_prefill_chunk: int = 512
     # While streams decode, a step's prefill is sized to keep the step within this many seconds (the scheduler's
     # step cost model, fitted online from every step's time). None: the token budget alone.
     step_time_budget_s: float | None = None

@@ -39,7 +39,7 @@ class SchedulerConfig:
     max_model_len: int
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # per-step token budget shared by decodes and prefill chunks
-    max_prefill_chunk: int = 256  # longest prefill chunk one sequence may take in a step
+    max_prefill_chunk: int = 512  # longest prefill chunk one sequence may take in a step
     watermark: float = 0.01  # share of KV blocks kept free when admitting new requests
     # While a more important request runs or waits, at most this many less important sequences take a step; the
     # others pause (their KV kept) until it is done. On a CPU a step costs about in proportion to its batch, so this
