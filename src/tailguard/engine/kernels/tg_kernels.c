@@ -1219,6 +1219,15 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) amx_config;
 
+/* This thread's tile registers: all eight 16 rows x 64 bytes (accumulators 0-3, operands 4-7). */
+static inline void amx_load_config(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
+}
+
 typedef struct {
     const uint16_t *x; /* activations as A tiles: [Tp / 16 row blocks][K / 32][16 rows x 32], Tp = T rounded to 32 */
     const uint16_t *w; /* the weight's tiles */
@@ -1232,11 +1241,7 @@ typedef struct {
  * loads stream) come from L2. */
 static void amx_range(void *arg, int64_t g0, int64_t g1) {
     const amx_job *j = (const amx_job *)arg;
-    amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-    _tile_loadconfig(&cfg);
+    amx_load_config();
     const int K = j->K, kbn = K / 32;
     float c[32 * 32] __attribute__((aligned(64)));
     for (int64_t g = g0; g < g1; g++) {
@@ -1904,11 +1909,7 @@ static void pattn_range(void *arg, int64_t t0, int64_t t1) {
     const pattn_job *j = (const pattn_job *)arg;
     const int hd = j->hd, group = j->group, qd = j->H * hd, ndb = hd / 32, M = j->n * group;
     const int nblocks = (M + PA_ROWS - 1) / PA_ROWS;
-    amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-    _tile_loadconfig(&cfg);
+    amx_load_config();
     float *sc = (float *)aligned_alloc(64, sizeof(float) * PA_ROWS * (size_t)j->ctx_pad);
     uint16_t *pb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * PA_ROWS * (size_t)j->ctx_pad);
     uint16_t qa[PA_ROWS * 512] __attribute__((aligned(64)));
