@@ -27,7 +27,7 @@ from tailguard.engine import kernels
 from tailguard.engine.blocks import BlockTable
 from tailguard.engine.lean_sampling import SampledToken, Sampler
 from tailguard.engine.loader import ModelWeights
-from tailguard.engine.scheduler import ScheduledChunk
+from tailguard.engine.scheduler import ScheduledChunk, leading_decode_rows
 
 if TYPE_CHECKING:
     from tailguard.engine.runner import ModelRunner
@@ -212,11 +212,8 @@ class LeanRunner:
         out_rows: list[int] = []
         row_tables: list[list[int]] = []
         bs = self.block_size
-        decode_rows = 0  # rows of decodes before the first prompt row (the scheduler puts decodes first)
         for chunk in chunks:
             table = tables[chunk.seq.request_id]
-            if chunk.is_decode and decode_rows == len(ids):
-                decode_rows += chunk.num_tokens
             ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, chunk.end))
             slots.extend(table.slot(p) for p in range(chunk.start, chunk.end))
@@ -230,7 +227,7 @@ class LeanRunner:
             padded[r, : len(t)] = t
         pos = np.array(positions, dtype=np.int64)
         return (np.array(ids, dtype=np.int64), pos, np.array(slots, dtype=np.int64), padded,
-                (pos + 1).astype(np.int32), np.array(out_rows, dtype=np.int32), decode_rows)
+                (pos + 1).astype(np.int32), np.array(out_rows, dtype=np.int32), leading_decode_rows(chunks))
 
     def _threads(self) -> None:
         """Apply the engine's thread count on whichever thread steps: the kernels' own pool's count is process-wide,

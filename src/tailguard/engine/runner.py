@@ -9,7 +9,7 @@ from tailguard.engine.internals import StepProbe
 from tailguard.engine.lean_sampling import SampledToken, failed_row
 from tailguard.engine.model import NATIVE_PREFILL_MAX_CONTEXT, AttentionMetadata, LlamaModel, PrefillSpan
 from tailguard.engine.request import SamplingParams, Sequence
-from tailguard.engine.scheduler import ScheduledChunk
+from tailguard.engine.scheduler import ScheduledChunk, leading_decode_rows
 
 
 class ModelRunner:
@@ -33,7 +33,6 @@ class ModelRunner:
         logits_indices: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        decode_rows = 0  # rows of decodes and verifications before the first prompt row (chunks come decodes first)
         prefills: list[PrefillSpan] = []
         dev = self.device
         bs = self.block_size
@@ -52,8 +51,6 @@ class ModelRunner:
             elif chunk.samples:
                 logits_indices.append(len(ids) - 1)
             used_blocks = table.blocks[: -(-chunk.end // bs)]
-            if (chunk.is_decode or chunk.draft) and decode_rows == len(ids) - chunk.num_tokens:
-                decode_rows = len(ids)
             if chunk.is_decode or chunk.draft or native:
                 # A verifying chunk is K+1 decode rows over one block table, row i attending to its own position and
                 # those before it: every row's K/V is written before attention runs (in C and in torch), so this is
@@ -81,7 +78,7 @@ class ModelRunner:
             decode_mask=decode_mask,
             prefills=prefills,
             decode_lens=lengths,
-            num_decode_rows=decode_rows if native else None,
+            num_decode_rows=leading_decode_rows(chunks) if native else None,
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, torch.tensor(logits_indices, dtype=torch.long, device=dev)
 

@@ -30,7 +30,8 @@ from tailguard.engine.request import FinishReason, RequestError, Sequence, Seque
 from tailguard.engine.step_cost import StepCostModel, StepShape, chunk_keys
 
 # With a step time budget, a prompt that has waited this many budgets since it arrived lifts the budget (see
-# SchedulerConfig.prompt_wait_guard_s): 4 x 0.1 s held TTFT P99 within 1 s at 9 req/s where the budget alone did not.
+# SchedulerConfig.prompt_wait_guard_s). With a 0.1 s budget, single A/B runs (docs/benchmarks.md): TTFT P99 641 ms at
+# 6 req/s and 4.4 s at 9 with the guard, 811 ms and 6.4 s without it.
 PROMPT_WAIT_GUARD_STEPS = 4
 
 
@@ -104,6 +105,17 @@ class ScheduledChunk:
     @property
     def token_ids(self) -> list[int]:
         return self.seq.token_ids_slice(self.start, self.end - len(self.draft)) + self.draft
+
+
+def leading_decode_rows(chunks: list[ScheduledChunk]) -> int:
+    """Rows of the decodes and verifications a step starts with (the scheduler puts them first): the one-call C step
+    runs them through the block kernels and the rows after them as prompt rows."""
+    rows = 0
+    for chunk in chunks:
+        if not (chunk.is_decode or chunk.draft):
+            break
+        rows += chunk.num_tokens
+    return rows
 
 
 @dataclass
