@@ -13,7 +13,7 @@ import sys
 import time
 
 from tailguard.engine.engine import EngineArgs, LLMEngine
-from tailguard.engine.request import SamplingParams
+from tailguard.engine.sequence import SamplingParams
 
 
 def main() -> None:

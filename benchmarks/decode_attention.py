@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tailguard.engine import kernels
 from tailguard.engine.engine import EngineArgs, LLMEngine
-from tailguard.engine.request import SamplingParams
+from tailguard.engine.sequence import SamplingParams
 
 HERE = Path(__file__).parent
 SHAPES = [(1, 1024), (1, 4096), (16, 256), (16, 2048), (64, 256)]

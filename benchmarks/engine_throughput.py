@@ -55,7 +55,7 @@ from rich.table import Table  # noqa: E402
 
 from tailguard.engine.engine import EngineArgs, LLMEngine  # noqa: E402
 from tailguard.engine.model_store import resolve_model_path  # noqa: E402
-from tailguard.engine.request import SamplingParams  # noqa: E402
+from tailguard.engine.sequence import SamplingParams  # noqa: E402
 from tailguard.engine.tokenizer import GGUFTokenizer  # noqa: E402
 
 # Wide enough for the tables when the output is piped to a file.

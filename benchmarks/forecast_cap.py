@@ -49,7 +49,7 @@ BUDGET_GAUGE = "tailguard_batch_cap_max_num_batched_tokens{"
 def calibrate(threads: int, steps: int = 12) -> dict:
     """This engine's prefill and aggregate decode throughput now (the forecast plan's service profile)."""
     from tailguard.engine.engine import EngineArgs, LLMEngine
-    from tailguard.engine.request import SamplingParams
+    from tailguard.engine.sequence import SamplingParams
 
     eng = LLMEngine(EngineArgs(model="smollm2", num_threads=threads, max_num_seqs=16, max_num_batched_tokens=512,
                                enable_prefix_caching=False))

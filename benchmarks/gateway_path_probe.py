@@ -21,7 +21,7 @@ from typing import Any
 
 import uvicorn.protocols.http.httptools_impl as uv
 
-from tailguard.gateway import http1
+from tailguard.backends.upstream import http1
 
 OUT = sys.argv.pop(1)
 TOKEN = re.compile(rb'"content":\s*"[^"]')  # a chunk with text: the role chunk's content is empty

@@ -25,9 +25,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-import tailguard.engine.model as model_mod
+import tailguard.engine.torch_model as model_mod
 from tailguard.engine.engine import EngineArgs, LLMEngine
-from tailguard.engine.request import SamplingParams
+from tailguard.engine.sequence import SamplingParams
 
 PROMPTS = ["Write a short story about a robot who learns to paint.", "What causes the seasons on Earth?",
            "请用一句话介绍一下北京。", "Give me three tips for writing clean Python code.", "什么是机器学习？",

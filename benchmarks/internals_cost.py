@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from tailguard.engine.engine import EngineArgs, LLMEngine
-from tailguard.engine.request import SamplingParams
+from tailguard.engine.sequence import SamplingParams
 
 RATES = (0.0, 0.01, 1.0)
 

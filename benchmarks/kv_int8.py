@@ -26,8 +26,8 @@ import torch
 
 from tailguard.engine.engine import EngineArgs, LLMEngine
 from tailguard.engine.memory import format_bytes, parse_budget
-from tailguard.engine.request import SamplingParams
 from tailguard.engine.scoring import score_text
+from tailguard.engine.sequence import SamplingParams
 
 HERE = Path(__file__).parent
 TEXTS = {"en": HERE / "data" / "heldout_en.txt", "zh": HERE / "data" / "heldout_zh.txt"}

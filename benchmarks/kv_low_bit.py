@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from tailguard.engine import model as model_module
+from tailguard.engine import torch_model as model_module
 from tailguard.engine.engine import EngineArgs, LLMEngine
 from tailguard.engine.scoring import score_text
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from kv_low_bit import PREFIX, TEXTS  # benchmarks/: the same texts, scored the same way
 
-from tailguard.engine import model as model_module
+from tailguard.engine import torch_model as model_module
 from tailguard.engine.engine import EngineArgs, LLMEngine
 from tailguard.engine.scoring import TextScore, score_text
 

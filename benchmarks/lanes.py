@@ -45,7 +45,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from tailguard.gateway.tenants import KeyFile
+from tailguard.policy.tenants import KeyFile
 
 VIP_PROMPTS = ["What is the capital of France? Answer in one sentence.", "用一句话解释什么是光合作用。",
                "Give me three tips for writing clear emails.", "Summarize the plot of Romeo and Juliet briefly."]

@@ -42,14 +42,14 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from tailguard.engine.engine import EngineArgs, LLMEngine, TokenEvent  # noqa: E402
-from tailguard.engine.model import (  # noqa: E402
+from tailguard.engine.sequence import SamplingParams  # noqa: E402
+from tailguard.engine.torch_model import (  # noqa: E402
     DEFAULT_ATTENTION_SLICE_TOKENS,
     AttentionMetadata,
     LlamaModel,
     _kv_values,
     prefill_attention_tiled,
 )
-from tailguard.engine.request import SamplingParams  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TEXTS = [HERE / "data" / "heldout_en.txt", HERE / "data" / "heldout_zh.txt"]

@@ -238,7 +238,7 @@ def decode_worker(seconds: int, best_spin_us: int) -> None:
     sample with the cores other processes kept busy meanwhile. JSON on stdout."""
     from tailguard.engine import kernels, threads
     from tailguard.engine.engine import EngineArgs, LLMEngine
-    from tailguard.engine.request import SamplingParams
+    from tailguard.engine.sequence import SamplingParams
 
     eng = LLMEngine(EngineArgs(model="smollm2"))
     ids = eng.tokenizer.encode_chat([{"role": "user", "content": "Write a short story about a robot who paints."}])

@@ -33,7 +33,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from tailguard.engine.engine import EngineArgs, LLMEngine
-    from tailguard.engine.request import SamplingParams
+    from tailguard.engine.sequence import SamplingParams
 
     engine = LLMEngine(EngineArgs(model="smollm2", num_threads=int(os.environ["OMP_NUM_THREADS"]),
                                   enable_prefix_caching=False, kv_cache_dtype="float16", runner="torch"))

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from tailguard.engine.engine import EngineArgs, LLMEngine, TokenEvent
-from tailguard.engine.request import SamplingParams
+from tailguard.engine.sequence import SamplingParams
 
 SYSTEM_PROMPT = (
     "You are Velo, the customer assistant of Northwind Cycles, a bicycle shop with three stores and an online shop. "

@@ -36,7 +36,7 @@ from rich.table import Table
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from tailguard.engine.engine import EngineArgs, LLMEngine
-from tailguard.engine.request import SamplingParams
+from tailguard.engine.sequence import SamplingParams
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 

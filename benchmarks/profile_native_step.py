@@ -17,7 +17,7 @@ import time
 
 from tailguard.engine import kernels
 from tailguard.engine.engine import EngineArgs, LLMEngine
-from tailguard.engine.request import SamplingParams
+from tailguard.engine.sequence import SamplingParams
 
 
 def main() -> None:

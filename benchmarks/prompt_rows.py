@@ -34,7 +34,7 @@ def engine_with(prompt_bf16: bool, **kw):
 
 
 def ttft(engine, ids: list[int]) -> float:
-    from tailguard.engine.request import SamplingParams
+    from tailguard.engine.sequence import SamplingParams
 
     t0 = time.perf_counter()
     engine.generate([ids], SamplingParams(max_tokens=1, temperature=0))
@@ -50,8 +50,8 @@ def nll_rows(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 def score_prompt_rows(engine, ids: list[int], chunk: int = 256) -> np.ndarray:
     """-log p of ids[1:], every position a prompt row."""
     from tailguard.engine.blocks import BlockTable
-    from tailguard.engine.request import SamplingParams, Sequence
     from tailguard.engine.scheduler import ScheduledChunk
+    from tailguard.engine.sequence import SamplingParams, Sequence
 
     runner = engine.runner
     table = BlockTable(engine.pool, "score")

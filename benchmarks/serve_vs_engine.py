@@ -32,7 +32,7 @@ from pathlib import Path
 import aiohttp
 
 from tailguard.engine.engine import EngineArgs, LLMEngine
-from tailguard.engine.request import SamplingParams
+from tailguard.engine.sequence import SamplingParams
 
 PROMPTS = [
     "Write a story about a lighthouse keeper.", "请写一段关于秋天的文字。", "Explain how a hash map works.",

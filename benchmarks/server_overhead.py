@@ -48,7 +48,7 @@ from pathlib import Path
 
 from tailguard.engine.engine import AsyncLLMEngine, EngineStats, TokenEvent
 from tailguard.engine.fake import ByteTokenizer
-from tailguard.engine.request import FinishReason, RequestError, SamplingParams
+from tailguard.engine.sequence import FinishReason, RequestError, SamplingParams
 
 ROOT = Path(__file__).resolve().parent
 PROMPT = "Tell me about the history of Hangzhou in a few sentences, please."

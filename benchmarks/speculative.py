@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from tailguard.engine.engine import EngineArgs, LLMEngine, TokenEvent
-from tailguard.engine.request import SamplingParams
+from tailguard.engine.sequence import SamplingParams
 
 PROMPTS: dict[str, list[str]] = {
     "json": [

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tailguard.observe.store import RequestStore
+from tailguard.observe.stores import open_store
 from tailguard.observe.timeline import Outcome, Timeline
 
 ROOT = Path(__file__).resolve().parent
@@ -55,7 +55,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def drain_rate(target: str, n: int) -> dict:
     records = [_timeline(i) for i in range(n)]
-    store = RequestStore(target, secret="bench", retention_days=36500)
+    store = open_store(target, secret="bench", retention_days=36500)
     try:
         t0 = time.perf_counter()
         for tl in records:
@@ -72,7 +72,7 @@ def drain_rate(target: str, n: int) -> dict:
 def paced(target: str, rate: float, seconds: float) -> dict:
     n = int(rate * seconds)
     records = [_timeline(i) for i in range(n)]
-    store = RequestStore(target, secret="bench", retention_days=36500)
+    store = open_store(target, secret="bench", retention_days=36500)
     put_us: list[float] = []
     backlog_max = 0
     try:

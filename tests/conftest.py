@@ -18,6 +18,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # float32's numbers run without them (and the same on every CPU); tests/test_prompt_bf16.py turns them on.
 os.environ.setdefault("TAILGUARD_PROMPT_BF16", "0")
 
+# Tests that need a service the test script installs (Chromium, Prometheus and promtool, PostgreSQL, redis-server)
+# skip where it is missing, except with TAILGUARD_REQUIRE_SERVICES=1 (CI: .ci/run sets it), where such a skip is a
+# failure: a missing browser or server must not pass CI unseen. TAILGUARD_REQUIRE_PROMETHEUS=1, the old name, still
+# counts; tests/test_grafana.py reads that name, so it is set here for it.
+REQUIRE_SERVICES = any(os.environ.get(name) == "1"
+                       for name in ("TAILGUARD_REQUIRE_SERVICES", "TAILGUARD_REQUIRE_PROMETHEUS"))
+if REQUIRE_SERVICES:
+    os.environ["TAILGUARD_REQUIRE_PROMETHEUS"] = "1"
+# A skip whose reason names one of these is a missing service.
+SERVICE_WORDS = ("chromium", "prometheus", "promtool", "postgresql", "redis-server")
+
 from tailguard.engine.model_store import ModelNotFoundError, resolve_model_path  # noqa: E402
 from tests.redis_server import RedisServer, RedisUnavailable  # noqa: E402
 
@@ -134,6 +145,28 @@ def real_engine(smollm2_path):
     )
 
 
+def missing_service(reason: str) -> str | None:
+    """The service a skip's reason says is missing, if any."""
+    return next((word for word in SERVICE_WORDS if word in reason.lower()), None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With TAILGUARD_REQUIRE_SERVICES=1, a test skipped for want of a service fails instead (whether it skips by a
+    skipif mark, pytest.skip() or a fixture)."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (REQUIRE_SERVICES and report.skipped) or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    service = missing_service(reason)
+    if service:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} would skip ({reason}), but with TAILGUARD_REQUIRE_SERVICES=1 a test that "
+                           f"needs a service fails instead: install {service} (scripts/test.sh does, as root on "
+                           "Debian)")
+
+
 def pytest_collection_modifyitems(config, items):
     # Real-model tests are the slowest; run them last so that a quick failure elsewhere shows first.
     items.sort(key=lambda item: 1 if item.get_closest_marker("real_model") else 0)
@@ -144,7 +177,7 @@ def churn(engine, pending: list[tuple[str, list[int], Any, int]], rng: random.Ra
     """Run requests through an engine the way traffic does: 0-3 arrivals before each step (``pending`` in arrival
     order: request id, prompt, sampling params, priority) and, after 8% of the steps, the abort of a live request.
     ``after_step`` runs after every step (invariant checks). Returns each request's final event."""
-    from tailguard.engine.request import FinishReason
+    from tailguard.engine.sequence import FinishReason
 
     todo = list(reversed(pending))
     live: set[str] = set()
@@ -175,7 +208,7 @@ def redis() -> Iterator[RedisServer]:
     try:
         server = RedisServer().start()
     except RedisUnavailable as exc:
-        if os.environ.get("CI"):  # .ci/run installs redis-server: in CI a missing server fails, never skips
+        if os.environ.get("CI") or REQUIRE_SERVICES:  # CI installs redis-server: there a missing one fails
             raise
         pytest.skip(str(exc))
     try:

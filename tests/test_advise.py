@@ -109,12 +109,12 @@ def test_refuses_without_a_stage_breakdown_and_when_the_slo_is_met():
 def test_fired_golden_rules_are_reported_even_when_the_slo_is_met():
     r = bench_result(QUEUE_HEAVY, slo_pass=True)
     r["advisories"] = [{"metric": "e2e", "rule": "P99 > 3 x P50", "ratio": 3.4, "fired": True,
-                        "action": "start the optimization plan now"},
+                        "action": "plan improvements now"},
                        {"metric": "e2e", "rule": "P99 > 1.5 x P95", "ratio": 1.1, "fired": False, "action": None}]
     a = advise(r)
     assert a["status"] == "slo_met"
     assert [g["rule"] for g in a["golden_rules_fired"]] == ["P99 > 3 x P50"]
-    assert any("P99 > 3 x P50" in n and "start the optimization plan now" in n for n in a["notes"])
+    assert any("P99 > 3 x P50" in n and "plan improvements now" in n for n in a["notes"])
 
 
 def test_a_spread_tail_has_no_dominant_stage():

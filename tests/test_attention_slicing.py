@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tailguard.engine.model as model_module
+import tailguard.engine.torch_model as model_module
 from tailguard.engine.engine import EngineArgs, LLMEngine
-from tailguard.engine.model import AttentionMetadata, LlamaModel, prefill_attention_tiled, quantize_kv
-from tailguard.engine.request import SamplingParams
+from tailguard.engine.sequence import SamplingParams
+from tailguard.engine.torch_model import AttentionMetadata, LlamaModel, prefill_attention_tiled, quantize_kv
 
 N_HEADS, N_KV, HEAD_DIM = 9, 3, 64
 BLOCK = 16

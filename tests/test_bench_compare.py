@@ -85,6 +85,9 @@ def test_compare_cli_exit_codes_and_html(tmp_path, capsys):
     assert "gate: FAIL" in out and "TTFT P50 regressed" in out
     doc = html.read_text(encoding="utf-8")
     assert "GATE: FAIL" in doc and 'id="fig-compare"' in doc and 'id="fig-cdf"' in doc
+    # the runs are named in words, not as Python dicts; no request failed, so no failure count is shown
+    assert "A = run tgb-" in doc and "{&#x27;id&#x27;" not in doc and "{'id'" not in doc
+    assert "Failed requests not in the curves" not in doc and "A 0" not in doc.split("</script>", 1)[1]
     assert json.loads(out_json.read_text())["gate"]["pass"] is False
     # without --gate the comparison is only a report
     assert main(["bench", "compare", str(tmp_path / "a"), str(tmp_path / "b"), "--bootstrap", "100"]) == 0

@@ -13,7 +13,7 @@ from tailguard.engine.blocks import BlockPool, BlockTable, OutOfBlocksError
 def test_blocks_and_scheduler_do_not_import_torch():
     code = (
         "import sys\n"
-        "import tailguard.engine.blocks, tailguard.engine.scheduler, tailguard.engine.request\n"
+        "import tailguard.engine.blocks, tailguard.engine.scheduler, tailguard.engine.sequence\n"
         "print('torch' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""The gateway's direct relay (gateway/relay.py, serving/client_relay.py): plain tokens written to the client from
+"""The gateway's direct relay (backends/upstream/relay.py, serving/client_relay.py): plain tokens written to the client from
 the upstream read callback, everything else through the server's stream, in order.
 
 The feed is tested with a scripted relay (which tokens it takes, what it leaves for the reader, in which order); the
@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tailguard.gateway.relay import UpstreamFeed
+from tailguard.backends.upstream.relay import UpstreamFeed
 from tailguard.observe.timeline import Timeline
 from tailguard.serving.client_relay import ClientRelay, RelayFlusher
 from tests.serving_helpers import read_during

@@ -14,7 +14,7 @@ import pytest
 
 from tailguard.engine.engine import AsyncLLMEngine, TokenEvent
 from tailguard.engine.fake import FakeEngine, FakeTiming
-from tailguard.engine.request import FinishReason, RequestError, SamplingParams
+from tailguard.engine.sequence import FinishReason, RequestError, SamplingParams
 from tests.conftest import churn
 
 
@@ -492,7 +492,7 @@ def test_fake_engine_concurrency_slots_queue_requests():
 @pytest.mark.parametrize("stop", [["brown"], ["fox jumps", "lazy"], ["o"], ["not in the text"]])
 def test_fake_engine_stop_strings_match_the_real_engine(tiny_engine, monkeypatch, stop):
     """Both engines, fed the same text, cut it at the same place and never stream a stop string's prefix."""
-    from tailguard.engine.runner import SampledToken
+    from tailguard.engine.torch_runner import SampledToken
 
     text = FakeTiming().output_text
     script = itertools.cycle(tiny_engine.tokenizer.encode(text))  # the fake repeats its text too

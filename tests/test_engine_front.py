@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from tailguard.engine.engine import MAX_FAILED_STEPS, AsyncLLMEngine, EngineArgs, EngineClosed, LLMEngine
-from tailguard.engine.request import SamplingParams
+from tailguard.engine.sequence import SamplingParams
 
 
 @pytest.fixture

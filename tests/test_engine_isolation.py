@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from tailguard.engine.engine import AsyncLLMEngine, EngineArgs, LLMEngine
-from tailguard.engine.lean_sampling import Sampler
-from tailguard.engine.request import FinishReason, SamplingParams, SequenceFailed
+from tailguard.engine.sampling import Sampler
+from tailguard.engine.sequence import FinishReason, SamplingParams, SequenceFailed
 
 PROMPT = [1, 2, 3, 4, 5, 6]
 

@@ -19,9 +19,9 @@ import pytest
 from fastdigest import TDigest
 
 from tailguard.engine.fake import FakeTiming
-from tailguard.gateway.lanes import LaneConfig, Lanes
-from tailguard.gateway.shared import RedisState
-from tailguard.gateway.tenants import KeyFile, RateLimited, Tenant, TenantConfig
+from tailguard.policy.fleet_state import RedisState
+from tailguard.policy.lanes import LaneConfig, Lanes
+from tailguard.policy.tenants import KeyFile, RateLimited, Tenant, TenantConfig
 from tailguard.serving.server import ThreadedServer
 from tailguard.slo.monitor import SLOMonitor
 from tailguard.slo.windows import RequestSample, SlidingWindows

@@ -7,7 +7,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tailguard.engine.request import FinishReason, SamplingParams
+from tailguard.engine.sequence import FinishReason, SamplingParams
 from tailguard.plan.capacity import ServiceProfile
 from tailguard.plan.controller import ForecastCapController
 from tailguard.plan.forecast import HoltWinters, LastValue

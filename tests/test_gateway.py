@@ -23,8 +23,8 @@ import httpx
 import pytest
 import yaml
 
-from tailguard.gateway.tenants import KeyFile
-from tailguard.serving.backend import build_backend
+from tailguard.policy.tenants import KeyFile
+from tailguard.serving.backend_factory import build_backend
 from tailguard.serving.server import ThreadedServer
 from tests.net import free_port
 from tests.serving_helpers import ADMIN, make_config, settle, wait_until

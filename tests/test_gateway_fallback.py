@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tailguard.backends.upstream.events import continuation_body
 from tailguard.engine.fake import ByteTokenizer
-from tailguard.gateway.proxy import continuation_body
 from tailguard.serving.chat_prompt import render_chat_prompt
 from tests.serving_helpers import ADMIN, ADMIN_KEY, fake_server
 from tests.test_gateway import gateway, keyfile, metric_value, record, replica

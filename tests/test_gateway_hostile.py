@@ -26,9 +26,9 @@ import httpx
 import pytest
 from aiohttp import web
 
-from tailguard.gateway import lanes as lanes_mod
-from tailguard.gateway.upstream import UpstreamConfig, UpstreamPool
-from tailguard.serving.backend import build_backend
+from tailguard.backends.upstream.pool import UpstreamConfig, UpstreamPool
+from tailguard.policy import lanes as lanes_mod
+from tailguard.serving.backend_factory import build_backend
 from tailguard.serving.config import ServerConfig
 from tailguard.serving.server import ThreadedServer
 from tests.net import free_port
@@ -410,7 +410,7 @@ def test_admin_refuses_link_local_upstreams(tmp_path):
     ("http://[fd00::1]:8000", None),
 ])
 def test_link_local_and_metadata_addresses_are_told_apart(url, refused):
-    from tailguard.gateway.upstream import forbidden_address
+    from tailguard.backends.upstream.pool import forbidden_address
 
     why = asyncio.run(forbidden_address(url))
     assert (why is None) if refused is None else (why is not None and refused in why), why
@@ -431,7 +431,7 @@ def test_link_local_upstreams_are_added_when_the_config_allows_them():
 
 
 def test_the_quarantine_keys_requests_by_their_canonical_body_and_forgets_in_time():
-    from tailguard.gateway.quarantine import Quarantine, fingerprint
+    from tailguard.backends.upstream.quarantine import Quarantine, fingerprint
 
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "temperature": 0}
     same = {"temperature": 0, "max_tokens": 8, "messages": [{"content": "x", "role": "user"}], "model": "other",

@@ -14,12 +14,12 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 _PROBE = """
 import json, sys
-import tailguard.gateway.lanes, tailguard.gateway.metrics, tailguard.gateway.proxy, tailguard.gateway.shared
-import tailguard.gateway.sse, tailguard.gateway.streams, tailguard.gateway.tenants, tailguard.gateway.upstream
+import tailguard.policy.lanes, tailguard.observe.gateway_metrics, tailguard.backends.upstream.proxy, tailguard.policy.fleet_state
+import tailguard.backends.upstream.sse, tailguard.backends.stall_watch, tailguard.policy.tenants, tailguard.backends.upstream.pool
 after_gateway = "torch" in sys.modules
 import tailguard.cli
 from tailguard.serving.app import create_app
-from tailguard.serving.backend import build_backend
+from tailguard.serving.backend_factory import build_backend
 from tailguard.serving.config import ServerConfig
 config = ServerConfig.load(None, upstreams=[{"url": "http://127.0.0.1:9"}])
 backend = build_backend(config)  # what `tailguard serve --upstream URL` builds, without serving
@@ -35,5 +35,5 @@ def test_gateway_and_its_serve_path_do_not_import_torch():
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["backend"] == "UpstreamBackend"
-    assert res["after_gateway"] is False, "importing tailguard.gateway loaded torch"
+    assert res["after_gateway"] is False, "importing the gateway loaded torch"
     assert res["after_cli"] is False, "the `serve --upstream` path loaded torch"

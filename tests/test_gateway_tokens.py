@@ -11,13 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tailguard.serving.completions import CompletionEndpoint
+from tailguard.policy.decision import TrafficPolicy
 from tests.serving_helpers import settle, wait_until
 from tests.test_gateway import chat, gateway, keyfile, metric_value, record, replica
 
-# The request path passes its estimate to the lanes (``CompletionEndpoint._admit(ex, tokens)``); without it every
+# The request path passes its estimate to the lanes (``TrafficPolicy.admit(decision, tl, tokens)``); without it every
 # request counts in sequences only and there is nothing to test here.
-WIRED = "tokens" in inspect.signature(CompletionEndpoint._admit).parameters
+WIRED = "tokens" in inspect.signature(TrafficPolicy.admit).parameters
 
 
 def gauge(url: str, sample: str) -> float:

@@ -9,10 +9,17 @@ import random
 
 import pytest
 
-from tailguard.gateway.lanes import CapacityConfig, LaneConfig, Lanes, Overloaded, default_lanes
-from tailguard.gateway.sse import SSELines, TokenTexts, read_chunk, token_text
-from tailguard.gateway.streams import KEEPALIVE, Stalled, watch
-from tailguard.gateway.tenants import (
+from tailguard.backends.stall_watch import KEEPALIVE, Stalled, watch
+from tailguard.backends.upstream.pool import (
+    CircuitBreaker,
+    RoutingConfig,
+    UpstreamConfig,
+    UpstreamPool,
+    queue_gauges,
+)
+from tailguard.backends.upstream.sse import SSELines, TokenTexts, read_chunk, token_text
+from tailguard.policy.lanes import CapacityConfig, LaneConfig, Lanes, Overloaded, default_lanes
+from tailguard.policy.tenants import (
     KeyFile,
     RateLimited,
     Tenant,
@@ -20,13 +27,6 @@ from tailguard.gateway.tenants import (
     Tenants,
     TokenBucket,
     hash_key,
-)
-from tailguard.gateway.upstream import (
-    CircuitBreaker,
-    RoutingConfig,
-    UpstreamConfig,
-    UpstreamPool,
-    queue_gauges,
 )
 
 
@@ -461,7 +461,7 @@ def test_a_replica_that_preempts_must_be_sent_the_priority_it_preempts_by():
 def test_the_upstream_request_id_is_uuid5_of_ours() -> None:
     import uuid
 
-    from tailguard.gateway.proxy import _upstream_request_id
+    from tailguard.backends.upstream.proxy import _upstream_request_id
 
     for rid in ("chatcmpl-0123abcd", "x", "é漢字-1"):
         assert _upstream_request_id("uuid", rid) == str(uuid.uuid5(uuid.NAMESPACE_URL, "tailguard:" + rid))
@@ -473,17 +473,18 @@ def test_replica_totals_reach_the_prometheus_counters_once() -> None:
     is new, never twice."""
     from prometheus_client import CollectorRegistry
 
-    from tailguard.gateway.metrics import GatewayMetrics
+    from tailguard.observe.gateway_metrics import GatewayMetrics
+    from tailguard.serving.state import sample_gateway
 
     reg = CollectorRegistry()
     gm = GatewayMetrics(reg, "m")
     pool = UpstreamPool([UpstreamConfig(url="http://127.0.0.1:9", name="a")])
     rep = pool.replicas[0]
     rep.breaker.opened_total, rep.conns.opened, rep.conns.opened_on_demand, rep.conns.reconnects = 1, 5, 2, 1
-    gm.sample(None, pool)
-    gm.sample(None, pool)
+    sample_gateway(gm, None, pool)
+    sample_gateway(gm, None, pool)
     rep.breaker.opened_total, rep.conns.opened = 3, 9
-    gm.sample(None, pool)
+    sample_gateway(gm, None, pool)
 
     def value(name: str, **labels: str) -> float | None:
         return reg.get_sample_value(name, {"model": "m", "replica": "a", **labels})
@@ -504,9 +505,9 @@ def test_credentials_in_an_upstream_url_are_never_shown() -> None:
 
 def test_a_traced_request_is_not_written_ahead(monkeypatch):
     """Its span's context must travel in the request, and the span is made by the attempt: the attempt sends it."""
-    from tailguard.gateway.proxy import UpstreamBackend
-    from tailguard.gateway.quarantine import Quarantine
-    from tailguard.gateway.upstream import NoReplica
+    from tailguard.backends.upstream.pool import NoReplica
+    from tailguard.backends.upstream.proxy import UpstreamBackend
+    from tailguard.backends.upstream.quarantine import Quarantine
     from tailguard.observe import tracing
 
     class Pool:  # reached only when the request may be written ahead

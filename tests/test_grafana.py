@@ -275,7 +275,7 @@ def test_bucket_matcher_reads_both_prometheus_2_and_3_spellings():
 def test_every_gateway_panel_returns_data_from_a_real_prometheus(tmp_path):
     """A gateway over two fake replicas, one fast and one that stalls: lanes, tenants, streams and replicas panels
     all get data from the traffic a gateway meets (refusals, a tenant over its rate, missed deadlines)."""
-    from tailguard.gateway.tenants import KeyFile
+    from tailguard.policy.tenants import KeyFile
     from tests.test_gateway import chat, gateway, replica
 
     assert PROMETHEUS is not None, "TAILGUARD_REQUIRE_PROMETHEUS=1 but no prometheus binary on PATH"

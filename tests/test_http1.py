@@ -1,4 +1,4 @@
-"""The gateway's upstream HTTP/1.1 client (gateway/http1.py) against a scripted server on a real socket."""
+"""The gateway's upstream HTTP/1.1 client (backends/upstream/http1.py) against a scripted server on a real socket."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tailguard.gateway.http1 import ConnectFailed, ConnectionPool, UpstreamProtocolError
+from tailguard.backends.upstream.http1 import ConnectFailed, ConnectionPool, UpstreamProtocolError
 
 
 def sync(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
@@ -415,8 +415,9 @@ async def test_credentials_in_the_url_are_sent_as_basic_auth_unless_a_key_is() -
 
 @sync
 async def test_a_redirecting_upstream_is_a_failed_replica_not_a_redirect_for_the_client() -> None:
-    from tailguard.gateway.proxy import UpstreamBackend, UpstreamError
-    from tailguard.gateway.upstream import RoutingConfig, UpstreamConfig, UpstreamPool
+    from tailguard.backends.upstream.events import UpstreamError
+    from tailguard.backends.upstream.pool import RoutingConfig, UpstreamConfig, UpstreamPool
+    from tailguard.backends.upstream.proxy import UpstreamBackend
 
     redirect = answering(b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://elsewhere/\r\nContent-Length: 0\r\n\r\n")
     async with ScriptedServer(redirect) as url:

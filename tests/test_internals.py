@@ -12,8 +12,9 @@ import time
 import httpx
 import pytest
 
-from tailguard.engine.request import SamplingParams
-from tailguard.observe.store import SCHEMA_VERSION, RequestStore
+from tailguard.engine.sequence import SamplingParams
+from tailguard.observe.store import SCHEMA_VERSION
+from tailguard.observe.stores import open_store
 from tailguard.slo.hotspots import find_hotspots, load_records
 from tests.conftest import _make_engine
 from tests.serving_helpers import ADMIN, make_config, settle
@@ -181,7 +182,7 @@ def _steps(n_layers: int) -> dict:
          "norm": [1.0] * n_layers, "entropy": [[0.7]] * n_layers}]}
 
 
-# The tables as schema 3 made them (store.py's _SCHEMA before schema 4 added requests.internals, queue_samples.cpu/rss).
+# The tables as schema 3 made them (store.py's SQLITE_SCHEMA before schema 4 added requests.internals, queue_samples.cpu/rss).
 _SCHEMA_3 = """
 CREATE TABLE requests (
     id INTEGER PRIMARY KEY AUTOINCREMENT, request_id TEXT NOT NULL, received_at REAL NOT NULL,
@@ -218,7 +219,7 @@ def test_schema_3_sqlite_file_is_migrated_to_4(tmp_path):
     _schema_3(path)
     # The hotspot reader takes a schema-3 file as it is (stages, no internals), read-only.
     assert load_records(str(path))[0]["internals"] is None
-    s = RequestStore(path, secret="k")
+    s = open_store(path, secret="k")
     assert s.schema_version == SCHEMA_VERSION == 4
     assert s.get("req-1")["e2e"] == pytest.approx(0.021) and "internals" not in s.get("req-1")
     s.put(_tl(2, internals=_steps(3)))
@@ -239,7 +240,7 @@ def test_schema_3_postgresql_database_is_migrated_to_4():
     from tests.pg_cluster import shared_cluster
 
     with shared_cluster().database() as url:
-        s = RequestStore(url, secret="k")
+        s = open_store(url, secret="k")
         s.put(_tl(1))
         s.close()
         with psycopg.connect(url, autocommit=True) as conn:
@@ -247,7 +248,7 @@ def test_schema_3_postgresql_database_is_migrated_to_4():
             conn.execute("ALTER TABLE queue_samples DROP COLUMN cpu")
             conn.execute("ALTER TABLE queue_samples DROP COLUMN rss")
             conn.execute("UPDATE tailguard_meta SET value = '3' WHERE name = 'schema_version'")
-        s = RequestStore(url, secret="k", flush_interval=0.01)
+        s = open_store(url, secret="k", flush_interval=0.01)
         assert s.schema_version == 4
         assert "internals" not in s.get("req-1")
         s.put(_tl(2, internals=_steps(2)))
@@ -309,7 +310,7 @@ def test_hotspots_cli_reads_a_store(tmp_path, capsys):
     from tailguard.cli import main
 
     path = tmp_path / "r.sqlite3"
-    s = RequestStore(path, secret="k")
+    s = open_store(path, secret="k")
     for i in range(8):
         layers = [0.5] * 10
         layers[3] = 2.0

@@ -422,8 +422,8 @@ def teacher_forced_decode(engine, texts: list[list[int]], steps: int) -> tuple[l
     feeding the text's own next token. Returns the logits [D, vocab] of each decode step and how many steps (the
     prefills included) went through the native whole-step kernel."""
     from tailguard.engine.blocks import BlockTable
-    from tailguard.engine.request import SamplingParams, Sequence
     from tailguard.engine.scheduler import ScheduledChunk
+    from tailguard.engine.sequence import SamplingParams, Sequence
 
     runner, model = engine.runner, engine.runner.model
     native_calls = 0
@@ -483,7 +483,7 @@ def test_native_decode_step_matches_float32(tiny_pair, batch):
 
 
 def test_native_greedy_output_equals_float32(tiny_pair):
-    from tailguard.engine.request import SamplingParams
+    from tailguard.engine.sequence import SamplingParams
 
     native, reference = tiny_pair
     prompts = random_texts([600, 300, 3, 40, 255], seed=7)
@@ -600,7 +600,7 @@ def test_fast_decode_attention_equals_the_generic_path(tiny_quantized_gguf, kv_d
 def test_int8_kv_rows_written_by_c_equal_the_torch_quantizer(tiny_pair_int8):
     """After a C decode step, the K/V row it wrote equals model.quantize_kv of the same values (computed here from
     the float K/V the torch path writes for that token), to at most one quantum in a few elements."""
-    from tailguard.engine.model import dequantize_kv
+    from tailguard.engine.torch_model import dequantize_kv
 
     native, reference = tiny_pair_int8
     text = random_texts([40], seed=5)
@@ -669,8 +669,8 @@ def prompt_logits_whole_and_chunked(engine) -> tuple[torch.Tensor, torch.Tensor]
     """The logits of a 300-token prompt's last token, prefilled (a) in one chunk, alone, and (b) in three chunks
     beside another sequence's prefill and decodes."""
     from tailguard.engine.blocks import BlockTable
-    from tailguard.engine.request import SamplingParams, Sequence
     from tailguard.engine.scheduler import ScheduledChunk
+    from tailguard.engine.sequence import SamplingParams, Sequence
 
     runner, model = engine.runner, engine.runner.model
     prompt, other = random_texts([300, 40], seed=21)
@@ -724,8 +724,8 @@ def test_a_step_with_a_long_prefill_chunk_runs_in_torch(tiny_pair):
     step's attention, one key read per query row, is slower than torch's): a step with a longer one, decodes beside
     it included, is built for torch."""
     from tailguard.engine.blocks import BlockTable
-    from tailguard.engine.request import SamplingParams, Sequence
     from tailguard.engine.scheduler import ScheduledChunk
+    from tailguard.engine.sequence import SamplingParams, Sequence
 
     engine = tiny_pair[0]
     runner = engine.runner

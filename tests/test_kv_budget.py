@@ -7,7 +7,7 @@ import torch
 
 from tailguard.engine.engine import EngineArgs, LLMEngine
 from tailguard.engine.memory import available_bytes, parse_budget
-from tailguard.engine.request import SamplingParams
+from tailguard.engine.sequence import SamplingParams
 
 CPU = torch.device("cpu")
 

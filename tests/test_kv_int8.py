@@ -23,9 +23,9 @@ import torch
 from tailguard.engine import kernels
 from tailguard.engine.blocks import BlockTable
 from tailguard.engine.engine import EngineArgs, LLMEngine, resolve_kv_dtype
-from tailguard.engine.model import dequantize_kv, hadamard_matrix, quantize_kv, rotates_kv
-from tailguard.engine.request import FinishReason, SamplingParams, Sequence
 from tailguard.engine.scheduler import ScheduledChunk
+from tailguard.engine.sequence import FinishReason, SamplingParams, Sequence
+from tailguard.engine.torch_model import dequantize_kv, hadamard_matrix, quantize_kv, rotates_kv
 
 TEXTS = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
 PPL_RTOL = 0.01

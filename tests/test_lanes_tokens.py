@@ -12,9 +12,9 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
-from tailguard.gateway.lanes import CapacityConfig, LaneConfig, Lanes, default_lanes
-from tailguard.gateway.shared import RedisState
-from tailguard.gateway.upstream import UpstreamConfig, UpstreamPool
+from tailguard.backends.upstream.pool import UpstreamConfig, UpstreamPool
+from tailguard.policy.fleet_state import RedisState
+from tailguard.policy.lanes import CapacityConfig, LaneConfig, Lanes, default_lanes
 
 
 def run(coro):

@@ -1,4 +1,4 @@
-"""The lean runner (engine/lean.py): the C step hosted by numpy, so that a serving process never imports torch.
+"""The lean runner (engine/native_runner.py): the C step hosted by numpy, so that a serving process never imports torch.
 
 It must give what the torch runner gives (the same C step, the same RoPE tables, the same KV format), hand the steps it
 does not take (prefill chunks past NATIVE_PREFILL_MAX_CONTEXT) to torch over the same cache memory, and sample by the
@@ -17,10 +17,10 @@ import torch
 
 from tailguard.engine import kernels
 from tailguard.engine.engine import EngineArgs, LLMEngine
-from tailguard.engine.lean import LeanRunner
-from tailguard.engine.lean_sampling import log_softmax, probabilities
-from tailguard.engine.request import SamplingParams, Sequence
-from tailguard.engine.runner import ModelRunner
+from tailguard.engine.native_runner import NativeRunner
+from tailguard.engine.sampling import log_softmax, probabilities
+from tailguard.engine.sequence import SamplingParams, Sequence
+from tailguard.engine.torch_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the lean runner runs tailguard's kernels (gcc)")
 
@@ -36,7 +36,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def test_the_engine_picks_the_lean_runner_where_it_can(tiny_gguf):
-    assert isinstance(_engine(tiny_gguf, "auto", "auto").runner, LeanRunner)
+    assert isinstance(_engine(tiny_gguf, "auto", "auto").runner, NativeRunner)
     assert isinstance(_engine(tiny_gguf, "torch", "auto").runner, ModelRunner)
     assert isinstance(_engine(tiny_gguf, "auto", "auto", speculative="ngram").runner, ModelRunner)
     with pytest.raises(ValueError, match="lean runner needs"):
@@ -154,7 +154,7 @@ def test_a_serving_process_never_imports_torch(tiny_gguf):
         import sys
         import tailguard.cli, tailguard.serving.app
         from tailguard.engine.engine import EngineArgs, LLMEngine
-        from tailguard.engine.request import SamplingParams
+        from tailguard.engine.sequence import SamplingParams
         e = LLMEngine(EngineArgs(model={str(tiny_gguf)!r}, kv_cache_tokens=1024))
         e.generate([[5, 6, 7], list(range(100, 160))], SamplingParams(max_tokens=5, temperature=0.0))
         e.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.9, seed=1, logprobs=2))

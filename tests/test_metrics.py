@@ -110,12 +110,12 @@ def test_promtool_check_metrics():
 
 
 def test_records_the_store_could_not_write_are_exported(tmp_path):
-    from tailguard.observe.store import RequestStore
+    from tailguard.observe.stores import open_store
 
     m = ServerMetrics("fake")
-    store = RequestStore(tmp_path / "r.sqlite3", max_backlog=0,
-                         on_drop=lambda n: m.store_dropped.labels(m.model).inc(n),
-                         on_error=lambda n: m.store_errors.labels(m.model).inc(n))
+    store = open_store(tmp_path / "r.sqlite3", max_backlog=0,
+                       on_drop=lambda n: m.store_dropped.labels(m.model).inc(n),
+                       on_error=lambda n: m.store_errors.labels(m.model).inc(n))
     assert not store.put(_finished())  # backlog full
     store.close()
     assert not store.put(_finished())  # closed

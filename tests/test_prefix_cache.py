@@ -11,7 +11,7 @@ import pytest
 from tailguard.engine.blocks import BlockPool, BlockTable
 from tailguard.engine.engine import TokenEvent
 from tailguard.engine.prefix_cache import ROOT_HASH, block_hashes, cacheable_prefix_blocks, hash_block
-from tailguard.engine.request import FinishReason, SamplingParams, Sequence, SequenceStatus
+from tailguard.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from tailguard.engine_options import add_engine_args, engine_args_from
 from tests.conftest import _assert_clean, _make_engine, churn
 from tests.test_scheduler import check_pool_accounting, make_scheduler, step

@@ -9,8 +9,8 @@ import pytest
 from tailguard.engine import kernels
 from tailguard.engine.blocks import BlockTable
 from tailguard.engine.engine import EngineArgs, LLMEngine
-from tailguard.engine.request import SamplingParams, Sequence
 from tailguard.engine.scheduler import ScheduledChunk
+from tailguard.engine.sequence import SamplingParams, Sequence
 
 pytestmark = pytest.mark.skipif(not kernels.available() or not kernels.amx_available(),
                                 reason="the CPU (or the OS) offers no AMX tiles")

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tailguard.serving.errors import APIError
+from tailguard.api_error import APIError
 from tailguard.serving.protocol import _PLAIN_CHAT_KEYS, _parse_chat_schema, _plain_chat, parse_chat
 
 # Each field's candidates: values the schema accepts, then values it refuses (wrong type, out of range, a bool for an

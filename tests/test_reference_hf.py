@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from tailguard.engine.request import SamplingParams
+from tailguard.engine.sequence import SamplingParams
 
 # transformers' own deprecation notices (past_key_values, torch_dtype) are not what these tests are about.
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from tailguard.engine.blocks import BlockPool
-from tailguard.engine.request import FinishReason, RequestError, SamplingParams, Sequence, SequenceStatus
 from tailguard.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tailguard.engine.sequence import FinishReason, RequestError, SamplingParams, Sequence, SequenceStatus
 
 FAKE_TOKEN = 7
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-import tailguard.engine.model as model_module
+import tailguard.engine.torch_model as model_module
 from tailguard.engine.gguf_file import GGUFFormatError, read_gguf
 from tailguard.engine.kernels import PackedMatrix
 from tailguard.engine.loader import load_gguf
-from tailguard.engine.model import AttentionMetadata, LlamaModel, quantize_kv
+from tailguard.engine.torch_model import AttentionMetadata, LlamaModel, quantize_kv
 
 
 def _mapped_paths() -> set[str]:
@@ -171,9 +171,9 @@ def test_the_default_server_kv_cache_holds_32_conversations_of_2k_in_int8_and_fl
         smollm2_path):
     from tailguard.cli import build_parser
     from tailguard.engine.engine import DEFAULT_KV_MEMORY, kv_dtype_name
+    from tailguard.engine.kv_layout import kv_row_bytes
     from tailguard.engine.loader import read_config
     from tailguard.engine.memory import parse_budget
-    from tailguard.engine.model import kv_row_bytes
     from tailguard.engine_options import engine_args_from
 
     args = engine_args_from(build_parser().parse_args(["serve"]))

@@ -11,17 +11,22 @@ from pathlib import Path
 
 import pytest
 
+from tailguard.backends.base import Backend, Tokenizer
+from tailguard.backends.local import as_backend
 from tailguard.engine.fake import FakeEngine
 from tailguard.engine.model_store import ModelNotFoundError, resolve_model_path
-from tailguard.serving.backend import Backend, Tokenizer
 from tailguard.serving.responses import TokenText
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tailguard"
 
 
-def test_the_fake_engine_is_a_backend():
+def test_the_fake_engine_serves_behind_the_local_backend():
     engine = FakeEngine()
-    assert isinstance(engine, Backend) and isinstance(engine.tokenizer, Tokenizer)
+    assert not isinstance(engine, Backend)  # an engine: ``as_backend`` puts it behind ``LocalBackend``
+    backend = as_backend(engine)
+    assert isinstance(backend, Backend) and isinstance(backend.tokenizer, Tokenizer)
+    assert backend.capacity() == engine.timing.max_num_seqs and backend.preempts() and not backend.speculates()
+    assert as_backend(backend) is backend
 
 
 def test_the_embedded_engine_is_a_backend():
@@ -32,7 +37,9 @@ def test_the_embedded_engine_is_a_backend():
     from tests.serving_helpers import tiny_engine
 
     engine = tiny_engine()
-    assert isinstance(engine, Backend) and isinstance(engine.tokenizer, Tokenizer)
+    backend = as_backend(engine)
+    assert isinstance(backend, Backend) and isinstance(engine.tokenizer, Tokenizer)
+    assert backend.capacity() == engine.engine.scheduler.config.max_num_seqs
     # Logprob token text from the tokenizer's own vocabulary: a byte-level piece gives its true bytes.
     tt = TokenText(engine.tokenizer)
     tid = engine.tokenizer.encode(" hello")[0]
@@ -151,10 +158,13 @@ def test_a_gateway_that_owns_its_process_hands_the_gil_to_its_loop_sooner():
     interval, so that the loop waits less for the GIL held by the store's writer thread; handed back at the end."""
     from types import SimpleNamespace
 
+    from tailguard.backends.local import LocalBackend
     from tailguard.serving.lifespan import GATEWAY_SWITCH_INTERVAL_S, Lifespan
 
-    class TextBackend(FakeEngine):
-        takes_text = True
+    class TextBackend(LocalBackend):  # a backend whose replicas tokenize: no tokenizer of its own
+        def __init__(self, engine: FakeEngine) -> None:
+            super().__init__(engine)
+            self.tokenizer = None  # type: ignore[assignment]
 
     state = SimpleNamespace(metrics=None, batch_cap=None, attach=lambda eng: None)
     interval = sys.getswitchinterval()
@@ -163,9 +173,9 @@ def test_a_gateway_that_owns_its_process_hands_the_gil_to_its_loop_sooner():
     life = Lifespan(state, None, None, None, own_engine=False, own_process=True)  # type: ignore[arg-type]
 
     async def attach() -> float:
-        embedded.attach(TextBackend())
+        embedded.attach(TextBackend(FakeEngine()))
         assert sys.getswitchinterval() == interval  # not the process's owner: its settings are not the server's
-        life.attach(TextBackend())
+        life.attach(TextBackend(FakeEngine()))
         if life.collecting is not None:
             life.collecting.cancel()
         return sys.getswitchinterval()

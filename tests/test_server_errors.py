@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tailguard.engine.fake import FakeEngine, FakeTiming
-from tailguard.engine.request import RequestError
+from tailguard.engine.sequence import RequestError
 from tests.serving_helpers import ADMIN, fake_server, settle
 
 CHAT = "/v1/chat/completions"

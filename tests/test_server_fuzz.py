@@ -106,7 +106,7 @@ def _post(server, path: str, body: dict) -> tuple[int, bytes]:
 
 def _check(server, status: int, payload: bytes) -> None:
     assert status < 500, (status, payload[:500])
-    assert server.state.engine.is_running
+    assert server.state.engine.engine.is_running
     if status >= 400:
         err = json.loads(payload)["error"]  # the API's own error format, never a plain-text page
         assert err["message"] and err["type"]

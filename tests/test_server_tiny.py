@@ -95,7 +95,7 @@ def test_disconnect_while_waiting_for_first_token_aborts(tmp_path):
                                      "max_tokens": 5, "stream": True}, "early-1")
         assert wait_until(lambda: s.state.admission.depth == 1, 10)
         sock.close()
-        assert wait_until(lambda: "early-1" in s.state.engine.aborted, 10)
+        assert wait_until(lambda: "early-1" in s.state.engine.engine.aborted, 10)
         assert wait_until(lambda: s.state.admission.depth == 0 and s.state.admission.in_flight == 0, 10)
         settle(s)
         rec = s.state.store.get("early-1")

@@ -16,7 +16,8 @@ import yaml
 
 from tailguard.cli import main
 from tailguard.observe import store as store_mod
-from tailguard.observe.store import SCHEMA_VERSION, RequestStore
+from tailguard.observe.store import SCHEMA_VERSION
+from tailguard.observe.stores import open_store
 from tailguard.observe.timeline import Outcome, Timeline
 from tailguard.slo.profiles import builtin_profiles
 from tailguard.slo.report import build_report
@@ -81,7 +82,7 @@ def test_report_reads_a_filled_store(tmp_path, capsys):
     now = monday + 2.5 * 86400
     rng = np.random.default_rng(3)
     db = tmp_path / "requests.sqlite3"
-    store = RequestStore(db, retention_days=36500)
+    store = open_store(db, retention_days=36500)
     weeks = {"last": (monday - 7 * 86400, 7 * 86400, 0.5), "this": (monday, 2.5 * 86400 - 60, 0.9)}
     exact = {}
     i = 0
@@ -127,7 +128,7 @@ def test_report_reads_a_filled_store(tmp_path, capsys):
 def test_store_migrates_schema_1_and_keeps_alerts(tmp_path):
     db = tmp_path / "old.sqlite3"
     # Schema 1: today's requests table without the columns version 2 added, and no slo_alerts table.
-    v1 = store_mod._SCHEMA.split("CREATE TABLE IF NOT EXISTS slo_alerts")[0]
+    v1 = store_mod.SQLITE_SCHEMA.split("CREATE TABLE IF NOT EXISTS slo_alerts")[0]
     v1 = re.sub(r",\s*lane TEXT,.*?\n\);", "\n);", re.sub(r"--[^\n]*", "", v1), flags=re.S)
     assert "slo_action" not in v1 and "lane" not in v1
     conn = sqlite3.connect(db)
@@ -138,7 +139,7 @@ def test_store_migrates_schema_1_and_keeps_alerts(tmp_path):
     conn.execute("PRAGMA user_version=1")
     conn.commit()
     conn.close()
-    store = RequestStore(db, retention_days=36500)
+    store = open_store(db, retention_days=36500)
     try:
         assert store.schema_version == SCHEMA_VERSION  # migrated all the way up
         old = store.get("old")

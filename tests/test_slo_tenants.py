@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from tailguard.engine.fake import FakeEngine, FakeTiming
-from tailguard.gateway.tenants import KeyFile
+from tailguard.policy.tenants import KeyFile
 from tailguard.slo.monitor import SLOMonitor
 from tailguard.slo.windows import RequestSample
 from tests.serving_helpers import settle

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tailguard.engine.engine import AsyncLLMEngine, EngineArgs
-from tailguard.engine.runner import SampledToken
+from tailguard.engine.torch_runner import SampledToken
 from tailguard.serving.server import ThreadedServer
 from tailguard.slo.report import build_report
 from tests.serving_helpers import ADMIN, make_config, settle, wait_until

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tailguard.engine.engine import EngineArgs, LLMEngine, TokenEvent
-from tailguard.engine.request import FinishReason, SamplingParams
 from tailguard.engine.scheduler import ScheduledChunk
+from tailguard.engine.sequence import FinishReason, SamplingParams
 from tailguard.engine.speculative import NgramProposer, SpeculationPolicy, make_proposer
 from tests.conftest import _assert_clean, _make_engine, churn
 
@@ -152,7 +152,7 @@ class FixedProposer:
 
 
 def _seq(rid: str, max_tokens: int = 100, **kw):
-    from tailguard.engine.request import Sequence
+    from tailguard.engine.sequence import Sequence
 
     seq = Sequence(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
     seq.output_token_ids = [4]
@@ -395,7 +395,7 @@ def _tv_bound(exact: dict[int, float], n: int) -> float:
 # top-p sorts the whole vocabulary at every draw: fewer samples there (the bound widens with them).
 @pytest.mark.parametrize(("params", "n"), [(dict(temperature=0.8, top_k=8), 2500), (dict(temperature=0.5, top_p=0.6), 1200)])
 def test_rejection_sampling_preserves_the_target_distribution(spec_engine, params, n):
-    from tailguard.engine.request import Sequence
+    from tailguard.engine.sequence import Sequence
 
     runner = spec_engine.runner
     prompt = repetitive_prompts(1, seed=31)[0]

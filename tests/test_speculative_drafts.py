@@ -15,7 +15,7 @@ import pytest
 from tailguard.engine.drafting import DraftProposer, self_draft_layers
 from tailguard.engine.engine import EngineArgs, LLMEngine
 from tailguard.engine.model_store import ModelNotFoundError
-from tailguard.engine.request import FinishReason, SamplingParams
+from tailguard.engine.sequence import FinishReason, SamplingParams
 from tests.conftest import _assert_clean, _make_engine, churn
 from tests.test_speculative import TEXT_PROMPTS, greedy, repetitive_prompts, run_all, tokens_of
 

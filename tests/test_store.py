@@ -19,6 +19,7 @@ import time
 import pytest
 
 from tailguard.observe.store import SCHEMA_VERSION, SECRET_ENV, SECRET_FILE, RequestStore, SchemaError
+from tailguard.observe.stores import open_store
 from tailguard.observe.timeline import Outcome, Timeline
 from tests.pg_cluster import shared_cluster
 
@@ -48,7 +49,7 @@ def make_store(request, tmp_path):
                 return str(tmp_path / f"{name}.sqlite3")
 
         def make(name: str = "r", **kw) -> RequestStore:
-            s = RequestStore(target(name), **kw)
+            s = open_store(target(name), **kw)
             opened.append(s)
             return s
 
@@ -65,7 +66,7 @@ def store(make_store):
 
 
 def test_schema_and_wal(tmp_path):
-    RequestStore(tmp_path / "r.sqlite3").close()
+    open_store(tmp_path / "r.sqlite3").close()
     conn = sqlite3.connect(tmp_path / "r.sqlite3")
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
@@ -276,7 +277,7 @@ def test_backlog_is_bounded_by_bytes(make_store):
 def test_user_is_stored_as_a_keyed_pseudonym(tmp_path, monkeypatch):
     monkeypatch.delenv(SECRET_ENV, raising=False)
     path = tmp_path / "r.sqlite3"
-    s = RequestStore(path, flush_interval=0.01)
+    s = open_store(path, flush_interval=0.01)
     s.put(_tl(1, user="alice@example.com"))
     s.flush()
     stored = s.get("req-1")["user"]
@@ -289,14 +290,14 @@ def test_user_is_stored_as_a_keyed_pseudonym(tmp_path, monkeypatch):
     key_file = tmp_path / SECRET_FILE
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     # Same deployment (same key file): the same pseudonym, so a user's records still group together.
-    again = RequestStore(path)
+    again = open_store(path)
     assert again.pseudonym("alice@example.com") == stored
     again.close()
     # Another key (config or environment): another pseudonym.
-    assert RequestStore(tmp_path / "b" / "r.sqlite3", secret="s1").pseudonym("alice@example.com") != stored
+    assert open_store(tmp_path / "b" / "r.sqlite3", secret="s1").pseudonym("alice@example.com") != stored
     monkeypatch.setenv(SECRET_ENV, "from-env")
-    env = RequestStore(tmp_path / "c" / "r.sqlite3")
-    assert env.pseudonym("x") == RequestStore(tmp_path / "d" / "r.sqlite3", secret="from-env").pseudonym("x")
+    env = open_store(tmp_path / "c" / "r.sqlite3")
+    assert env.pseudonym("x") == open_store(tmp_path / "d" / "r.sqlite3", secret="from-env").pseudonym("x")
     assert not (tmp_path / "c" / SECRET_FILE).exists()
 
 
@@ -387,7 +388,7 @@ def test_schema_2_database_is_migrated_and_stays_readable(tmp_path):
     conn.execute("PRAGMA user_version=2")
     conn.commit()
     conn.close()
-    s = RequestStore(path, secret="k")
+    s = open_store(path, secret="k")
     assert s.schema_version == SCHEMA_VERSION
     rec = s.get("old-1")
     assert rec["user"] == s.pseudonym("bob") and rec["token_times"] == [0.1]
@@ -399,7 +400,7 @@ def test_schema_2_database_is_migrated_and_stays_readable(tmp_path):
     assert s.get("req-2")["user"] == rec["user"]
     s.close()
     # Opening it again migrates nothing twice.
-    again = RequestStore(path, secret="k")
+    again = open_store(path, secret="k")
     assert again.get("old-1")["user"] == s.pseudonym("bob")
     again.close()
     assert os.path.exists(path)

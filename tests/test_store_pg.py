@@ -14,7 +14,8 @@ import pytest
 from pydantic import ValidationError
 
 from tailguard.observe import store_pg
-from tailguard.observe.store import SCHEMA_VERSION, SECRET_ENV, RequestStore, SchemaError, open_store
+from tailguard.observe.store import SCHEMA_VERSION, SECRET_ENV, RequestStore, SchemaError
+from tailguard.observe.stores import open_store
 from tailguard.observe.store_pg import PostgresStore, StoreUnavailableError, redact_url, to_postgres_sql
 from tailguard.serving.config import ServerConfig
 from tests.net import free_port
@@ -41,7 +42,7 @@ def _rows(url: str, sql: str) -> list[tuple]:
 
 def test_the_factory_picks_the_backend_and_the_schema_is_versioned(url, tmp_path):
     s = open_store(url, flush_interval=0.01)
-    assert isinstance(s, PostgresStore) and isinstance(RequestStore(url), PostgresStore)
+    assert isinstance(s, PostgresStore) and isinstance(open_store(url), RequestStore)
     assert s.schema_version == SCHEMA_VERSION
     assert _rows(url, "SELECT value FROM tailguard_meta WHERE name = 'schema_version'") == [(str(SCHEMA_VERSION),)]
     tables = {r[0] for r in _rows(url, "SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
@@ -56,22 +57,22 @@ def test_a_table_tailguard_did_not_create_is_refused(url):
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("CREATE TABLE requests (id INT)")
     with pytest.raises(SchemaError, match="did not create"):
-        RequestStore(url)
+        open_store(url)
 
 
 def test_an_unreachable_database_is_a_clear_error_without_the_password():
     bad = f"postgresql://tailguard:hunter2@127.0.0.1:{free_port()}/nowhere?connect_timeout=3"
     with pytest.raises(StoreUnavailableError, match="cannot connect") as err:
-        RequestStore(bad)
+        open_store(bad)
     assert "hunter2" not in str(err.value) and "***" in str(err.value)
     assert redact_url(bad) == bad.replace("hunter2", "***")
     with pytest.raises(ValueError, match="bad PostgreSQL URL"):
-        RequestStore("postgresql://tailguard@127.0.0.1/db?nonsense_option=1")
+        open_store("postgresql://tailguard@127.0.0.1/db?nonsense_option=1")
 
 
 def test_restart_mid_run_loses_and_duplicates_nothing(cluster, url):
     """The server stops while records stream in and starts again: every record is written exactly once."""
-    s = RequestStore(url, flush_interval=0.01, batch_size=64)
+    s = open_store(url, flush_interval=0.01, batch_size=64)
     assert s.count() == 0  # a read connection from before the restart, pooled: it must be replaced, not reused
     total, restarted = 3000, threading.Event()
 
@@ -102,7 +103,7 @@ def test_restart_mid_run_loses_and_duplicates_nothing(cluster, url):
 
 def test_an_outage_longer_than_the_backlog_drops_and_counts_the_excess(cluster, url):
     dropped: list[int] = []
-    s = RequestStore(url, flush_interval=0.01, max_backlog=100, on_drop=dropped.append)
+    s = open_store(url, flush_interval=0.01, max_backlog=100, on_drop=dropped.append)
     s.put(_tl(0))
     assert s.flush(10)
     cluster.stop("fast")
@@ -118,7 +119,7 @@ def test_an_outage_longer_than_the_backlog_drops_and_counts_the_excess(cluster, 
 
 
 def test_close_during_an_outage_counts_what_it_could_not_write(cluster, url):
-    s = RequestStore(url, flush_interval=0.01)
+    s = open_store(url, flush_interval=0.01)
     cluster.stop("fast")
     try:
         for i in range(20):
@@ -130,7 +131,7 @@ def test_close_during_an_outage_counts_what_it_could_not_write(cluster, url):
 
 
 def test_retention_runs_in_the_database_by_its_clock_and_periodically(url):
-    s = RequestStore(url, retention_days=15, flush_interval=0.01, retention_interval=0.2)
+    s = open_store(url, retention_days=15, flush_interval=0.01, retention_interval=0.2)
     s.put(_tl(1, age_days=16))
     s.put(_tl(2, age_days=14))
     s.put_sample(time.time() - 20 * 86400, 1, 0, 0, 0, 10)
@@ -152,7 +153,7 @@ def test_retention_runs_in_the_database_by_its_clock_and_periodically(url):
 
 def test_gateways_sharing_a_database_agree_on_pseudonyms(url, monkeypatch):
     monkeypatch.delenv(SECRET_ENV, raising=False)
-    a, b = RequestStore(url, flush_interval=0.01), RequestStore(url, flush_interval=0.01)
+    a, b = open_store(url, flush_interval=0.01), open_store(url, flush_interval=0.01)
     assert a.pseudonym("alice") == b.pseudonym("alice") != "alice"
     assert len(_rows(url, "SELECT value FROM tailguard_meta WHERE name = 'pseudonym_key'")) == 1
     a.put(_tl(1, user="alice"))
@@ -161,7 +162,7 @@ def test_gateways_sharing_a_database_agree_on_pseudonyms(url, monkeypatch):
     # Written by two gateways, grouped as one user; the query speaks SQLite's dialect (a bare `user`, `?`).
     assert [r[0] for r in a.query("SELECT request_id FROM requests WHERE user = ? ORDER BY request_id",
                                   (a.pseudonym("alice"),))] == ["req-1", "req-2"]
-    assert RequestStore(url, secret="other").pseudonym("alice") != a.pseudonym("alice")
+    assert open_store(url, secret="other").pseudonym("alice") != a.pseudonym("alice")
     a.close()
     b.close()
 
@@ -215,7 +216,7 @@ def test_serve_command_line_takes_a_postgresql_store(url):
 def test_a_retried_commit_is_not_stored_twice(url):
     """A batch whose commit went through but whose acknowledgement was lost is retried with the same write keys;
     the retry (the INSERT every attempt after the first uses) must leave one row per record."""
-    s = RequestStore(url, flush_interval=0.01)
+    s = open_store(url, flush_interval=0.01)
     row = (*s._row(_tl(1)), uuid.uuid4())
     with psycopg.connect(url, autocommit=True) as conn:
         with conn.cursor() as cur, cur.copy(store_pg._COPY) as copy:  # the first attempt

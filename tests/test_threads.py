@@ -291,7 +291,7 @@ def test_workers_sleep_as_soon_as_a_decode_step_ends(pool, tiny_gguf):
     """Even with a long polling time, the workers stop polling when a step ends: the engine's Python work comes
     next, and polling through it would only take the CPU from the server's other threads."""
     from tailguard.engine.engine import EngineArgs, LLMEngine
-    from tailguard.engine.request import SamplingParams
+    from tailguard.engine.sequence import SamplingParams
 
     engine = LLMEngine(EngineArgs(model=str(tiny_gguf), kv_cache_tokens=512, num_threads=2))
     pool.set_spin_us(1_000_000)

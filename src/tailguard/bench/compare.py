@@ -113,11 +113,12 @@ def print_compare(cmp: dict, console=None) -> None:
         if d["gated"]:
             mark += " (gated)"
         t.add_row(d["metric"].upper(), f"P{d['percentile']:g}", f"{d['a'] * 1e3:.2f}", f"{d['b'] * 1e3:.2f}",
-                  f"{d['delta'] * 1e3:+.2f}", "–" if d["rel"] is None else f"{d['rel'] * 100:+.1f}%",
-                  "–" if not ci else f"[{ci[0] * 1e3:+.2f}, {ci[1] * 1e3:+.2f}]",
-                  "–" if d["p_value"] is None else f"{d['p_value']:.3f}", mark)
+                  f"{d['delta'] * 1e3:+.2f}", "n/a" if d["rel"] is None else f"{d['rel'] * 100:+.1f}%",
+                  "n/a" if not ci else f"[{ci[0] * 1e3:+.2f}, {ci[1] * 1e3:+.2f}]",
+                  "n/a" if d["p_value"] is None else f"{d['p_value']:.3f}", mark)
     console.print(t)
-    console.print(_failed_line(cmp))
+    if _failed_line(cmp):
+        console.print(_failed_line(cmp))
     for k, v in cmp["throughput"].items():
         if v["a"] is not None and v["b"] is not None:
             console.print(f"{k}: {v['a']:.2f} -> {v['b']:.2f} ({(v['rel'] or 0) * 100:+.1f}%)")
@@ -131,7 +132,10 @@ def print_compare(cmp: dict, console=None) -> None:
 
 
 def _failed_line(cmp: dict) -> str:
+    """How many failed requests each run leaves out; empty when neither run had any (nothing to say)."""
     f = cmp.get("failed") or {}
+    if not f.get("a") and not f.get("b"):
+        return ""
     parts = []
     for k in ("a", "b"):
         n = f.get(k, 0)
@@ -140,20 +144,27 @@ def _failed_line(cmp: dict) -> str:
     return "failed requests left out of these percentiles (each an SLO miss): " + ", ".join(parts)
 
 
+def _run_words(r: dict) -> str:
+    """'run tgb-1a2b3c4d "baseline", started 2026-01-02T03:04:05' rather than a Python dict."""
+    label = f' "{r["label"]}"' if r.get("label") else ""
+    started = f", started {str(r['started_at'])[:19].replace('T', ' ')} UTC" if r.get("started_at") else ""
+    return f"run {r.get('id')}{label}{started}"
+
+
 def write_compare_html(cmp: dict, a: dict, b: dict, path: Path) -> Path:
     import plotly.graph_objects as go
     import plotly.offline
 
-    from tailguard.bench.report import CSS, cdf_figure
+    from tailguard.bench.report import CSS, cdf_caption, cdf_figure, sentence
 
     e = html.escape
     rows = []
     for d in cmp["rows"]:
         cls = "fail" if d["regression"] else "pass" if d["improvement"] else ""
         ci = d["ci"]
-        rel = "–" if d["rel"] is None else f"{d['rel'] * 100:+.1f}%"
-        ci_s = "–" if not ci else f"[{ci[0] * 1e3:+.2f}, {ci[1] * 1e3:+.2f}]"
-        p = "–" if d["p_value"] is None else f"{d['p_value']:.3f}"
+        rel = "n/a" if d["rel"] is None else f"{d['rel'] * 100:+.1f}%"
+        ci_s = "n/a" if not ci else f"[{ci[0] * 1e3:+.2f}, {ci[1] * 1e3:+.2f}]"
+        p = "n/a" if d["p_value"] is None else f"{d['p_value']:.3f}"
         mark = "regression" if d["regression"] else "improvement" if d["improvement"] else ""
         rows.append(f"<tr><td class=l>{d['metric'].upper()}</td><td>P{d['percentile']:g}</td>"
                     f"<td>{d['a'] * 1e3:.2f}</td><td>{d['b'] * 1e3:.2f}</td><td class={cls}>{d['delta'] * 1e3:+.2f}</td>"
@@ -173,10 +184,13 @@ def write_compare_html(cmp: dict, a: dict, b: dict, path: Path) -> Path:
     g = cmp["gate"]
     gate = ("<p class=pass>GATE: PASS</p>" if g["pass"] else
             "<p class=fail>GATE: FAIL</p><ul>" + "".join(f"<li>{e(r)}</li>" for r in g["reasons"]) + "</ul>")
-    body = (f"<h1>tailguard bench compare</h1><p class=muted>A = {e(str(cmp['a']))}<br>B = {e(str(cmp['b']))}</p>"
+    body = (f"<h1>tailguard bench compare</h1><p class=muted>A = {e(_run_words(cmp['a']))}<br>"
+            f"B = {e(_run_words(cmp['b']))}</p>"
             + gate + "<table><tr><th class=l>metric</th><th>pct</th><th>A ms</th><th>B ms</th><th>delta ms</th>"
             "<th>rel</th><th>95% CI ms</th><th>p</th><th></th></tr>" + "".join(rows) + "</table>"
-            + f"<p class=muted>{e(_failed_line(cmp))}</p>" + fig.to_html(full_html=False, include_plotlyjs=False, div_id="fig-compare")
+            + (f"<p class=muted>{e(sentence(_failed_line(cmp)))}</p>" if _failed_line(cmp) else "")
+            + fig.to_html(full_html=False, include_plotlyjs=False, div_id="fig-compare")
+            + cdf_caption([("A", a), ("B", b)])
             + cdf_figure(a, b, ("A", "B")).to_html(full_html=False, include_plotlyjs=False, div_id="fig-cdf"))
     doc = ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>tailguard bench compare</title>"
            f"<style>{CSS}</style><script>{plotly.offline.get_plotlyjs()}</script></head><body>{body}</body></html>")

@@ -1,7 +1,7 @@
-"""SLO verdicts of a bench run (requirement S1), goodput, and the golden-rule advisories (S5).
+"""SLO verdicts of a bench run, goodput, and the golden-rule advisories.
 
 The profiles are the live monitor's (:mod:`tailguard.slo.profiles`): one model, one set of built-ins, one YAML file
-for ``tailguard serve`` and ``tailguard bench``. Built in, from the seed:
+for ``tailguard serve`` and ``tailguard bench``. Built in:
 
 * ``baseline``: E2E P50 <= 450 ms, P95 <= 1.2 s, P99 <= 2 s; errors < 0.5%.
 * ``advanced``: baseline, plus TTFT P99 <= 350 ms (mobile clients <= 300 ms and the VIP lane <= 200 ms, which a
@@ -11,7 +11,7 @@ for ``tailguard serve`` and ``tailguard bench``. Built in, from the seed:
   requests of business type ``finance`` / ``medical``; a run with no business types is held to the finance bound
   as a whole).
 
-The seed does not say which latency its baseline percentiles are of; we read them as E2E (the request's latency as
+The baseline's percentiles do not say which latency they are of; we read them as E2E (the request's latency as
 the user waits for it) and say so. The bench judges TTFT, ITL, TPOT and E2E objectives that select on business
 type only, the error and degradation rates and the long-context decay; it names the objectives it cannot judge.
 Custom profiles come from YAML (see ``load_profiles``): the monitor's shape, or the bench's own shape
@@ -19,6 +19,8 @@ Custom profiles come from YAML (see ``load_profiles``): the monitor's shape, or 
 
 A verdict compares the point estimate with the threshold and says whether the bootstrap CI agrees: "pass" with the
 whole CI under the threshold is certain; a CI that straddles it is "uncertain" (more requests would settle it).
+Where the objective's sample is the one the percentile table describes (every measured request, none failed), the
+verdict reuses that table's value and CI (``shared``), so that one figure has one CI wherever it is shown.
 Goodput: completed requests per second that met every per-request bound of the profile (its ``request_bounds``,
 or by default each judged metric's highest-percentile threshold per business type). A failed, cut-off or refused
 (429) request is a miss everywhere: it enters each percentile objective in its scope above any threshold, and it is
@@ -36,7 +38,15 @@ from typing import Any
 import numpy as np
 
 from tailguard.bench.metrics import RequestMetrics
-from tailguard.bench.stats import Bootstrap, missed, with_misses
+from tailguard.bench.stats import (
+    SAMPLE_RULE,
+    Bootstrap,
+    enough_samples,
+    min_samples,
+    missed,
+    pkey,
+    with_misses,
+)
 from tailguard.slo.profiles import (
     BUILTIN_PROFILES,
     Metric,
@@ -63,6 +73,8 @@ __all__ = [
     "load_profiles",
     "meets_bounds",
     "parse_seconds",
+    "plain_objective",
+    "plain_words",
     "profile_from_dict",
     "slowest",
 ]
@@ -86,6 +98,51 @@ def describe(p: SLOProfile, o: Objective) -> str:
     bts = p.business_types_of(o)
     scope = f" [{'/'.join(bts)}]" if bts else ""
     return f"{o.metric.value.upper()} P{o.percentile:g} <= {_fmt_s(o.threshold)}{scope}"
+
+
+# Words from the private requirement catalogue that the built-in profiles' descriptions carry; users never read that
+# catalogue, so the bench names each thing by what it is.
+_INSIDER_PHRASES = (
+    (re.compile(r"\bthe seed's baseline\b", re.I), "the baseline SLO profile"),
+    (re.compile(r"\bthe seed's advanced tier\b", re.I), "the advanced SLO profile"),
+    (re.compile(r"\bthe seed's strict scenarios\b", re.I), "the strict SLO profile"),
+    (re.compile(r"\bthe seed's (?:decision |selection )?tree\b", re.I), "the advisor's decision tree"),
+    (re.compile(r"\bthe seed's golden rules?\b", re.I), "the golden rules"),
+    (re.compile(r"\bthe seed's\s+", re.I), "the built-in "),
+    (re.compile(r"\s*\(seed's golden rule\)", re.I), ""),
+    (re.compile(r"\bstart the optimization plan now\b", re.I), "plan improvements now"),
+    (re.compile(r"\bmake an improvement plan within 24 h\b", re.I), "plan improvements within a day"),
+    # requirement codes: "(L1)", "(S1/S2)", ", M2)"
+    (re.compile(r"\s*\((?:requirement\s+)?[A-Z][0-9](?:\s*[/,]\s*[A-Z][0-9])*\)"), ""),
+    (re.compile(r",\s*[A-Z][0-9]\b(?=\s*[):])"), ""),
+)
+
+
+def plain_words(text: str) -> str:
+    """``text`` without catalogue codes and insider names, e.g. "the seed's baseline" -> "the baseline SLO profile"."""
+    for pattern, plain in _INSIDER_PHRASES:
+        text = pattern.sub(plain, text)
+    return text
+
+
+_METRIC_WORDS = {"ttft": "TTFT", "itl": "ITL", "tpot": "TPOT", "e2e": "E2E", "queue_wait": "queue wait"}
+
+
+def plain_objective(p: SLOProfile, o: Objective) -> str:
+    """An objective in words, whether or not the bench judges it: "TTFT P99 <= 300 ms for mobile clients"."""
+    if o.name:
+        return o.name
+    if not (o.is_latency and o.percentile is not None and o.threshold is not None):
+        return o.label.replace("_", " ")
+    metric = _METRIC_WORDS.get(o.metric.value, o.metric.value.replace("_", " "))
+    w = o.where
+    scope = [f"{'/'.join(p.business_types_of(o) or w.business_types)} requests" if w.business_types else "",
+             f"{'/'.join(w.clients)} clients" if w.clients else "",
+             f"the {'/'.join(w.lanes)} lane" if w.lanes else "",
+             f"region {'/'.join(w.regions)}" if w.regions else "",
+             "peak hours" if w.peak_only else ""]
+    where = ", ".join(x for x in scope if x)
+    return f"{metric} P{o.percentile:g} <= {_fmt_s(o.threshold)}" + (f" for {where}" if where else "")
 
 
 def judged_objectives(p: SLOProfile) -> tuple[list[Objective], list[str]]:
@@ -293,8 +350,22 @@ def meets_bounds(m: RequestMetrics, p: SLOProfile, unlabelled_run: bool,
     return True
 
 
+def _shared_percentile(shared: dict | None, metric: str, q: float, n_values: int) -> dict | None:
+    """The percentile table's entry for this figure, when it describes exactly the objective's sample."""
+    if not shared:
+        return None
+    d = shared.get(metric) or {}
+    entry = (d.get("percentiles") or {}).get(pkey(q))
+    # the same count of the same requests' values: the table's sample is every completed request, so is this one
+    if entry is None or d.get("count") != n_values or d.get("failures_at_timeout"):
+        return None
+    return entry
+
+
 def evaluate(p: SLOProfile, measured: list[RequestMetrics], window: float, reps: int = 1000, seed: int = 0,
-             degraded: int | None = None) -> dict:
+             degraded: int | None = None, shared: dict | None = None) -> dict:
+    """The profile's verdict on ``measured``. ``shared``: the run's percentile table (``metrics`` of the results);
+    an objective over the same sample takes its value and CI from there instead of bootstrapping again."""
     ok = [m for m in measured if m.ok]
     unlabelled = all(not m.business_type for m in measured)
     checks: list[dict] = []
@@ -311,9 +382,19 @@ def evaluate(p: SLOProfile, measured: list[RequestMetrics], window: float, reps:
             c.update(status="n/a", value_s=None, ci_s=None, note="no requests in scope")
             checks.append(c)
             continue
-        bs = Bootstrap(vals, owner, (o.percentile,), reps, seed)
-        v = bs.point[o.percentile]
-        ci = bs.ci(o.percentile)
+        whole_run = len(rows) == len(measured) and len(good_rows) == len(rows)
+        entry = _shared_percentile(shared, o.metric.value, o.percentile, len(vals)) if whole_run else None
+        if entry is not None and entry.get("value") is not None:
+            v = entry["value"]
+            ci = tuple(entry["ci"]) if entry.get("ci") else None
+            c["ci_from"] = "percentile table"
+        else:
+            bs = Bootstrap(vals, owner, (o.percentile,), reps, seed)
+            v = bs.point[o.percentile]
+            ci = bs.ci(o.percentile)
+        c["samples"] = len(vals)
+        c["min_samples"] = min_samples(o.percentile)
+        c["enough_samples"] = enough_samples(len(vals), o.percentile)
         passed = v <= o.threshold
         certain = ci is not None and (ci[1] <= o.threshold if passed else ci[0] > o.threshold)
         c.update(status="pass" if passed else "fail", value_s=None if missed(v) else v,
@@ -323,6 +404,10 @@ def evaluate(p: SLOProfile, measured: list[RequestMetrics], window: float, reps:
             c["note"] = f"P{o.percentile:g} falls on failed requests ({c['failed_in_scope']} in scope count as misses)"
         elif not certain:
             c["note"] = "the threshold lies inside the confidence interval: more requests would settle it"
+        if not c["enough_samples"]:
+            few = (f"only {len(vals)} samples: P{o.percentile:g} needs at least {c['min_samples']} for a tail "
+                   "estimate (at least one sample beyond it)")
+            c["note"] = f"{c['note']}; {few}" if c.get("note") else few
         checks.append(c)
     if p.max_error_rate is not None:
         n = len(measured)
@@ -346,13 +431,18 @@ def evaluate(p: SLOProfile, measured: list[RequestMetrics], window: float, reps:
     bounds = bench_bounds(p)
     good = sum(1 for m in ok if meets_bounds(m, p, unlabelled, bounds))
     statuses = [c["status"] for c in checks]
-    description = p.description
+    about = plain_words(p.description)
+    not_judged_words = [plain_objective(p, o) for o in p.objectives if o.label in not_judged]
+    description = about
     if not_judged:  # said, not silently dropped
         description = f"{description} (not judged by the bench: {', '.join(not_judged)})".strip()
     return {
         "profile": p.name,
         "description": description,
+        "about": about,
         "not_judged": not_judged,
+        "not_judged_described": not_judged_words,
+        "sample_rule": SAMPLE_RULE,
         "pass": "fail" not in statuses and "pass" in statuses,
         "evaluated": sum(1 for s in statuses if s != "n/a"),
         "checks": checks,
@@ -394,15 +484,16 @@ def _long_context(rule: Objective, ok: list[RequestMetrics]) -> dict:
     return c
 
 
-# --- golden rules (S5) ---------------------------------------------------------------------------------------
+# --- golden rules ---------------------------------------------------------------------------------------------
 
 def golden_rules(metrics: dict, names=("e2e", "ttft")) -> list[dict]:
-    """P99 > 3 x P50 (start the optimization plan now) and P99 > 1.5 x P95 (plan within 24 h), as advisories.
+    """P99 > 3 x P50 (plan improvements now) and P99 > 1.5 x P95 (plan improvements within a day), as advisories.
 
     These ratios fire on healthy lognormal traffic (a lognormal of sigma 0.5 already has P99/P50 = 3.2), so each
     advisory is calibrated: the body of the distribution (P50, P90) is fitted with a lognormal, and the advisory is
     a *warning* only when the observed P99 is also well above what that body predicts (a real tail); otherwise it is
-    *info*: the spread is wide but the tail is what such a body implies.
+    *info*: the spread is wide but the tail is what such a body implies, and the action says so rather than urging
+    a fix of a tail that is not there.
     """
     out = []
     for name in names:
@@ -416,19 +507,26 @@ def golden_rules(metrics: dict, names=("e2e", "ttft")) -> list[dict]:
         sigma = math.log(p90 / p50) / 1.2815515655446004 if p90 > p50 else 0.0
         predicted_p99 = p50 * math.exp(2.3263478740408408 * sigma)
         heavy = p99 > 1.25 * predicted_p99
-        for ratio, limit, action, rule in ((p99 / p50, 3.0, "start the optimization plan now", "P99 > 3 x P50"),
-                                           (p99 / p95 if p95 else float("nan"), 1.5, "make an improvement plan "
-                                            "within 24 h", "P99 > 1.5 x P95")):
+        for ratio, limit, urgency, rule in ((p99 / p50, 3.0, "now", "P99 > 3 x P50"),
+                                            (p99 / p95 if p95 else float("nan"), 1.5, "within a day",
+                                             "P99 > 1.5 x P95")):
             fired = ratio > limit
+            if not fired:
+                action = note = None
+            elif heavy:  # a real tail: the slowest requests are slower than the typical ones' spread explains
+                action = f"Plan improvements {urgency}: find what makes the slowest requests slow"
+                note = (f"The tail is heavier than the body predicts: P99 is {(p99 / predicted_p99 - 1) * 100:.0f}% "
+                        "above a lognormal fit of P50 and P90.")
+            else:  # wide, but no separate tail: urging a tail fix here would contradict the evidence
+                action = "No tail to chase: to narrow the spread, make the typical request faster"
+                note = ("The ratio is what a lognormal body of this spread implies: the latencies vary widely, "
+                        "but the slowest requests are not anomalous.")
             out.append({
                 "metric": name, "rule": rule, "ratio": ratio, "limit": limit, "fired": fired,
                 "severity": ("warning" if heavy else "info") if fired else "ok",
-                "action": action if fired else None,
+                "action": action,
                 "lognormal_predicted_p99_s": predicted_p99, "observed_p99_s": p99,
-                "note": (("the tail is heavier than the body predicts (P99 %.0f%% above a lognormal fit of P50/P90)"
-                          % ((p99 / predicted_p99 - 1) * 100)) if heavy else
-                         "the ratio is what a lognormal body of this spread implies: wide, not an anomalous tail")
-                if fired else None,
+                "note": note,
             })
     return out
 

@@ -29,7 +29,7 @@ class ReplayError(Exception):
 def fetch_record(request_id: str, source: str | None = None, store: str | None = None,
                  admin_key: str | None = None) -> dict[str, Any]:
     if store:
-        from tailguard.observe.store import open_store
+        from tailguard.observe.stores import open_store
 
         st = open_store(store)
         try:

@@ -224,12 +224,40 @@ async def execute(cfg: BenchConfig, workload=None, tokenizer=None, plan: LoadPla
     return results, ms
 
 
-def _health(outcome: LoadOutcome, plan: LoadPlan) -> tuple[dict, list[str]]:
+# The bench's own delays distort what it measures in proportion to it: 6 ms of send lag is noise on 13 s latencies
+# and half of a 12 ms TTFT. A delay counts once its P99 exceeds this share of the median latency it lands in.
+DISTORTION_SHARE = 0.10
+DELAY_FLOOR_S = 0.001  # below a millisecond no latency a person reads changes
+CPU_LIMIT = 0.90  # of one core: the event loop runs on one, and near it every timestamp waits
+HEALTH_RULE = (f"The bench counts as a bottleneck when a delay of its own (P99 send lag, P99 event-loop lag) "
+               f"exceeds {DISTORTION_SHARE:.0%} of the median TTFT it lands in (and 1 ms), when it used more than "
+               f"{CPU_LIMIT:.0%} of a CPU core, or when its in-flight cap held back sends.")
+
+
+def _median_latency(metrics: dict, name: str) -> float | None:
+    v = (((metrics.get(name) or {}).get("percentiles") or {}).get("p50") or {}).get("value")
+    return float(v) if v else None  # 0 (all zero ITL gaps) is no scale to judge against
+
+
+def _fmt_s(x: float) -> str:
+    """Seconds for a sentence, 3 significant figures: 0.0061 -> '6.1 ms', 13.2 -> '13.2 s'."""
+    if x < 1e-3:
+        return f"{x * 1e6:.3g} µs"
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
+def _share(x: float) -> str:
+    return f"{x * 100:.2g}%" if x < 0.1 else f"{x * 100:.0f}%"
+
+
+def _health(outcome: LoadOutcome, plan: LoadPlan, metrics: dict | None = None) -> tuple[dict, list[str]]:
+    """The bench's own health, judged against the latencies it measured (``metrics``: the percentile table)."""
+    metrics = metrics or {}
     warnings: list[str] = []
     lag = outcome.send_lag
     loop_lag = outcome.loop_lag
     cpu = outcome.cpu_seconds / outcome.wall_seconds if outcome.wall_seconds > 0 else 0.0
-    h = {
+    h: dict[str, Any] = {
         "send_lag_s": {"p50": float(np.percentile(lag, 50)) if lag.size else None,
                        "p99": float(np.percentile(lag, 99)) if lag.size else None,
                        "max": float(lag.max()) if lag.size else None},
@@ -241,24 +269,94 @@ def _health(outcome: LoadOutcome, plan: LoadPlan) -> tuple[dict, list[str]]:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
     }
-    bottleneck = False
-    if lag.size and plan.mode == "open" and np.percentile(lag, 99) > 0.005:
-        bottleneck = True
-        warnings.append(f"the bench fell behind its own schedule: send lag P99 {np.percentile(lag, 99) * 1e3:.1f} ms "
-                        "(latencies are measured from the intended send, so the lag is in them)")
-    if loop_lag.size and np.percentile(loop_lag, 99) > 0.010:
-        bottleneck = True
-        warnings.append(f"the bench's event loop lagged (P99 {np.percentile(loop_lag, 99) * 1e3:.1f} ms): its "
-                        "timestamps may be late by that much")
-    if cpu > 0.9:
-        bottleneck = True
-        warnings.append(f"the bench used {cpu * 100:.0f}% of a CPU core: it may be the bottleneck; run fewer "
-                        "streams per bench process")
-    if outcome.inflight_waits:
-        bottleneck = True
-        warnings.append(f"the in-flight cap ({plan.max_inflight}) held back {outcome.inflight_waits} sends")
+    # every TTFT and E2E starts at the intended send: the send lag and the loop's lag are inside them
+    scale_name = "TTFT" if _median_latency(metrics, "ttft") else "E2E"
+    scale = _median_latency(metrics, "ttft") or _median_latency(metrics, "e2e")
+    per_token = _median_latency(metrics, "tpot") or _median_latency(metrics, "itl")
+    checks: list[dict] = []
+    for key, label in (("send_lag_s", "send lag"), ("event_loop_lag_s", "event-loop lag")):
+        p99 = h[key]["p99"]
+        if p99 is None:
+            continue
+        share = p99 / scale if scale else None
+        bad = p99 > DELAY_FLOOR_S and (share is None or share > DISTORTION_SHARE)
+        checks.append({"check": label, "value_s": p99, "against": f"median {scale_name}", "against_s": scale,
+                       "share": share, "limit_share": DISTORTION_SHARE, "bottleneck": bool(bad)})
+    checks.append({"check": "CPU", "value": cpu, "limit": CPU_LIMIT, "bottleneck": cpu > CPU_LIMIT})
+    checks.append({"check": "in-flight cap", "value": outcome.inflight_waits, "limit": 0,
+                   "bottleneck": outcome.inflight_waits > 0})
+    h["checks"] = checks
+    bottleneck = any(c["bottleneck"] for c in checks)
+    why_lag = (f"the bench used {_share(cpu)} of a CPU core, so the delay came from its machine (other processes, "
+               "the scheduler), not from its own work" if cpu <= CPU_LIMIT / 2 else
+               f"the bench used {_share(cpu)} of a CPU core: run fewer streams per bench process")
+    for c in checks:
+        if not c["bottleneck"]:
+            continue
+        if c["check"] in ("send lag", "event-loop lag"):
+            against = (f", {_share(c['share'])} of the {c['against']} ({_fmt_s(c['against_s'])})"
+                       if c["share"] is not None else "")
+            what = ("the bench sent requests late" if c["check"] == "send lag" else
+                    "the bench's event loop ran late, so its timestamps are late")
+            warnings.append(f"{what}: {c['check']} P99 {_fmt_s(c['value_s'])}{against}; the measured latencies "
+                            f"include that delay ({why_lag})")
+        elif c["check"] == "CPU":
+            warnings.append(f"the bench used {_share(cpu)} of a CPU core: it may be the bottleneck; run fewer "
+                            "streams per bench process")
+        else:
+            warnings.append(f"the in-flight cap ({plan.max_inflight}) held back {outcome.inflight_waits} sends: the "
+                            "offered load was not delivered as planned")
+    loop99 = h["event_loop_lag_s"]["p99"]
+    if loop99 is not None and per_token and loop99 > DELAY_FLOOR_S and loop99 > DISTORTION_SHARE * per_token:
+        # not a bottleneck of the run, but the gaps between tokens are small enough for the loop's lag to blur them
+        h["token_timing_blurred"] = True
+        warnings.append(f"the bench's event loop lagged up to {_fmt_s(loop99)} (P99), {_share(loop99 / per_token)} "
+                        f"of the median time per output token ({_fmt_s(per_token)}): the ITL tail partly shows "
+                        "the bench's own delay")
     h["bench_is_bottleneck"] = bottleneck
+    h["rule"] = HEALTH_RULE
+    h["verdict"] = _health_verdict(h, scale, scale_name)
     return h, warnings
+
+
+def _health_verdict(h: dict, scale: float | None, scale_name: str) -> str:
+    """The bench's health in one or two plain sentences."""
+    parts = []
+    for c in h["checks"]:
+        if c["check"] in ("send lag", "event-loop lag"):
+            rel = (f" ({_share(c['share'])} of the median {scale_name}, {_fmt_s(scale)})" if c["share"] is not None
+                   else "")
+            parts.append(f"{c['check']} P99 {_fmt_s(c['value_s'])}{rel}")
+    parts.append(f"{_share(h['cpu_util'])} of a CPU core used")
+    caps = h["inflight_cap_hits"]
+    parts.append("no send held back by the in-flight cap" if not caps else f"{caps} sends held back by the cap")
+    facts = "; ".join(parts)
+    if h["bench_is_bottleneck"]:
+        bad = ", ".join(c["check"] for c in h["checks"] if c["bottleneck"])
+        return f"The bench may have distorted these latencies ({bad}): {facts}."
+    return f"The bench kept up: its own delays are small next to the latencies it measured ({facts})."
+
+
+def saturation_warning(summary: dict, metrics: dict, offered: float) -> str | None:
+    """A warning when the server fell behind the offered rate, else None.
+
+    The run's window ends with the last answer, one latency after the last send: completions over the whole window
+    would read as "behind" whenever latencies are long next to the run (18 requests at 0.2 req/s with 13 s
+    latencies). So the rate at which the server completed requests is taken over the window less one median E2E.
+    """
+    completed = summary["requests"]["completed"]
+    window = summary.get("duration_s") or 0.0
+    if not completed or not offered or not np.isfinite(offered) or window <= 0:
+        return None
+    e2e50 = _median_latency(metrics, "e2e") or 0.0
+    serving = window - e2e50 if window - e2e50 > 0 else window
+    served = completed / serving
+    summary["throughput"]["completed_while_offered_per_s"] = served
+    if served >= 0.9 * offered:
+        return None
+    return (f"the server completed {served:.3g} req/s while {offered:.3g} req/s were offered: it fell behind, so "
+            "its queues grew during the run and later requests waited longer (lower the rate to find what it "
+            "sustains)")
 
 
 def _by_language(ms) -> dict:
@@ -294,8 +392,10 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
     pairs = [(m, r) for m, r in zip(ms, outcome.results) if not m.warmup]
     terr = timing_error(pairs)
     profiles = load_profiles(list(cfg.profiles))
-    slo = {p.name: evaluate(p, agg.measured, agg.window, cfg.bootstrap, cfg.seed) for p in profiles}
-    health, warnings = _health(outcome, plan)
+    # the verdicts reuse the percentile table's CIs where they judge the same sample: one figure, one CI
+    slo = {p.name: evaluate(p, agg.measured, agg.window, cfg.bootstrap, cfg.seed, shared=agg.metrics)
+           for p in profiles}
+    health, warnings = _health(outcome, plan, agg.metrics)
     s = agg.summary
     if s["requests"]["failed"]:
         kinds = ", ".join(f"{k} x{v}" for k, v in s["errors_by_kind"].items())
@@ -306,9 +406,9 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
     if plan.mode == "open" and plan.offsets is not None and len(plan.offsets) > 1 and s["throughput"]["requests_per_s"]:
         offered = arrivals.achieved_rate(np.asarray(plan.offsets[: s["requests"]["sent"]]))
         s["throughput"]["offered_requests_per_s"] = offered
-        if s["throughput"]["requests_per_s"] < 0.9 * offered:
-            warnings.append(f"the server completed {s['throughput']['requests_per_s']:.1f} req/s of the "
-                            f"{offered:.1f} req/s offered: it is saturated, queues grow with time")
+        behind = saturation_warning(s, agg.metrics, offered)
+        if behind:
+            warnings.append(behind)
     if plan.mode == "closed":
         warnings.append("closed loop: each stream waits for its previous answer, so a slow server slows the offered "
                         "load too; for tail latency under a fixed offered load use --rate")
@@ -333,7 +433,7 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
                         f"(up to {c['max_tokens_per_chunk']}): each adds k-1 zero gaps to ITL")
     if stages["mode"] in ("client", "llama.cpp"):
         warnings.append("stage split: " + "; ".join(stages["cannot_split"]) + " cannot be split")
-    # L1: tokenization cost per language, on up to 40 prompts of each language of this run
+    # tokenization cost per language, on up to 40 prompts of each language of this run
     texts: dict[str, list[str]] = {}
     for m, r in zip(ms, outcome.results):
         spec = r.spec

@@ -181,10 +181,12 @@ def stage_report(measured: list[RequestMetrics]) -> dict:
         "mean_s": {k: float(mean[j]) for j, k in enumerate(names)},
         "share_of_e2e": {k: float(share[j]) for j, k in enumerate(names)},
         "p99_band_mean_s": {k: float(mat[p99_sel, j].mean()) for j, k in enumerate(names)},
+        "p99_band_requests": int(p99_sel.sum()),  # how few requests the "slowest 1%" figures rest on
         "bands": bands,
         "over_20_percent": [k for j, k in enumerate(names) if share[j] > 0.20],
         "cannot_split": CANNOT_SPLIT[mode],
-        "note": "stages add up to the client's E2E for every request; network/client = client E2E - server E2E",
+        "note": "The stages add up to the client's E2E for every request; network/client is the client's E2E minus "
+                "the server's",
     }
 
 

@@ -9,6 +9,8 @@ costs O(n) and no sort.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 PERCENTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
@@ -18,6 +20,23 @@ DEFAULT_BOOTSTRAP = 1000
 def pkey(q: float) -> str:
     """50 -> 'p50', 99.9 -> 'p99.9'."""
     return f"p{q:g}"
+
+
+def min_samples(q: float) -> int:
+    """The fewest samples for which at least one lies beyond percentile ``q``: P99 needs 100, P99.9 needs 1000.
+
+    With fewer, the interpolated "P99" sits between the two largest values: it describes the few slowest requests
+    seen, not the tail of the distribution.
+    """
+    return max(1, math.ceil(round(100.0 / (100.0 - q), 9))) if q < 100 else 1
+
+
+def enough_samples(n: int, q: float) -> bool:
+    return n >= min_samples(q)
+
+
+SAMPLE_RULE = ("a percentile Pq needs at least 100 / (100 - q) samples, so that at least one lies beyond it: "
+               "P90 needs 10, P95 20, P99 100, P99.9 1000")
 
 
 def percentile(values, q: float) -> float:
@@ -81,6 +100,8 @@ class Bootstrap:
                 "ci": [_f(ci[0]), _f(ci[1])] if ci else None,
                 # how many samples lie beyond this percentile: below ~5 its estimate rests on a handful of requests
                 "samples_beyond": int(round(self.n * (1 - q / 100.0))),
+                "min_samples": min_samples(q),
+                "enough_samples": enough_samples(self.n, q),
             }
         return out
 

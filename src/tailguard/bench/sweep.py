@@ -25,6 +25,7 @@ def _summary(rate: float, res: dict, profile: str) -> dict:
             "achieved_rps": res["summary"]["throughput"]["requests_per_s"],
             "error_rate": res["summary"]["error_rate"],
             "failed": res["summary"]["requests"]["failed"],  # left out of the percentiles above, misses in the verdict
+            "requests": res["summary"]["requests"]["completed"],  # the sample size behind this step's percentiles
             "failed_checks": [c["objective"] for c in v["checks"] if c["status"] == "fail"]}
 
 

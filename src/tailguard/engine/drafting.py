@@ -5,7 +5,7 @@ write their K/V through the sequence's own block table, so the blocks the verifi
 draft used (the engine reserves them before drafting):
 
 - **self**: the first k layers of the target (k chosen so that they hold about a quarter of the layer parameters, the
-  seed's rule) read out through the target's final norm and a head of their own: the target's output matrix cut to
+  advised size) read out through the target's final norm and a head of their own: the target's output matrix cut to
   the most frequent tokens (BPE ids are merge-ordered, so low ids are the common tokens; the full 49,152-row head
   reads as many bytes as 13 layers). Without a trained head this early exit guesses poorly on SmolLM2-135M (about 3%
   of guesses accepted at k = 8 of 30 layers, 25% at 24; docs/speculative.md): the adaptive policy then pauses it.
@@ -15,7 +15,7 @@ draft used (the engine reserves them before drafting):
 - **draft:PATH**: a smaller model with the same tokenizer, with its own KV cache over the same block ids. It catches
   up on positions it has not seen (the prompt, the target's bonus tokens) before guessing.
 
-The verification makes the output exact whatever the draft guesses (runner.py); a draft only changes speed.
+The verification makes the output exact whatever the draft guesses (torch_runner.py); a draft only changes speed.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ import torch
 from tailguard.engine.blocks import BlockTable
 from tailguard.engine.kernels import GROUP_ROWS, INTERLEAVED_FORMATS, PackedMatrix
 from tailguard.engine.loader import load_gguf
-from tailguard.engine.model import Linear, LlamaModel
-from tailguard.engine.request import Sequence
-from tailguard.engine.runner import ModelRunner
 from tailguard.engine.scheduler import ScheduledChunk
+from tailguard.engine.sequence import Sequence
+from tailguard.engine.torch_model import Linear, LlamaModel
+from tailguard.engine.torch_runner import ModelRunner
 
-# Share of the target's layer parameters the self-draft keeps (the seed: a draft about 1/4 of the target).
+# Share of the target's layer parameters the self-draft keeps (the recommended draft: about 1/4 of the target).
 SELF_DRAFT_LAYER_SHARE = 0.25
 # Output rows the self-draft's head keeps: a third of the full head's cost; the measured acceptance was no lower
 # than with all 49,152 rows (benchmarks/speculative.py's prompts).

@@ -15,29 +15,30 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tailguard.engine import kernels
 from tailguard.engine.blocks import BlockPool
 from tailguard.engine.events import EngineStats, TokenEvent
 from tailguard.engine.internals import DEFAULT_DECODE_EVERY, DEFAULT_MAX_STEPS, InternalsSampler
 from tailguard.engine.internals import check_settings as check_internals
-from tailguard.engine.lean import (
+from tailguard.engine.kv_layout import (
     CPU,
     DEFAULT_ATTENTION_SLICE_TOKENS,
-    LeanModel,
-    LeanRunner,
+    Device,
     decode_step_fits,
     kv_rotated,
 )
-from tailguard.engine.lean_sampling import SampledToken
 from tailguard.engine.loader import load_gguf, write_tiny_gguf
 from tailguard.engine.memory import bound_heap_retention, format_bytes, parse_budget, release_free_heap
 from tailguard.engine.model_store import cache_dir, resolve_model_path
-from tailguard.engine.request import (
+from tailguard.engine.native_runner import NativeModel, NativeRunner
+from tailguard.engine.sampling import SampledToken
+from tailguard.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from tailguard.engine.sequence import (
     EngineClosed,
     FinishReason,
     RequestError,
@@ -46,9 +47,13 @@ from tailguard.engine.request import (
     SequenceFailed,
     SequenceStatus,
 )
-from tailguard.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from tailguard.engine.speculative import SpeculationPolicy, make_proposer
+from tailguard.engine.speculative import BatchProposer, Proposer, SpeculationPolicy, make_proposer
 from tailguard.engine.tokenizer import GGUFTokenizer, IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+    from tailguard.engine.torch_model import LlamaModel
 
 logger = logging.getLogger("tailguard.engine")
 
@@ -73,7 +78,7 @@ class EngineArgs:
     # perplexity -0.04% against float32's, interval -0.17..+0.09%, benchmarks/fidelity.py), float16 elsewhere |
     # float16 | float32 | int8
     kv_cache_dtype: str = "auto"
-    # auto: the lean runner (engine/lean.py: the C step hosted by numpy; torch is not imported until a step needs it)
+    # auto: the lean runner (engine/native_runner.py: the C step hosted by numpy; torch is not imported until a step needs it)
     # wherever it can run (native weights on the CPU, no speculative decoding, no sampled internals) | lean | torch
     runner: str = "auto"
     max_model_len: int | None = None  # defaults to the model's context length, clamped to what the KV cache holds
@@ -157,7 +162,7 @@ def resolve_kv_dtype(name: str, weight_format: str = "float32", head_dim: int = 
 
 
 def resolve_device(name: str = "auto") -> Any:
-    """lean.CPU, or a torch device. auto: CUDA where torch sees a GPU; torch is asked only where a GPU driver (NVIDIA's
+    """kv_layout.CPU, or a torch device. auto: CUDA where torch sees a GPU; torch is asked only where a GPU driver (NVIDIA's
     or ROCm's) is installed, so that a CPU machine never imports it for the question."""
     gpu_driver = any(Path(p).exists() for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd"))  # NVIDIA, ROCm
     if name == "cpu" or (name == "auto" and not gpu_driver):
@@ -183,7 +188,8 @@ class LLMEngine:
         if args.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, not {args.runner!r}")
         self.args = args
-        proposer = make_proposer(args.speculative)  # a bad value fails before the model loads
+        # a bad value fails before the model loads
+        proposer: Proposer | BatchProposer | None = make_proposer(args.speculative)
         check_internals(args.internals_sample_rate, args.internals_decode_every, args.internals_max_steps)
         if args.speculative != "off" and (args.num_speculative_tokens < 1 or args.speculative_max_running < 1):
             raise ValueError("num_speculative_tokens and speculative_max_running must be at least 1")
@@ -210,18 +216,19 @@ class LLMEngine:
         if self.lean:
             if args.num_threads:
                 kernels.set_num_threads(args.num_threads)
-            self.device = CPU
-            self.model = LeanModel(weights)
+            self.device: Device | torch.device = CPU
+            self.model: NativeModel | LlamaModel = NativeModel(weights)
             self.kv_dtype: Any = kv_name
         else:
             import torch
 
-            from tailguard.engine.model import LlamaModel
+            from tailguard.engine.torch_model import LlamaModel
 
             if args.num_threads:
                 torch.set_num_threads(args.num_threads)
-            self.device = device if device is not CPU else torch.device("cpu")
-            self.model = LlamaModel(weights, self.weight_format, self.device)
+            torch_device = device if device is not CPU else torch.device("cpu")
+            self.device = torch_device
+            self.model = LlamaModel(weights, self.weight_format, torch_device)
             self.kv_dtype = getattr(torch, kv_name)
         self.model.attention_slice_tokens = args.attention_slice_tokens
         per_token = self.model.kv_bytes_per_token(self.kv_dtype)
@@ -256,10 +263,13 @@ class LLMEngine:
             self.pool,
         )
         if self.lean:
-            self.runner: Any = LeanRunner(self.model, num_blocks, args.block_size, kv_name, args.num_threads)
+            assert isinstance(self.model, NativeModel)  # lean: the C step's model
+            self.runner: Any = NativeRunner(self.model, num_blocks, args.block_size, kv_name, args.num_threads)
         else:
-            from tailguard.engine.runner import ModelRunner
+            from tailguard.engine.torch_model import LlamaModel
+            from tailguard.engine.torch_runner import ModelRunner
 
+            assert isinstance(self.model, LlamaModel)  # not lean: the torch model
             self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.kv_dtype)
         if args.speculative == "self":
             from tailguard.engine.drafting import make_self_draft
@@ -342,7 +352,9 @@ class LLMEngine:
             return None
         self.scheduler.finish(tracked.seq, FinishReason.ABORT)
         self.runner.release(request_id)
-        return self._final_event(tracked, "", tracked.seq.times.finished)
+        finished = tracked.seq.times.finished
+        assert finished is not None  # Scheduler.finish stamps it
+        return self._final_event(tracked, "", finished)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -378,7 +390,7 @@ class LLMEngine:
     # --- the step -------------------------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         spec = self.speculation
-        draft_for = None
+        draft_for: Callable[[Sequence], list[int]] | None = None
         if spec is not None and spec.batch_speculates(len(self.scheduler.running)):
             if spec.batched:
                 # A draft model guesses for the whole step at once, before scheduling; one block per running
@@ -647,7 +659,7 @@ class AsyncLLMEngine:
         request_id: str,
         priority: int = 0,
         arrival_time: float | None = None,
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """Stream a request's tokens. Leaving the iterator early (client gone, cancel) aborts the request."""
         self.check_request(len(prompt_token_ids), sampling)
         loop = asyncio.get_running_loop()
@@ -691,6 +703,20 @@ class AsyncLLMEngine:
 
     def set_background(self, max_background_seqs: int | None, protected_priority: int | None = None) -> None:
         self.engine.set_background(max_background_seqs, protected_priority)
+
+    def protect_priority(self, max_background_seqs: int, protected_priority: int) -> None:
+        """While a request of ``protected_priority`` or above runs, at most this many others take a step, unless
+        ``--max-background-seqs`` was given (the operator's setting wins)."""
+        if self.engine.args.max_background_seqs is None:
+            self.set_background(max_background_seqs, protected_priority)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.scheduler.config.max_num_seqs
+
+    @property
+    def speculates(self) -> bool:
+        return self.engine.speculation is not None
 
     def stats(self) -> EngineStats:
         return self._last_stats

@@ -1,6 +1,6 @@
 """What the engine hands out, as plain data: one request's token events and the engine's counters.
 
-Torch-free on purpose: the gateway (``tailguard.gateway``) relays an upstream's tokens as these events and must not
+Torch-free on purpose: the gateway (``tailguard.backends.upstream``) relays an upstream's tokens as these events and must not
 import the tensor code that ``tailguard.engine.engine`` pulls in.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tailguard.engine.request import FinishReason
+from tailguard.engine.sequence import FinishReason
 
 
 @dataclass

@@ -10,11 +10,12 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tailguard.engine.engine import EngineStats, TokenEvent, _stop_prefix_overlap
-from tailguard.engine.request import FinishReason, RequestError, SamplingParams
+from tailguard.engine.sequence import FinishReason, RequestError, SamplingParams
 
 
 class ByteTokenizer:
@@ -42,7 +43,7 @@ class ByteTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - self._OFFSET for i in ids if i >= self._OFFSET).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[Any], add_generation_prompt: bool = True) -> str:
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
@@ -99,7 +100,7 @@ class FakeEngine:
         request_id: str,
         priority: int = 0,
         arrival_time: float | None = None,
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         self.check_request(len(prompt_token_ids), sampling)
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.timing.max_num_seqs)
@@ -201,6 +202,16 @@ class FakeEngine:
         flag = self._abort_flags.get(request_id)
         if flag is not None:
             flag.set()
+
+    error: BaseException | None = None  # a scripted engine never dies
+    speculates = False
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.timing.max_num_seqs
+
+    def protect_priority(self, max_background_seqs: int, protected_priority: int) -> None:
+        """The scripted engine runs every request alike: nothing to pause."""
 
     def stats(self) -> EngineStats:
         return EngineStats(running=self.running, waiting=self.waiting, kv_blocks_total=0, kv_blocks_used=0,

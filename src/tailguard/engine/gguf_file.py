@@ -72,7 +72,7 @@ class GGUFFile:
 
 def _read_at(f, offset: int, out: np.ndarray, path: Path) -> None:
     f.seek(offset)
-    got = f.readinto(memoryview(out))
+    got = f.readinto(out.data)  # memoryview(out) (numpy's stubs give ndarray a __buffer__ only from 3.12)
     if got != out.nbytes:
         raise GGUFFormatError(f"{path}: a tensor at byte {offset} runs past the end of the file")
 

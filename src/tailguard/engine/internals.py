@@ -1,4 +1,4 @@
-"""Sampled internals (T2): for a share of requests, a few of their steps run instrumented, per layer.
+"""Sampled internals: for a share of requests, a few of their steps run instrumented, per layer.
 
 A sampled request's prefill chunks and its first decode step, then every ``decode_every``-th decode step, run on the
 torch path (the one-call C decode step cannot be split per layer) with a :class:`StepProbe` passed to
@@ -32,9 +32,11 @@ from tailguard.engine.scheduler import ScheduledChunk
 if TYPE_CHECKING:
     import torch
 
+    from tailguard.engine.kv_layout import Device
+
 DEFAULT_DECODE_EVERY = 16
 DEFAULT_MAX_STEPS = 8
-HEAD_SHARE = 0.1  # the seed's figure: attention entropy for a tenth of the heads
+HEAD_SHARE = 0.1  # attention entropy for a tenth of the heads (the 10% sample the requirements name)
 
 
 def sampled_heads(num_heads: int, share: float = HEAD_SHARE, seed: int = 0) -> list[int]:
@@ -71,7 +73,7 @@ class StepProbe:
     """Instrumentation for one step, called by ``LlamaModel.forward`` around each layer."""
 
     def __init__(self, targets: list[_Target], heads: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
-                 batch_tokens: int, batch_seqs: int, device: torch.device) -> None:
+                 batch_tokens: int, batch_seqs: int, device: Device | torch.device) -> None:
         self.targets = targets
         self.heads = heads
         self.group = num_heads // num_kv_heads
@@ -103,7 +105,7 @@ class StepProbe:
         """After the attention block's residual add: its time, then each target's head entropies (not timed)."""
         import torch  # a probed step runs in torch: it is loaded
 
-        from tailguard.engine.model import _kv_values
+        from tailguard.engine.torch_model import _kv_values
 
         done = self._now()
         self.attn_ms.append((done - self._t) * 1e3)
@@ -155,9 +157,10 @@ def _is_decode(chunk: ScheduledChunk) -> bool:
 class InternalsSampler:
     """Chooses the sampled requests and the steps of theirs that run instrumented; keeps what the probes found."""
 
-    def __init__(self, sample_rate: float, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 decode_every: int = DEFAULT_DECODE_EVERY, max_steps: int = DEFAULT_MAX_STEPS,
-                 head_share: float = HEAD_SHARE, seed: int | None = None) -> None:
+    def __init__(self, sample_rate: float, num_heads: int, num_kv_heads: int, head_dim: int,
+                 device: Device | torch.device, decode_every: int = DEFAULT_DECODE_EVERY,
+                 max_steps: int = DEFAULT_MAX_STEPS, head_share: float = HEAD_SHARE,
+                 seed: int | None = None) -> None:
         check_settings(sample_rate, decode_every, max_steps)
         self.sample_rate = sample_rate
         self.decode_every = decode_every

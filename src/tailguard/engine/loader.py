@@ -84,7 +84,8 @@ def permute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _dequantize(info: TensorInfo, raw: np.ndarray) -> np.ndarray:
     """float32 values [shape] of a tensor's raw bytes (``raw`` is the reader's own array: a view of it is fine)."""
-    return np.ascontiguousarray(gguf.quants.dequantize(raw, info.tensor_type).reshape(info.shape), dtype=np.float32)
+    values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(info.tensor_type))
+    return np.ascontiguousarray(values.reshape(info.shape), dtype=np.float32)
 
 
 def _packed(info: TensorInfo, raw: np.ndarray, n_heads: int | None) -> PackedMatrix:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from tailguard.engine.request import Sequence
+from tailguard.engine.sequence import Sequence
 
 ROOT_HASH = b"tailguard-prefix-cache-v1"
 

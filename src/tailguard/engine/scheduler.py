@@ -23,10 +23,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from tailguard.engine.blocks import BlockPool, BlockTable
 from tailguard.engine.prefix_cache import cacheable_prefix_blocks, sequence_block_hashes
-from tailguard.engine.request import FinishReason, RequestError, Sequence, SequenceStatus
+from tailguard.engine.sequence import FinishReason, RequestError, Sequence, SequenceStatus
 from tailguard.engine.step_cost import StepCostModel, StepShape, chunk_keys
 
 # With a step time budget, a prompt that has waited this many budgets since it arrived lifts the budget (see
@@ -78,6 +79,15 @@ class SchedulerConfig:
             raise ValueError("prompt_rank_s_per_token must be >= 0")
         if self.step_time_budget_s is not None and self.step_time_budget_s <= 0:
             raise ValueError("step_time_budget_s must be positive (or None: no time budget)")
+
+
+class _PendingCaps(TypedDict, total=False):
+    """SchedulerConfig fields changed at run time (set_caps, set_background), waiting for the next step."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_background_seqs: int | None
+    protected_priority: int | None
 
 
 @dataclass
@@ -150,7 +160,7 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of which found there (not computed again)
         # Caps asked for at run time (a planner's thread): applied at the next step's start, never within a step.
         self._caps_lock = threading.Lock()
-        self._pending: dict[str, int | None] = {}
+        self._pending: _PendingCaps = {}
 
     # --- run-time caps --------------------------------------------------------------------------------------------
     def set_caps(self, max_num_seqs: int, max_num_batched_tokens: int | None = None) -> None:
@@ -163,20 +173,21 @@ class Scheduler:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs}) so every "
                              "decode fits in a step")
         with self._caps_lock:
-            self._pending.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+            self._pending.update({"max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget})
 
     def set_background(self, max_background_seqs: int | None, protected_priority: int | None = None) -> None:
         """Change the background cap (see SchedulerConfig) from any thread; the next step applies it."""
         if max_background_seqs is not None and (not isinstance(max_background_seqs, int) or max_background_seqs < 0):
             raise ValueError(f"max_background_seqs must be an integer >= 0 or None, not {max_background_seqs!r}")
         with self._caps_lock:
-            self._pending.update(max_background_seqs=max_background_seqs, protected_priority=protected_priority)
+            self._pending.update({"max_background_seqs": max_background_seqs,
+                                  "protected_priority": protected_priority})
 
     def _apply_pending_caps(self) -> None:
         with self._caps_lock:
             pending, self._pending = self._pending, {}
         if pending:
-            self.config = dataclasses.replace(self.config, **pending)  # type: ignore[arg-type]
+            self.config = dataclasses.replace(self.config, **pending)
 
     # --- admission ------------------------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -330,6 +341,7 @@ class Scheduler:
                     n += len(draft)
             while not table.ensure(seq.num_computed_tokens + n):
                 victim = victim_for(seq, self.running)
+                assert victim is not None  # seq itself is running: there is always one
                 preempt(victim)
                 if victim is seq:
                     break

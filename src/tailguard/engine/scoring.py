@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tailguard.engine.blocks import BlockTable
-from tailguard.engine.request import SamplingParams, Sequence
 from tailguard.engine.scheduler import ScheduledChunk
+from tailguard.engine.sequence import SamplingParams, Sequence
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 A proposer guesses up to K tokens for a sequence; the target model then checks all of them in one forward pass (a
 chunk of K+1 tokens: the pending token plus the guesses), keeps the longest accepted prefix and one token of its own
-(runner.py verifies, engine.py rolls the KV cache back). Greedy output is token for token what the engine produces
-without speculation; sampled output keeps the target's distribution (rejection sampling, runner.py).
+(torch_runner.py verifies, engine.py rolls the KV cache back). Greedy output is token for token what the engine produces
+without speculation; sampled output keeps the target's distribution (rejection sampling, torch_runner.py).
 
 The policy is adaptive: each request's acceptance is tracked as an EMA; a request that accepts little gets fewer
 guesses, then none for a while (it re-probes later); and nobody speculates while many sequences run, because a step
@@ -13,10 +13,13 @@ that verifies guesses runs in torch instead of the one-call C decode step and a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tailguard.engine.blocks import BlockTable
-from tailguard.engine.request import Sequence
+from tailguard.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 SPECULATIVE_METHODS = ("off", "ngram", "self", "draft:PATH")
 
@@ -65,6 +68,11 @@ class BatchProposer(Protocol):
     def propose_batch(self, items: list[tuple[Sequence, int]], tables: dict[str, BlockTable]) -> list[list[int]]: ...
 
     def forget(self, request_id: str) -> None: ...
+
+
+def is_batch_proposer(proposer: Proposer | BatchProposer) -> TypeIs[BatchProposer]:
+    """The proposer runs a model over block tables (it has ``propose_batch``)."""
+    return hasattr(proposer, "propose_batch")
 
 
 def check_method(method: str) -> str:
@@ -132,7 +140,7 @@ class SpeculationPolicy:
     @property
     def batched(self) -> bool:
         """The proposer runs a model over block tables: the engine drafts for the whole step before scheduling."""
-        return hasattr(self.proposer, "propose_batch")
+        return is_batch_proposer(self.proposer)
 
     def budget(self, seq: Sequence) -> int:
         """How many guesses a sequence about to decode one token gets this step (0: a plain decode)."""
@@ -154,7 +162,9 @@ class SpeculationPolicy:
         k = self.budget(seq)
         if k <= 0:
             return []
-        return self.proposer.propose(seq.prompt_token_ids + seq.output_token_ids, k)  # type: ignore[union-attr]
+        proposer = self.proposer
+        assert not is_batch_proposer(proposer)  # the engine drafts with draft_batch for those
+        return proposer.propose(seq.prompt_token_ids + seq.output_token_ids, k)
 
     def draft_batch(self, running: list[Sequence], tables: dict[str, BlockTable], spare_blocks: int) -> dict[str, list[int]]:
         """Guesses of a model-based proposer for every decoding sequence that speculates this step.
@@ -176,7 +186,9 @@ class SpeculationPolicy:
             items.append((seq, k))
         if not items:
             return {}
-        guesses = self.proposer.propose_batch(items, tables)  # type: ignore[union-attr]
+        proposer = self.proposer
+        assert is_batch_proposer(proposer)  # the engine calls this only where ``batched``
+        guesses = proposer.propose_batch(items, tables)
         return {seq.request_id: g for (seq, _), g in zip(items, guesses) if g}
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
@@ -194,6 +206,6 @@ class SpeculationPolicy:
             st.pauses = 0
 
     def forget(self, request_id: str) -> SpecState | None:
-        if self.batched:
-            self.proposer.forget(request_id)  # type: ignore[union-attr]
+        if is_batch_proposer(self.proposer):  # ``batched``
+            self.proposer.forget(request_id)
         return self.states.pop(request_id, None)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from threading import Lock
+from typing import Any
 
 import jinja2
 import jinja2.sandbox
@@ -81,7 +83,7 @@ class GGUFTokenizer:
         merges_raw: list[str] = field("tokenizer.ggml.merges")
         token_types: list[int] = field("tokenizer.ggml.token_type") or [1] * len(tokens)
         vocab = {tok: i for i, tok in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+        merges = [(left, right) for left, right in (m.split(" ", 1) for m in merges_raw)]
         bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
         tok = Tokenizer(bpe)
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -169,7 +171,8 @@ class GGUFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # --- chat -----------------------------------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict] | list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[Any], add_generation_prompt: bool = True) -> str:
+        """``messages``: dicts with ``role`` and ``content`` (as the template takes them), or ChatMessages."""
         if self._template is None:
             raise ValueError("this model has no chat template; use the completions API")
         msgs = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]

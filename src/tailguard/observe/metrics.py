@@ -1,6 +1,6 @@
 """Prometheus metrics in vLLM's naming style (``tailguard_`` for ``vllm:``), fed once per finished request.
 
-Histogram buckets have edges at every SLO threshold of the seed (0.2, 0.3, 0.35, 0.45, 1.2, 1.5, 1.8, 2, 2.5, 3 s)
+Histogram buckets have edges at every built-in SLO threshold (0.2, 0.3, 0.35, 0.45, 1.2, 1.5, 1.8, 2, 2.5, 3 s)
 and at the output-pacing targets (80, 100, 120, 150 ms): Prometheus interpolates linearly inside a bucket, so a
 threshold that falls inside a wide default bucket makes "share of requests under 2 s" and P99 quietly wrong.
 """

@@ -1,4 +1,4 @@
-"""Machine sampling (O2): the server process's CPU use and memory every 100 ms, and the accelerator's when CUDA is
+"""Machine sampling: the server process's CPU use and memory every 100 ms, and the accelerator's when CUDA is
 present, aggregated per window (mean and peak) for ``/metrics`` and for each request's resource snapshot.
 
 A thread samples (a busy event loop must not thin the samples out); reads are cheap: ``/proc/self/stat`` and

@@ -1,6 +1,6 @@
 """The request store: one row per request, written by a background batch writer, in SQLite or PostgreSQL.
 
-``RequestStore(target)`` (or :func:`open_store`) picks the backend from ``target``: a file path (or ``sqlite:///path``)
+``open_store(target)`` (observe/stores.py) picks the backend from ``target``: a file path (or ``sqlite:///path``)
 gives the embedded SQLite store (:mod:`tailguard.observe.store_sqlite`, the default); a ``postgresql://`` URL gives
 the PostgreSQL store (:mod:`tailguard.observe.store_pg`) that several gateways can share. Both keep the same schema
 (version ``SCHEMA_VERSION``), the same rules and the same read API (``get``, ``query``, ``count``, ``alerts``).
@@ -45,7 +45,7 @@ log = logging.getLogger("tailguard.store")
 
 # 2: lane/client/region/degraded/slo_action columns and the slo_alerts table.
 # 3: user pseudonymized (HMAC), prompt_token_sha256 -> prompt_token_hmac (salted), logprobs never beside redactions.
-# 4: requests.internals (sampled per-layer internals, T2); queue_samples.cpu and .rss (the machine's window).
+# 4: requests.internals (sampled per-layer internals); queue_samples.cpu and .rss (the machine's window).
 SCHEMA_VERSION = 4
 DEFAULT_RETENTION_DAYS = 15.0
 DEFAULT_MAX_BACKLOG = 100_000
@@ -57,7 +57,7 @@ SECRET_FILE = "store.secret"  # beside the database, mode 0600
 
 
 # The schema, in SQLite's dialect (store_pg.py translates the types for PostgreSQL).
-_SCHEMA = """
+SQLITE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     request_id TEXT NOT NULL,
@@ -86,14 +86,14 @@ CREATE TABLE IF NOT EXISTS requests (
     output_text TEXT,                   -- redacted; only with --store-text
     prompt_token_ids TEXT,              -- JSON; tokens of the redacted prompt; only with --store-text
     prompt_token_hmac TEXT,             -- HMAC of the real prompt tokens (matches a replay here, reversible nowhere)
-    logprobs TEXT,                      -- JSON candidate set (T3), when requested and text storage is on; ids are
+    logprobs TEXT,                      -- JSON candidate set, when requested and text storage is on; ids are
                                         -- withheld when redaction changed the output (they would spell it out)
     lane TEXT,
     client TEXT,
     region TEXT,
     degraded INTEGER NOT NULL DEFAULT 0, -- 1: answered by the SLO monitor's degradation (template or truncated)
     slo_action TEXT,                    -- JSON: what the SLO monitor did to the request (shed, degrade), else NULL
-    internals TEXT                      -- JSON: sampled per-layer timings and activation statistics (T2), else NULL
+    internals TEXT                      -- JSON: sampled per-layer timings and activation statistics, else NULL
 );
 CREATE INDEX IF NOT EXISTS idx_requests_request_id ON requests(request_id);
 CREATE INDEX IF NOT EXISTS idx_requests_received_at ON requests(received_at);
@@ -127,9 +127,9 @@ CREATE TABLE IF NOT EXISTS slo_alerts (
 CREATE INDEX IF NOT EXISTS idx_slo_alerts_at ON slo_alerts(at);
 """
 
-_ALERT_COLUMNS = ("id", "kind", "name", "event", "scope", "tier", "at", "started_at", "ended_at", "dry_run",
+ALERT_COLUMNS = ("id", "kind", "name", "event", "scope", "tier", "at", "started_at", "ended_at", "dry_run",
                   "alert_id", "figures", "details")
-_COLUMNS = (
+COLUMNS = (
     "request_id", "received_at", "endpoint", "model", "user", "business_type", "stream", "status", "outcome",
     "finish_reason", "error", "prompt_tokens", "output_tokens", "e2e", "ttft", "tpot", "tokenize", "queue", "prefill",
     "decode", "stream_time", "record", "prompt_text", "output_text", "prompt_token_ids", "prompt_token_hmac",
@@ -156,40 +156,13 @@ def check_store_target(target: str | os.PathLike) -> str:
     return text
 
 
-def describe_store_target(target: str | os.PathLike) -> str:
-    """``target`` fit for a log line: a URL's password masked."""
-    text = str(target)
-    if not is_postgres_url(text):
-        return text
-    from tailguard.observe.store_pg import redact_url
-
-    return redact_url(text)
-
-
-def store_class(target: str | os.PathLike) -> type[RequestStore]:
-    """The backend for ``target``: PostgreSQL for a postgresql:// URL, SQLite for a path or sqlite:/// URL."""
-    check_store_target(target)
-    if is_postgres_url(target):
-        from tailguard.observe.store_pg import PostgresStore
-
-        return PostgresStore
-    from tailguard.observe.store_sqlite import SQLiteStore
-
-    return SQLiteStore
-
-
 def sqlite_path(target: str | os.PathLike) -> str:
     """A SQLite target as a path: ``sqlite:///abs/path`` and ``sqlite://rel/path`` lose their scheme."""
     text = str(target)
     return text[len("sqlite://"):] if text.startswith("sqlite://") else text
 
 
-def open_store(target: str | os.PathLike, **kwargs: Any) -> RequestStore:
-    """Open the request store at ``target`` (a SQLite path or a postgresql:// URL); see :class:`RequestStore`."""
-    return store_class(target)(target, **kwargs)
-
-
-def _safe(value: Any) -> Any:
+def storable(value: Any) -> Any:
     """Strings as SQLite can store them: lone surrogates (legal in JSON escapes, illegal in UTF-8) become '?'."""
     if isinstance(value, str):
         try:
@@ -284,7 +257,7 @@ class RequestStore:
     Every record is either written, or counted in ``dropped`` (backlog full, put after close, close deadline passed)
     or ``failed`` (a row the database refused), each reported through ``on_drop`` / ``on_error`` and the log.
 
-    ``RequestStore(target, ...)`` returns the backend that ``target`` names (see :func:`store_class`); the backends
+    ``open_store(target, ...)`` (observe/stores.py) builds the backend that ``target`` names; the backends
     implement ``_open_backend``, ``query``, ``enforce_retention`` and the writer's ``_open_writer`` / ``_write`` /
     ``_close_writer``; everything else (the backlog, the writer loop, rows, pseudonyms, reads) is shared here.
     """
@@ -292,11 +265,6 @@ class RequestStore:
     path: str
     schema_version: int
     _key: bytes
-
-    def __new__(cls, target: str | os.PathLike, *args: Any, **kwargs: Any) -> RequestStore:
-        if cls is RequestStore:
-            cls = store_class(target)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -378,7 +346,7 @@ class RequestStore:
     def _close_readers(self) -> None:
         """Release read connections at close (a later read opens new ones)."""
 
-    _clean = staticmethod(_safe)  # how a value is made storable
+    _clean = staticmethod(storable)  # how a value is made storable
 
     def pseudonym(self, user: str | None) -> str | None:
         """How ``user`` is stored (and so how to look a user's records up)."""
@@ -763,7 +731,7 @@ def row_to_record(row: Any) -> dict[str, Any]:
 
 def alert_row_to_record(row: Any) -> dict[str, Any]:
     """A stored SLO alert/action row as the dict the monitor emitted."""
-    rec = {k: row[k] for k in _ALERT_COLUMNS}
+    rec = {k: row[k] for k in ALERT_COLUMNS}
     rec["dry_run"] = bool(rec["dry_run"])
     rec["figures"] = json.loads(rec["figures"])
     rec["details"] = json.loads(rec["details"])

@@ -42,19 +42,19 @@ except ImportError as exc:  # pragma: no cover - the server extra installs it
                       "(or tailguard[server])") from exc
 
 from tailguard.observe.store import (
-    _ALERT_COLUMNS,
-    _COLUMNS,
+    ALERT_COLUMNS,
+    COLUMNS,
     SAMPLE_COLUMNS,
     SCHEMA_VERSION,
     SECRET_ENV,
     RequestStore,
     SchemaError,
-    _safe,
     log,
+    storable,
 )
 
 _META = "CREATE TABLE IF NOT EXISTS tailguard_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)"
-# Column comments: see _SCHEMA in store.py; the same columns, plus write_key; the columns schema 4 added come after
+# Column comments: see SQLITE_SCHEMA in store.py; the same columns, plus write_key; the columns schema 4 added come after
 # it, where its migration puts them in a database of schema 3.
 _PG_SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -147,11 +147,11 @@ def _insert(table: str, columns: tuple[str, ...]) -> str:
             "ON CONFLICT (write_key) DO NOTHING")
 
 
-_INSERT = _insert("requests", _COLUMNS)
+_INSERT = _insert("requests", COLUMNS)
 # A batch's first attempt: COPY, about a third cheaper per row than the INSERT (no conflict check needed: its keys
 # are new). Any attempt after a failure uses the INSERT, in case the failed one did commit.
-_COPY = f"COPY requests ({', '.join([*map(_quote, _COLUMNS), 'write_key'])}) FROM STDIN"
-_INSERT_ALERT = _insert("slo_alerts", _ALERT_COLUMNS)
+_COPY = f"COPY requests ({', '.join([*map(_quote, COLUMNS), 'write_key'])}) FROM STDIN"
+_INSERT_ALERT = _insert("slo_alerts", ALERT_COLUMNS)
 _INSERT_SAMPLE = (f"INSERT INTO queue_samples ({', '.join(SAMPLE_COLUMNS)}) "
                   f"VALUES ({', '.join(['%s'] * len(SAMPLE_COLUMNS))})")
 
@@ -241,7 +241,7 @@ def _transient(exc: BaseException, conn: Any) -> bool:
 
 def _clean_pg(value: Any) -> Any:
     """As SQLite's, and NUL characters (PostgreSQL text cannot hold them) become U+FFFD."""
-    value = _safe(value)
+    value = storable(value)
     if isinstance(value, str) and "\x00" in value:
         return value.replace("\x00", "\ufffd")
     return value
@@ -271,7 +271,7 @@ class _Writer:
 
 
 class PostgresStore(RequestStore):
-    """The request store in a PostgreSQL database. ``RequestStore("postgresql://...")`` builds one."""
+    """The request store in a PostgreSQL database. ``open_store("postgresql://...")`` builds one."""
 
     _clean = staticmethod(_clean_pg)
 

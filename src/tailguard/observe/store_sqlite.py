@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from tailguard.observe.store import (
-    _ALERT_COLUMNS,
-    _COLUMNS,
-    _SCHEMA,
+    ALERT_COLUMNS,
+    COLUMNS,
     SAMPLE_COLUMNS,
     SCHEMA_VERSION,
+    SQLITE_SCHEMA,
     RequestStore,
     SchemaError,
     load_secret,
@@ -30,9 +30,9 @@ from tailguard.observe.store import (
 
 log = logging.getLogger("tailguard.store")
 
-_INSERT = f"INSERT INTO requests ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
+_INSERT = f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 _INSERT_SAMPLE = f"INSERT INTO queue_samples ({', '.join(SAMPLE_COLUMNS)}) VALUES ({', '.join('?' * len(SAMPLE_COLUMNS))})"
-_INSERT_ALERT = f"INSERT INTO slo_alerts ({', '.join(_ALERT_COLUMNS)}) VALUES ({', '.join('?' * len(_ALERT_COLUMNS))})"
+_INSERT_ALERT = f"INSERT INTO slo_alerts ({', '.join(ALERT_COLUMNS)}) VALUES ({', '.join('?' * len(ALERT_COLUMNS))})"
 
 # Columns added after schema version 1, for files written by an older tailguard.
 _ADDED_COLUMNS = (
@@ -80,7 +80,7 @@ def open_schema(path: str, key: bytes | None = None) -> int:
         if version > SCHEMA_VERSION:
             raise SchemaError(f"{path} has schema version {version}; this tailguard understands up to {SCHEMA_VERSION}")
         exists = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'requests'").fetchone() is not None
-        conn.executescript(_SCHEMA)  # idempotent; outside the transaction below (executescript commits first)
+        conn.executescript(SQLITE_SCHEMA)  # idempotent; outside the transaction below (executescript commits first)
         if version == SCHEMA_VERSION:
             return version
         conn.execute("BEGIN IMMEDIATE")
@@ -114,7 +114,7 @@ def open_schema(path: str, key: bytes | None = None) -> int:
 
 
 class SQLiteStore(RequestStore):
-    """The request store in one SQLite file (WAL). ``RequestStore(path)`` builds one."""
+    """The request store in one SQLite file (WAL). ``open_store(path)`` builds one."""
 
     def _open_backend(self, target: str, secret: str | bytes | None) -> None:
         self.path = target

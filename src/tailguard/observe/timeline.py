@@ -48,7 +48,7 @@ class Timeline:
     user: str | None = None
     owner: str | None = None  # hash of the client key that made the request (who may read its record); never the key
     business_type: str = "default"
-    # Traffic slices for the SLO monitor (S3/S4): from the X-Lane, X-Client and X-Region headers.
+    # Traffic slices for the SLO monitor's alerts and views: from the X-Lane, X-Client and X-Region headers.
     lane: str = "default"
     client: str = "default"
     region: str = "default"
@@ -71,7 +71,7 @@ class Timeline:
     num_preemptions: int = 0
     sampling: dict[str, Any] | None = None
     resources: dict[str, Any] | None = None
-    # What the SLO monitor did to this request (T3: every refusal and degraded answer is on record): None, or
+    # What the SLO monitor did to this request (every refusal and degraded answer is on record): None, or
     # {"action": "shed" | "degrade", "mode": ..., "tier": ..., "action_id": ...}.
     slo_action: dict[str, Any] | None = None
     # True for an answer the engine never produced (a degradation template): not a latency sample.
@@ -82,9 +82,10 @@ class Timeline:
     spec_proposed: int = 0
     spec_accepted: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served (not computed again)
-    # Sampled internals (T2): per-layer step timings and activation statistics, for a sampled share of requests.
+    # Sampled internals: per-layer step timings and activation statistics, for a sampled share of requests.
     internals: dict[str, Any] | None = None
-    # Text audit (T1/T3); filled only when text storage is on, redacted by the store before it is written.
+    # Text audit (input provenance, output and candidates); filled only when text storage is on, redacted by the
+    # store before it is written.
     prompt_text: str | None = None
     output_text: str | None = None
     prompt_token_ids: list[int] | None = None

@@ -46,7 +46,7 @@ from tailguard.observe.timeline import STAGES, Outcome, Timeline
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from tailguard.serving.config import TracingConfig
+    from tailguard.observe.tracing_config import TracingConfig
 
 __all__ = [
     "TRACED_PATHS",

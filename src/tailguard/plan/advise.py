@@ -1,8 +1,8 @@
-"""``tailguard advise RESULTS.json``: what to attack first, and with which technique, from a bench result (C2, M2).
+"""``tailguard advise RESULTS.json``: what to attack first, and with which technique, from a bench result.
 
-The rule is the seed's: attack the stages that hold more than 20% of the tail first. "The tail" here is the mean stage
+The rule: attack the stages that hold more than 20% of the tail first. "The tail" here is the mean stage
 composition of the requests at or above the P99 E2E (``stages.p99_band_mean_s`` of a bench result; the stages add up
-to each request's E2E). Each such stage maps to the techniques that shorten it, ordered by the seed's decision tree
+to each request's E2E). Each such stage maps to the techniques that shorten it, ordered by the decision tree
 for the chosen priority (budget available -> speculative decoding + continuous batching; memory-bound -> KV-cache
 quantization + attention slicing; latency-critical -> all of them), and each technique quotes its expected effect from
 the measured-effects table (``measured_effects.json``), or says that it has not been measured on this engine yet.
@@ -21,16 +21,16 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA = "tailguard.advise/v1"
-STAGE_SHARE_RULE = 0.20  # the seed: attack components holding > 20% of latency first
+STAGE_SHARE_RULE = 0.20  # attack components holding > 20% of latency first
 DEFAULT_MIN_REQUESTS = 100  # below it the P99 rests on no request beyond it
 PRIORITIES = ("latency", "budget", "memory")
-# The seed's selection tree: which techniques each priority puts first.
+# The decision tree: which techniques each priority puts first.
 TREE = {
     "budget": ("speculative_decoding", "continuous_batching"),
     "memory": ("kv_cache_quantization", "attention_slicing"),
     "latency": ("speculative_decoding", "continuous_batching", "kv_cache_quantization", "attention_slicing"),
 }
-LONG_CONTEXT_TOKENS = 8192  # S4: long-context conversations; attention slicing pays off beyond it
+LONG_CONTEXT_TOKENS = 8192  # the long-context watch's bound; attention slicing pays off beyond it
 
 
 class AdviseError(ValueError):
@@ -47,7 +47,8 @@ class Technique:
 STAGE_TECHNIQUES: dict[str, tuple[Technique, ...]] = {
     "queue": (
         Technique("continuous_batching", "requests wait for a slot: a wider running-sequence cap and token budget "
-                                         "admit them sooner (the seed: queue wait is the bottleneck in 90% of cases)"),
+                                         "admit them sooner (queue wait is reported as the bottleneck in 90% of "
+                                         "cases)"),
         Technique("forecast_driven_batching", "set the cap and budget ahead of the load the forecast expects, "
                                               "instead of reacting once the queue has built"),
         Technique("scale_out", "the engine is saturated when a wider cap no longer adds throughput: add replicas"),
@@ -203,7 +204,7 @@ def advise(results: dict, *, priority: str = "latency", min_requests: int = DEFA
     fired = [a for a in results.get("advisories") or [] if isinstance(a, dict) and a.get("fired")]
     out["golden_rules_fired"] = [{"metric": a.get("metric"), "rule": a.get("rule"), "ratio": _num(a.get("ratio")),
                                   "action": a.get("action")} for a in fired]
-    for a in fired:  # S5: the seed's golden rules say when to act, whatever the SLO says
+    for a in fired:  # the golden rules say when to act, whatever the SLO says
         ratio = _num(a.get("ratio")) or 0.0
         out["notes"].append(f"golden rule fired: {a.get('metric')} {a.get('rule')} (ratio {ratio:.2f})"
                             + (f": {a['action']}" if a.get("action") else ""))
@@ -310,7 +311,8 @@ def render(advice: dict, console=None) -> None:
         for r in advice["reasons"]:
             con.print(f"  - {r}")
     else:
-        con.print(f"[bold]What to try[/bold] (priority: {advice['priority']}; * = a pick of the seed's decision tree)")
+        con.print(f"[bold]What to try[/bold] (priority: {advice['priority']}; "
+                  "* = a pick of the advisor's decision tree)")
         for r in advice["recommendations"]:
             con.print(f"[bold]{r['stage']}[/bold] ({r['stage_share_of_p99']:.0%} of P99) #{r['rank']} "
                       f"{'* ' if r['tree_pick'] else ''}[cyan]{r['technique']}[/cyan]")
@@ -320,7 +322,7 @@ def render(advice: dict, console=None) -> None:
             if r.get("other_measurements"):
                 con.print(f"    measured here: {r['other_measurements']}", highlight=False)
             if r.get("seed_claim"):
-                con.print(f"    the seed claims: {r['seed_claim']}", highlight=False)
+                con.print(f"    published claim: {r['seed_claim']}", highlight=False)
             settings = ", ".join(r["settings"])
             if r.get("suggested"):
                 sg = r["suggested"]
@@ -337,13 +339,14 @@ def add_advise_parser(sub) -> None:
     p.add_argument("results", help="results.json written by `tailguard bench` (or its output directory)")
     p.add_argument("--json", action="store_true", help="print the advice as JSON")
     p.add_argument("--priority", choices=PRIORITIES, default="latency",
-                   help="the seed's tree: budget available, memory-bound, or latency-critical (all techniques)")
+                   help="branch of the advisor's decision tree: budget available, memory-bound, or latency-critical "
+                        "(all techniques)")
     p.add_argument("--min-requests", type=int, default=DEFAULT_MIN_REQUESTS,
                    help="refuse to recommend below this many completed requests")
     p.add_argument("--engine-throughput", default=None,
                    help="benchmarks/results/engine_throughput.json of the serving machine: adds the planner's cap, "
                         "token budget and replicas for the run's offered rate")
-    p.add_argument("--max-seqs", type=int, default=16, help="upper bound of the planned cap (the seed: 16)")
+    p.add_argument("--max-seqs", type=int, default=16, help="upper bound of the planned cap (default 16)")
 
 
 def run_advise(args) -> int:

@@ -1,4 +1,4 @@
-"""Capacity planning from a load forecast (E1, M4): the engine's running-sequence cap, its token budget, replicas.
+"""Capacity planning from a load forecast: the engine's running-sequence cap, its token budget, replicas.
 
 The model is deliberately small and every input is a measurement:
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-SEED_MIN_SEQS, SEED_MAX_SEQS = 2, 16  # the seed's adaptive batch range
+SEED_MIN_SEQS, SEED_MAX_SEQS = 2, 16  # the required adaptive batch range
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ def throughput_cap(profile: ServiceProfile, min_seqs: int = SEED_MIN_SEQS, max_s
 
 def widest_useful_cap(profile: ServiceProfile, min_gain: float = 0.05, limit: int = 256) -> int:
     """The largest measured batch size that still bought ``min_gain`` more decode throughput than the previous one:
-    the upper bound of the cap where the seed's 16 is narrower than what this engine measured useful."""
+    the upper bound of the cap where the default 16 is narrower than what this engine measured useful."""
     pts = sorted(profile.decode_tokens_per_s.items())
     best = pts[0][0]
     for (_, t0), (b1, t1) in zip(pts, pts[1:]):

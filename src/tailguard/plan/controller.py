@@ -1,4 +1,4 @@
-"""Forecast-driven cap: arrivals in, a capacity plan out at every period's close (E1, M4).
+"""Forecast-driven cap: arrivals in, a capacity plan out at every period's close.
 
 ``ForecastCapController`` is the piece a server wires between its request intake and its engine: ``record_arrival``
 at every admitted request (``time.perf_counter()`` timestamps), ``advance(now)`` from a timer. At each closed period

@@ -1,4 +1,4 @@
-"""Forecasters of next-period request arrivals (E1, M4), behind one interface.
+"""Forecasters of next-period request arrivals, behind one interface.
 
 A forecaster learns from a history of per-period arrival counts (``fit``) and then, given a history that may run past
 what it was fitted on, predicts the next ``horizon`` periods (``forecast``). Splitting the two lets a backtest refit an
@@ -10,7 +10,7 @@ live planner does too.
 * ``SeasonalNaive``: the value one period (season) earlier, for traces with a detected periodicity;
 * ``HoltWinters``: exponential smoothing with a damped additive trend (and an additive season when given one), from
   ``statsmodels`` (the ``plan`` extra);
-* ``LSTMForecaster``: the seed's LSTM, small enough to train on CPU in seconds, seeded so that it is reproducible.
+* ``LSTMForecaster``: the case study's LSTM, small enough to train on CPU in seconds, seeded so that it is reproducible.
 
 Arrivals are read from a trace CSV (``TIMESTAMP,...``, the Azure LLM inference trace format) and bucketed by
 ``arrival_counts``.
@@ -217,7 +217,7 @@ class HoltWinters(Forecaster):
 
 
 class LSTMForecaster(Forecaster):
-    """The seed's LSTM: the last ``window`` periods in, the next ``max_horizon`` periods out (direct, one shot).
+    """The case study's LSTM: the last ``window`` periods in, the next ``max_horizon`` periods out (direct, one shot).
 
     Counts are divided by the training mean so that one network fits a trace of any rate. Training is full-batch
     Adam on ``threads`` threads (1) with a fixed seed: the same history gives the same weights and the same forecasts.

@@ -1,6 +1,6 @@
 """The ASGI application: the routing table, the exception handlers and the lifespan, put together.
 
-Each endpoint lives in its own module (``serving/routes/*``, ``serving/completions.py``) and finds the server's state
+Each endpoint lives in its own module (``serving/routes/*``, ``serving/endpoint.py``) and finds the server's state
 on ``request.app.state.tailguard``; ``serving/lifespan.py`` starts and stops what runs beside them.
 """
 
@@ -14,10 +14,11 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
+from tailguard.backends.base import Backend
+from tailguard.backends.local import LocalEngine
 from tailguard.observe.metrics import ServerMetrics
-from tailguard.serving.backend import Backend
-from tailguard.serving.completions import CompletionEndpoint
 from tailguard.serving.config import ServerConfig
+from tailguard.serving.endpoint import CompletionEndpoint
 from tailguard.serving.errors import APIError, on_api_error, on_http_error, on_server_error
 from tailguard.serving.lifespan import Lifespan
 from tailguard.serving.routes import health, models, records, slo, upstreams
@@ -29,8 +30,8 @@ if TYPE_CHECKING:
 
 def create_app(
     config: ServerConfig,
-    engine: Backend | None = None,
-    engine_factory: Callable[[], Backend] | None = None,
+    engine: Backend | LocalEngine | None = None,
+    engine_factory: Callable[[], Backend | LocalEngine] | None = None,
     redactor: Any | None = None,
     own_engine: bool | None = None,
     slo_clock: Callable[[], float] | None = None,

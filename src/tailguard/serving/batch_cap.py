@@ -163,7 +163,7 @@ class BatchCapDriver:
     def capacity_estimate(self) -> dict[str, Any]:
         """What the scale-out hook is told: the caps now and the fleet the forecast peak needs."""
         forecast = self.controller.forecast
-        fleet = (plan_ahead(forecast, self.cfg.period_s, self.profile(), **self._plan_kw)
+        fleet = (plan_ahead(forecast.tolist(), self.cfg.period_s, self.profile(), **self._plan_kw)
                  if forecast is not None and forecast.size else None)
         cur = self.current
         return {

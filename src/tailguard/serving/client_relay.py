@@ -1,4 +1,4 @@
-"""The client's side of the gateway's direct relay (``gateway/relay.py``): a token's chunk taken from the upstream read
+"""The client's side of the gateway's direct relay (``backends/upstream/relay.py``): a token's chunk taken from the upstream read
 callback and written on the client's connection past the ASGI ``send``, at the end of the event loop's turn.
 
 Only under uvicorn's httptools protocol (the server ``tailguard serve`` runs), whose response cycle is the ``send``

@@ -9,8 +9,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from tailguard.gateway.lanes import CapacityConfig, LaneConfig, default_lanes
-from tailguard.gateway.upstream import RoutingConfig, UpstreamConfig
+from tailguard.backends.upstream.pool import RoutingConfig, UpstreamConfig
+from tailguard.observe.tracing_config import TracingConfig
+from tailguard.policy.lanes import CapacityConfig, LaneConfig, default_lanes
 from tailguard.slo.config import MonitorConfig
 
 
@@ -60,31 +61,6 @@ class FakeEngineConfig(BaseModel):
     output_text: str = "The quick brown fox jumps over the lazy dog. "
 
 
-class TracingConfig(BaseModel):
-    """OpenTelemetry traces (docs/observability.md): off unless an OTLP/HTTP endpoint is set."""
-
-    model_config = ConfigDict(extra="forbid")
-    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector, e.g. http://127.0.0.1:4318 (the "
-                                                        "/v1/traces path is added to a bare host); unset = no traces")
-    service_name: str = Field("tailguard", min_length=1)
-    sample_ratio: float = Field(1.0, ge=0, le=1, description="share of new traces kept; a client's sampled flag wins")
-    export_timeout_s: float = Field(10.0, gt=0, description="one export attempt's limit (in the exporter's thread)")
-
-    @field_validator("otlp_endpoint")
-    @classmethod
-    def _url(cls, v: str | None) -> str | None:
-        if v is None or not v.strip():
-            return None
-        v = v.strip()
-        if not v.startswith(("http://", "https://")):
-            raise ValueError(f"otlp_endpoint must be an http:// or https:// URL, not {v!r}")
-        return v
-
-    @property
-    def enabled(self) -> bool:
-        return self.otlp_endpoint is not None
-
-
 class BatchCapConfig(BaseModel):
     """The engine's running-sequence cap and token budget: fixed (``static``, the engine settings) or set each period
     ahead of load from a forecast of arrivals (``forecast``, docs/techniques.md#load-forecast-driven-batching)."""
@@ -96,8 +72,8 @@ class BatchCapConfig(BaseModel):
     horizon: int = Field(6, ge=1, le=6, description="periods forecast ahead; the cap holds their peak")
     min_history: int = Field(24, ge=1, description="periods seen before the forecaster replaces last value")
     refit_every: int = Field(36, ge=1, description="periods between refits of the forecaster")
-    min_seqs: int = Field(2, ge=1, description="the cap's lower bound (the seed's 2)")
-    max_seqs: int = Field(16, ge=1, description="the cap's upper bound (the seed's 16)")
+    min_seqs: int = Field(2, ge=1, description="the cap's lower bound (default 2)")
+    max_seqs: int = Field(16, ge=1, description="the cap's upper bound (default 16)")
     token_budget: Literal["planned", "engine"] = Field(
         "planned", description="planned: the per-step token budget follows the plan; engine: only the cap changes "
                                "and the budget stays the engine's --max-num-batched-tokens")
@@ -162,7 +138,7 @@ class ServerConfig(BaseModel):
     batch_cap: BatchCapConfig = Field(default_factory=BatchCapConfig,
                                       description="static engine caps, or caps set ahead of load by a forecast")
     speculative_audit: float = Field(0.01, ge=0, le=1, description="share of speculative requests rerun without "
-                                                                    "speculation to check the output (L4)")
+                                                                    "speculation to check the output (the consistency audit)")
     # --- the gateway (docs/gateway.md) ---
     upstreams: list[UpstreamConfig] = Field(default_factory=list,
                                             description="serve from these OpenAI-compatible replicas, not a model")

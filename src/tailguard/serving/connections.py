@@ -36,12 +36,12 @@ import logging
 import resource
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from tailguard.serving.errors import error_body
+from tailguard.api_error import error_body
 
 if TYPE_CHECKING:
     from tailguard.serving.config import ServerConfig
@@ -243,7 +243,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if cycle is not None and not cycle.response_complete:
                 cycle.response_started = True  # the app's own answer, if it comes, must not follow ours
                 # What the client was told, for the request's record (the app sees only a disconnect).
-                cycle.scope["tailguard.answered"] = int(response.split(b" ", 2)[1])
+                scope = cast("dict[str, Any]", cycle.scope)  # an extension key of our own (ASGI allows them)
+                scope["tailguard.answered"] = int(response.split(b" ", 2)[1])
             self.transport.write(response)
         self.transport.close()
 

@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tailguard.api_error import APIError
 from tailguard.observe.timeline import Outcome
-from tailguard.serving.completions import Phase
-from tailguard.serving.errors import APIError
+from tailguard.serving.exchange import Phase
 
 if TYPE_CHECKING:
     from tailguard.serving.admission import Admission

@@ -16,8 +16,10 @@ from typing import Any
 
 from starlette.applications import Starlette
 
-from tailguard.observe.store import RequestStore, open_store
-from tailguard.serving.backend import Backend
+from tailguard.backends.base import Backend
+from tailguard.backends.local import LocalEngine, as_backend
+from tailguard.observe.store import RequestStore
+from tailguard.observe.stores import open_store
 from tailguard.serving.gc_schedule import ScheduledCollector
 from tailguard.serving.state import ServerState
 
@@ -27,7 +29,8 @@ log = logging.getLogger("tailguard.server")
 
 
 class Lifespan:
-    def __init__(self, state: ServerState, engine: Backend | None, engine_factory: Callable[[], Backend] | None,
+    def __init__(self, state: ServerState, engine: Backend | LocalEngine | None,
+                 engine_factory: Callable[[], Backend | LocalEngine] | None,
                  redactor: Any | None, own_engine: bool, own_process: bool = False) -> None:
         self.state = state
         self.engine = engine
@@ -41,10 +44,11 @@ class Lifespan:
         self.switch_interval: float | None = None  # the interpreter's own, while the gateway's is set
         self.collecting: asyncio.Task | None = None
 
-    def attach(self, eng: Backend) -> None:
+    def attach(self, eng: Backend | LocalEngine) -> None:
+        backend = as_backend(eng)
         if self.state.metrics is not None:
-            self.state.metrics.model = eng.model_name  # first: the gateway's and the audit's metrics take it too
-        self.state.attach(eng)
+            self.state.metrics.model = backend.model_name  # first: the gateway's and the audit's metrics take it too
+        self.state.attach(backend)
         if self.state.batch_cap is not None and self.planning is None:
             self.planning = asyncio.create_task(self.state.batch_cap.run())
         if self.own_process and self.collector is None:  # process-wide settings
@@ -53,7 +57,7 @@ class Lifespan:
                 lambda pause, _found: metrics.gc_pause.labels(metrics.model).observe(pause)))
             self.collector.install()
             self.collecting = asyncio.get_running_loop().create_task(self.collector.run())
-        if self.own_process and getattr(eng, "takes_text", False) and self.switch_interval is None:
+        if self.own_process and backend.tokenizer is None and self.switch_interval is None:
             # The gateway: its event loop is the work, and the store's writer and the resource sampler are helpers
             # whose Python holds the GIL. A loop woken by a socket waits for the GIL until the holder lets go, at the
             # latest after the switch interval (CPython's 5 ms); capped to GATEWAY_SWITCH_INTERVAL_S (at 256
@@ -77,11 +81,10 @@ class Lifespan:
             log.exception("the model failed to load")
             self.state.load_error = f"{type(exc).__name__}: {exc}"
             return
-        start = getattr(eng, "start", None)
-        if start is not None:  # an upstream pool: its sessions and health checks live on this event loop
-            await start()
+        backend = as_backend(eng)
+        await backend.start()  # an upstream pool: its sessions and health checks live on this event loop
         try:
-            self.attach(eng)
+            self.attach(backend)
         except ValueError as exc:  # a setting this backend cannot honour: reported by /ready and every request
             log.error("%s", exc)
             self.state.load_error = str(exc)
@@ -129,7 +132,7 @@ class Lifespan:
         state = self.state
         state.store = await self.open_store()
         if state.config.redis_url:  # a fleet: rate limits, lane budgets and SLO windows shared through Redis
-            from tailguard.gateway.shared import open_shared
+            from tailguard.policy.fleet_state import open_shared
 
             timeout = state.config.redis_timeout_s
             state.shared = open_shared(state.config.redis_url, state.metrics.registry if state.metrics else None,
@@ -144,10 +147,9 @@ class Lifespan:
             state.tracer = RequestTracer(state.config.tracing)
         loader = None
         if self.engine is not None:
-            start = getattr(self.engine, "start", None)
-            if start is not None:
-                await start()
-            self.attach(self.engine)
+            backend = as_backend(self.engine)
+            await backend.start()
+            self.attach(backend)
             state.ready = True
         else:
             loader = asyncio.create_task(self.load())
@@ -171,9 +173,7 @@ class Lifespan:
             if state.machine is not None:
                 state.machine.stop()
             if self.own_engine and state.engine is not None:
-                aclose = getattr(state.engine, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+                await state.engine.aclose()
                 await asyncio.to_thread(state.engine.shutdown)
             await state.shared.close()
             if state.slo is not None:

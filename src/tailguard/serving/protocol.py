@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tailguard import fast_json
-from tailguard.serving.errors import APIError
+from tailguard.api_error import APIError
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 # Every stop string is searched for after every token, on the engine's thread: a bound keeps that cost small.
@@ -297,20 +297,28 @@ def parse_completion(data: dict[str, Any], vocab_size: int) -> Parsed:
         req = CompletionRequest.model_validate(clean)
     except ValidationError as exc:
         raise _validation_error(exc) from None
-    prompt, ids = req.prompt, None
+    prompt: str | list[str] | list[int] | list[list[int]] = req.prompt
+    ids: list[int] | None = None
+    text: str | None = None
     if isinstance(prompt, list):
         if not prompt:
             raise APIError(400, "'prompt' is empty", param="prompt")
-        if isinstance(prompt[0], list | str):
+        one: str | int | list[int] = prompt[0]
+        if isinstance(one, list | str):
             if len(prompt) != 1:
                 raise APIError(400, "batched prompts are not supported: send one request per prompt", param="prompt",
                                code="unsupported_parameter")
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            ids = list(prompt)
+            if isinstance(one, str):
+                text = one
+            else:
+                ids = list(one)
+        else:
+            ids = [t for t in prompt if isinstance(t, int)]
+        if ids is not None:
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
-            prompt = None
-    return Parsed(max_tokens=req.max_tokens or 16, prompt=prompt, prompt_token_ids=ids, raw=data,
+    else:
+        text = prompt
+    return Parsed(max_tokens=req.max_tokens or 16, prompt=text, prompt_token_ids=ids, raw=data,
                   **_common(req, req.logprobs))

@@ -6,7 +6,7 @@ import math
 
 from starlette.requests import Request
 
-from tailguard.serving.errors import APIError
+from tailguard.api_error import APIError
 
 
 def query_number(request: Request, name: str, default: float | None, lo: float, hi: float) -> float | None:

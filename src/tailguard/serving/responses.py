@@ -37,7 +37,7 @@ class TokenText:
         self.tok = tokenizer
         # Byte-level BPE pieces (GPT-2 notation) when the tokenizer exposes its vocabulary; else decode one token.
         self._pieces = getattr(tokenizer, "tokens", None)
-        self._special = getattr(tokenizer, "special_ids", set())
+        self._special: set[int] = getattr(tokenizer, "special_ids", set())
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def _bytes(self, tid: int) -> bytes:

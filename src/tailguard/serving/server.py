@@ -12,13 +12,16 @@ import math
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 
-from tailguard.observe.store import describe_store_target
+from tailguard.backends.base import Backend
+from tailguard.backends.local import LocalEngine
+from tailguard.observe.stores import describe_store_target
 from tailguard.serving.app import create_app
-from tailguard.serving.backend import Backend, build_backend
+from tailguard.serving.backend_factory import build_backend
 from tailguard.serving.config import ServerConfig
 from tailguard.serving.connections import ConnectionGuard, ConnectionLimits, connection_cap
 from tailguard.serving.drain import Drain
@@ -47,7 +50,7 @@ def _uvicorn_config(app: Any, config: ServerConfig, guard: ConnectionGuard | Non
         access_log=config.access_log,
         # Rounded up, never to None: uvicorn reads None as "wait forever", and 0.5 s must not mean that.
         timeout_graceful_shutdown=math.ceil(config.graceful_shutdown_s),
-        timeout_keep_alive=config.keepalive_timeout_s,  # type: ignore[arg-type] - call_later takes a float
+        timeout_keep_alive=config.keepalive_timeout_s,  # type: ignore[arg-type]  # typed int, used as call_later's float
         server_header=False,
         **extra,
     )
@@ -99,8 +102,8 @@ def serve(config: ServerConfig, engine_args: Any | None = None) -> int:
 class ThreadedServer:
     """uvicorn in a background thread on an ephemeral loopback port: ``with ThreadedServer(cfg, engine) as s:``."""
 
-    def __init__(self, config: ServerConfig, engine: Backend | None = None, redactor: Any | None = None,
-                 engine_factory: Any | None = None, slo_clock: Any | None = None) -> None:
+    def __init__(self, config: ServerConfig, engine: Backend | LocalEngine | None = None, redactor: Any | None = None,
+                 engine_factory: Callable[[], Backend | LocalEngine] | None = None, slo_clock: Any | None = None) -> None:
         self.config = config
         self.app = create_app(config, engine=engine, engine_factory=engine_factory, redactor=redactor,
                               slo_clock=slo_clock)

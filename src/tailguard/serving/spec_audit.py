@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from rapidfuzz.distance import Levenshtein
 
-from tailguard.engine.request import SamplingParams
+from tailguard.backends.base import Submission
+from tailguard.engine.sequence import SamplingParams
 from tailguard.slo.actions import SLORecord, new_id
 
 if TYPE_CHECKING:
-    from tailguard.serving.backend import Backend
+    from tailguard.backends.base import Backend
 
 log = logging.getLogger("tailguard.audit")
 AUDIT_PRIORITY = 1_000_000  # below every lane: the audit never takes a step a real request wants
@@ -69,7 +70,9 @@ class SpeculationAudit:
         reference: list[int] = []
         plain = replace(sampling, speculative=False, logprobs=None)
         try:
-            async for ev in engine.generate(prompt, plain, f"{request_id}#audit", priority=AUDIT_PRIORITY):
+            rerun = Submission(f"{request_id}#audit", chat=False, sampling=plain, prompt_token_ids=prompt,
+                               num_prompt_tokens=len(prompt), priority=AUDIT_PRIORITY)
+            async for ev in engine.submit(rerun).events:
                 if ev.token_id is not None:
                     reference.append(ev.token_id)
         except Exception as exc:  # noqa: BLE001 - an audit that could not run is logged, never raised

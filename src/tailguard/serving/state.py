@@ -11,17 +11,21 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
-from tailguard.gateway.lanes import Lanes
-from tailguard.gateway.metrics import GatewayMetrics
-from tailguard.gateway.shared import LocalState, SharedState
-from tailguard.gateway.tenants import Tenants
+from tailguard.backends.base import Backend
+from tailguard.backends.local import LocalBackend, LocalEngine, as_backend
+from tailguard.backends.upstream.pool import UpstreamPool
+from tailguard.backends.upstream.proxy import UpstreamBackend
+from tailguard.observe.gateway_metrics import GatewayMetrics
 from tailguard.observe.metrics import ServerMetrics
 from tailguard.observe.resources import ResourceSampler
 from tailguard.observe.store import RequestStore
 from tailguard.observe.timeline import Outcome, Timeline
+from tailguard.policy.decision import TrafficPolicy
+from tailguard.policy.fleet_state import LocalState, RedisState, SharedState
+from tailguard.policy.identity import Keys
+from tailguard.policy.lanes import Lanes
+from tailguard.policy.tenants import Tenants
 from tailguard.serving.admission import Admission
-from tailguard.serving.auth import Keys
-from tailguard.serving.backend import Backend, backend_capacity
 from tailguard.serving.client_relay import RelayFlusher
 from tailguard.serving.config import ServerConfig
 from tailguard.serving.next_turn import NextTurn
@@ -41,6 +45,7 @@ log = logging.getLogger("tailguard.server")
 class ServerState:
     config: ServerConfig
     engine: Backend | None = None
+    upstream: UpstreamBackend | None = None  # the backend, when it is upstream replicas
     metrics: ServerMetrics | None = None
     store: RequestStore | None = None
     admission: Admission = field(init=False)
@@ -67,43 +72,50 @@ class ServerState:
     relay_flusher: RelayFlusher = field(default_factory=RelayFlusher)  # the gateway's direct relay (one loop's)
     closing: NextTurn[Timeline] = field(init=False)  # finished requests whose records close a turn later
     batch_cap: BatchCapDriver | None = None  # batch_cap mode 'forecast': sets the engine's caps ahead of load
+    policy: TrafficPolicy = field(init=False)  # lanes, rate limits, the SLO monitor's verdicts (rebuilt on attach)
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config.max_queue)
         self.closing = NextTurn(self._close_later)
         self.keys = Keys(self.config.client_keys, self.config.admin_key, Tenants.load(self.config.keys_file))
+        self.policy = self._policy()
+
+    def _policy(self) -> TrafficPolicy:
+        return TrafficPolicy(self.lanes, self.shared, self.slo, self.gateway_metrics,
+                             default_lane=self.config.default_lane, trust_lane_header=self.config.trust_lane_header)
 
     @property
     def model_label(self) -> str:
         return self.engine.model_name if self.engine is not None else self.config.model
 
-    def attach(self, engine: Backend) -> None:
-        self.engine = engine
-        self.model_names = self.config.model_names(engine.model_name)
-        self.token_text = TokenText(engine.tokenizer) if engine.tokenizer is not None else None
+    def attach(self, engine: Backend | LocalEngine) -> None:
+        """Serve from ``engine``: a backend, or an engine of this process (put behind ``LocalBackend``)."""
+        backend = self.engine = as_backend(engine)
+        upstream = self.upstream = backend if isinstance(backend, UpstreamBackend) else None
+        pool = upstream.pool if upstream is not None else None
+        self.model_names = self.config.model_names(backend.model_name)
+        self.token_text = TokenText(backend.tokenizer) if backend.tokenizer is not None else None
         if self.config.lanes_enabled:
             cap = self.config.capacity
-            pool = getattr(engine, "pool", None)
             limit = cap.upstream_queue_limit
             gate = (lambda admitted: pool.queue_full(limit, admitted)) if pool is not None and limit is not None \
                 else None
-            self.lanes = Lanes(self.config.lane_configs(), cap.max_concurrent or backend_capacity(engine), cap,
-                               fleet=self.shared if self.shared.fleet else None,  # type: ignore[arg-type]
-                               upstream_full=gate, backend_preempts=self._backend_preempts())
-            if gate is not None:  # a new read of the upstream queues may open the gate: admit who fits
+            fleet = self.shared if isinstance(self.shared, RedisState) else None
+            self.lanes = Lanes(self.config.lane_configs(), cap.max_concurrent or backend.capacity(), cap,
+                               fleet=fleet, upstream_full=gate, backend_preempts=backend.preempts())
+            if pool is not None and gate is not None:  # a new read of the upstream queues may open the gate
                 pool.on_queue = self.lanes.poke
-            self._pause_for_reserved(engine)
+            self._pause_for_reserved(backend)
             if self.metrics is not None:
                 self.gateway_metrics = GatewayMetrics(self.metrics.registry, self.metrics.model)
-                if hasattr(engine, "on_attempt"):  # over upstream replicas: count each attempt per replica
-                    engine.on_attempt = self.gateway_metrics.attempt
+                if upstream is not None:  # over upstream replicas: count each attempt per replica
+                    upstream.on_attempt = self.gateway_metrics.attempt
         if self.metrics is not None and self.machine is None:
             self.machine = ResourceSampler(self.metrics.registry, self.metrics.model)
             self.machine.start()
-        if _speculates(engine) and self.metrics is not None and self.config.speculative_audit > 0:
+        if backend.speculates() and self.metrics is not None and self.config.speculative_audit > 0:
             self.audit = SpeculationAudit(self.config.speculative_audit, self.metrics.registry, self.metrics.model,
                                           self._emit_audit)
-        pool = getattr(engine, "pool", None)
         if pool is not None and self.slo is not None:
             # The scale-out hook is told the replica set it would grow (or shrink).
             self.slo.actions.context = lambda: {"replicas": pool.describe()}
@@ -111,9 +123,11 @@ class ServerState:
             from tailguard.serving.batch_cap import BatchCapDriver
 
             registry = self.metrics.registry if self.metrics is not None else None
-            self.batch_cap = driver = BatchCapDriver(self.config.batch_cap, engine, registry, self.model_label)
+            target = backend.engine if isinstance(backend, LocalBackend) else backend  # whose caps it sets
+            self.batch_cap = driver = BatchCapDriver(self.config.batch_cap, target, registry, self.model_label)
             if self.slo is not None:  # the scale-out hook learns the fleet the forecast load needs
                 self.slo.actions.context = lambda: {"capacity": driver.capacity_estimate()}
+        self.policy = self._policy()
 
     def _emit_audit(self, rec: SLORecord) -> None:
         if self.slo is not None:
@@ -127,35 +141,23 @@ class ServerState:
             return
         cap = self.lanes.capacity
         if self.config.capacity.max_concurrent is None:
-            cap = backend_capacity(self.engine)
-        preempts = self._backend_preempts()
+            cap = self.engine.capacity()
+        preempts = self.engine.preempts()
         if cap != self.lanes.capacity or preempts != self.lanes.backend_preempts:
             self.lanes.backend_preempts = preempts
             self.lanes.set_capacity(cap)  # the fleet's rule carries what may be lent
 
-    def _pause_for_reserved(self, engine: Backend) -> None:
+    def _pause_for_reserved(self, backend: Backend) -> None:
         """Embedded engine with a reserved lane: other lanes' sequences pause while a reserved-lane request is in the
         engine (``capacity.reserved_background_seqs``), unless ``--max-background-seqs`` was given."""
-        set_background = getattr(engine, "set_background", None)
-        args = getattr(getattr(engine, "engine", None), "args", None)
         keep = self.config.capacity.reserved_background_seqs
         reserved = [lane.priority for lane in self.config.lane_configs().values() if lane.reserved]
-        if set_background is None or keep is None or not reserved or getattr(args, "max_background_seqs", None) \
-                is not None:
-            return
-        set_background(keep, max(reserved))
-
-    def _backend_preempts(self) -> bool:
-        """The backend can take lent reserve back at once: the embedded engine, or replicas that all start a
-        higher-priority arrival by preempting (``preempts``: another tailguard). llama.cpp's server has no priorities;
-        vLLM's priority scheduling orders its waiting queue and preempts only when its KV cache runs out, so a VIP
-        request sent there waits for a batch stream to end (measured: benchmarks/lanes.py --engine vllm)."""
-        pool = getattr(self.engine, "pool", None)
-        return pool is None or (bool(pool.replicas) and all(r.cfg.preempts for r in pool.replicas))
+        if isinstance(backend, LocalBackend) and keep is not None and reserved:
+            backend.protect_priority(keep, max(reserved))
 
     def engine_error(self) -> BaseException | None:
-        """The engine's fatal error, when it has died (the embedded engine keeps it on ``error``)."""
-        return getattr(self.engine, "error", None) if self.engine is not None else None
+        """The backend's fatal error, when it has died."""
+        return self.engine.error if self.engine is not None else None
 
     def sample(self) -> None:
         """One snapshot of engine and server state into the gauges (and every other tick into the store)."""
@@ -172,7 +174,7 @@ class ServerState:
         if self.metrics is not None:
             self.metrics.sample(s.running, s.waiting, s.kv_blocks_total, s.kv_blocks_used, s.num_preemptions,
                                 adm.depth, adm.in_flight, adm.capacity)
-        pool = getattr(eng, "pool", None)
+        pool = self.upstream.pool if self.upstream is not None else None
         if pool is not None:  # upstream replicas: their model names as their health checks find them
             names = self.config.model_names(eng.model_name) + [r.model for r in pool.replicas if r.model]
             self.model_names = list(dict.fromkeys(names))
@@ -183,7 +185,7 @@ class ServerState:
             self.lanes.tick()  # tokens_per_s: auto closes its windows of saturated time here too
             self.snapshot["lanes"] = self.lanes.snapshot()
         if self.gateway_metrics is not None:
-            self.gateway_metrics.sample(self.lanes, pool)
+            sample_gateway(self.gateway_metrics, self.lanes, pool)
 
     def store_sample(self) -> None:
         snap = self.snapshot
@@ -259,9 +261,42 @@ class ServerState:
                 del recent[(rid, owner)]
 
 
-def _speculates(engine: Any) -> bool:
-    inner = getattr(engine, "engine", None)  # AsyncLLMEngine -> LLMEngine
-    return getattr(inner, "speculation", None) is not None
+def sample_gateway(gm: GatewayMetrics, lanes: Lanes | None, pool: UpstreamPool | None) -> None:
+    """The lanes' and the replicas' state into the gateway's gauges (and their running totals into counters)."""
+    m = gm.model
+    if lanes is not None:
+        for name, s in lanes.lanes.items():
+            gm.lane_waiting.labels(m, name).set(s.waiting)
+            gm.lane_in_use.labels(m, name).set(s.in_use)
+        for part, v in (("total", lanes.capacity), ("reserved", lanes.reserved), ("burst", lanes.burst),
+                        ("general", lanes.general)):
+            gm.lane_capacity.labels(m, part).set(v)
+        if lanes.token_budget is not None or lanes.meter is not None:
+            for name, s in lanes.lanes.items():
+                gm.lane_tokens.labels(m, name).set(s.tokens)
+        if lanes.meter is not None and lanes.meter.rate is not None:
+            gm.token_rate.labels(m).set(lanes.meter.rate)
+        if lanes.token_budget is not None:
+            for part, v in (("total", lanes.token_budget), ("reserved", lanes.reserved_tokens),
+                            ("burst", lanes.burst_tokens), ("general", lanes.general_tokens)):
+                gm.lane_token_capacity.labels(m, part).set(v)
+        if lanes.upstream_full is not None:
+            gm.upstream_gate.labels(m).set(1 if lanes.gate_closed() else 0)
+    if pool is not None:
+        for rep in pool.replicas:
+            gm.up_outstanding.labels(m, rep.name).set(rep.outstanding_tokens)
+            gm.up_in_flight.labels(m, rep.name).set(rep.in_flight)
+            gm.up_waiting.labels(m, rep.name).set(rep.upstream_waiting)
+            gm.up_healthy.labels(m, rep.name).set(1 if rep.available else 0)
+            gm.catch_up(gm.up_breaker_open, (m, rep.name), rep.breaker.opened_total)
+            c = rep.conns
+            gm.up_conns_idle.labels(m, rep.name).set(len(c.idle))
+            gm.catch_up(gm.up_conns_opened, (m, rep.name, "ahead"), c.opened - c.opened_on_demand)
+            gm.catch_up(gm.up_conns_opened, (m, rep.name, "on_demand"), c.opened_on_demand)
+            gm.catch_up(gm.up_resent, (m, rep.name), c.reconnects)
+        q = pool.quarantine
+        gm.catch_up(gm.quarantine, (m, "quarantined"), q.quarantined_total)
+        gm.catch_up(gm.quarantine, (m, "refused"), q.refused_total)
 
 
 def state_of(request: Request) -> ServerState:

@@ -1,4 +1,4 @@
-"""SLO monitor: profiles (S1), sliding windows (S2), evaluation and tiered alerts, actions (S3), rule export and reports.
+"""SLO monitor: profiles, sliding windows, evaluation and tiered alerts, actions, rule export and reports.
 
 Import the light pieces from here; the monitor itself lives in :mod:`tailguard.slo.monitor`.
 """

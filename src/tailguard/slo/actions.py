@@ -1,4 +1,4 @@
-"""Actions (requirement S3): what each tier does, how it is undone, and the record of every step.
+"""Actions: what each tier does, how it is undone, and the record of every step.
 
 - **yellow** (and above) -> scale out: a webhook POST and/or a command with the JSON request on stdin, asking for
   ``replicas_pct`` (10%) more replicas; once per escalation (green -> yellow), and a matching scale-in request

@@ -19,23 +19,24 @@ def add_slo_parser(subparsers: Any) -> argparse.ArgumentParser:
     sub = slo.add_subparsers(dest="slo_command", required=True)
 
     pr = sub.add_parser("profiles", help="list the SLO profiles (built in, and from a YAML file), validating them")
-    pr.add_argument("--file", help="a YAML file of custom profiles")
-    pr.add_argument("--config", help="a monitor config YAML (its 'slo:' section) to validate as well")
-    pr.add_argument("--json", action="store_true")
+    pr.add_argument("--file", help="a YAML file of custom profiles (default: the built-in ones only)")
+    pr.add_argument("--config", help="a monitor config YAML (its 'slo:' section) to validate as well (default: none)")
+    pr.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     ru = sub.add_parser("rules", help="write Prometheus recording and alerting rules (tiers, burn rates)")
     ru.add_argument("--profile", action="append", dest="profiles",
                     help="profile to export (repeatable; default: every built-in profile)")
-    ru.add_argument("--file", help="a YAML file of custom profiles")
-    ru.add_argument("--config", help="monitor config YAML: its tiers and golden-rule ratios are used")
+    ru.add_argument("--file", help="a YAML file of custom profiles (default: the built-in ones only)")
+    ru.add_argument("--config", help="monitor config YAML: its tiers and golden-rule ratios are used (default: the "
+                                     "built-in tiers and ratios)")
     ru.add_argument("--output", "-o", default="-", help="rules file (default: stdout)")
-    ru.add_argument("--tests-output", help="also write a promtool rules unit-test file here")
+    ru.add_argument("--tests-output", help="also write a promtool rules unit-test file here (default: none)")
     ru.add_argument("--tier-window", default="5m", help="rate window of the tier alerts (default 5m)")
 
     gf = sub.add_parser("grafana", help="write a Grafana dashboard (JSON) of tailguard's metrics and the SLO profiles")
     gf.add_argument("--profile", action="append", dest="profiles",
                     help="profile whose objectives are drawn (repeatable; default: baseline)")
-    gf.add_argument("--file", help="a YAML file of custom profiles")
+    gf.add_argument("--file", help="a YAML file of custom profiles (default: the built-in ones only)")
     gf.add_argument("--output", "-o", default="-", help="dashboard JSON file (default: stdout)")
     gf.add_argument("--title", default="tailguard", help="dashboard title")
     gf.add_argument("--gateway", action="store_true",
@@ -44,9 +45,9 @@ def add_slo_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="weekly P99/P95 trend and SLO attainment from the request store")
     rp.add_argument("--db", required=True, help="the SQLite request store (tailguard serve --store)")
-    rp.add_argument("--weeks", type=int, default=4)
+    rp.add_argument("--weeks", type=int, default=4, help="weeks of history to report")
     rp.add_argument("--profile", action="append", dest="profiles", help="profile (repeatable; default: all built in)")
-    rp.add_argument("--file", help="a YAML file of custom profiles")
+    rp.add_argument("--file", help="a YAML file of custom profiles (default: the built-in ones only)")
     rp.add_argument("--min-samples", type=int, default=20, help="fewest requests for an hour or week to be judged")
     rp.add_argument("--json", action="store_true", help="print JSON instead of tables")
 

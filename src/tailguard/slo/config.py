@@ -1,6 +1,6 @@
 """The SLO monitor's configuration: one validated model, loadable from YAML (``slo:`` section or a file of its own).
 
-Every figure the seed gives is a default here; all are configurable. Example::
+Every figure the requirements give is a default here; all are configurable. Example::
 
     slo:
       profiles: [baseline, advanced]
@@ -95,7 +95,7 @@ class TierMetric(_M):
 
 
 def _default_judge() -> list[TierMetric]:
-    # The seed's 1.8 / 2.5 / 3 s, read as the wait before an answer starts (TTFT), which does not grow with
+    # The required 1.8 / 2.5 / 3 s, read as the wait before an answer starts (TTFT), which does not grow with
     # max_tokens; and the pace of the answer once it flows (TPOT): 0.6 s per token is under 2 tokens/s.
     return [
         TierMetric(metric=Metric.TTFT, percentile=99, yellow=1.8, orange=2.5, red=3.0),
@@ -104,7 +104,7 @@ def _default_judge() -> list[TierMetric]:
 
 
 class TierPolicy(_M):
-    """Tiered alerts (S3). Each metric in ``judge`` has its own thresholds; the scope's tier is the worst of them.
+    """Tiered alerts. Each metric in ``judge`` has its own thresholds; the scope's tier is the worst of them.
 
     By default the tiers judge TTFT P99 (1.8 / 2.5 / 3 s) and TPOT P99 (0.25 / 0.4 / 0.6 s per token): neither
     grows with the length of an answer, so a healthy server that writes long answers stays green. E2E
@@ -213,7 +213,7 @@ class PeakConfig(_M):
 
 
 class GoldenRulesConfig(_M):
-    """The seed's golden rules (S5) as advisories, never pages.
+    """The golden rules as advisories, never pages.
 
     They fire on healthy traffic: for lognormal latency with log-sigma s, P99/P50 = exp(2.326 s) exceeds 3 once
     s > 0.47, and P99/P95 = exp(0.681 s) exceeds 1.5 once s > 0.60; LLM end-to-end latency, which scales with the
@@ -229,7 +229,7 @@ class GoldenRulesConfig(_M):
 
 
 class HotspotConfig(_M):
-    """Hotspots (T4): requests slower than exp(mean + sigma x std) of the window's log E2E."""
+    """Hotspots: requests slower than exp(mean + sigma x std) of the window's log E2E."""
 
     sigma: float = Field(default=2.0, gt=0)
     stage_sigma: float = Field(default=2.0, gt=0)

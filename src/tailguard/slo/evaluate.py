@@ -1,11 +1,11 @@
 """Evaluation (run every few seconds): SLO status per profile, tiers with hysteresis, golden-rule advisories,
-hotspots (T4), and the long-context and per-region views (S4).
+hotspots, and the long-context and per-region views.
 
 Everything here is computation over :class:`~tailguard.slo.windows.SlidingWindows`; nothing acts. The monitor turns
 tier transitions into actions (:mod:`tailguard.slo.actions`).
 
-Golden rules are **advisories**. The seed says P99 > 3 x P50 means "start the optimization plan now" and
-P99 > 1.5 x P95 means "plan within 24 h". Both fire on healthy lognormal traffic: with log-sigma s, P99/P50 is
+Golden rules are **advisories**. The rules say P99 > 3 x P50 means "plan improvements now" and P99 > 1.5 x P95
+means "plan improvements within a day". Both fire on healthy lognormal traffic: with log-sigma s, P99/P50 is
 exp(2.326 s) (> 3 once s > 0.47) and P99/P95 is exp(0.681 s) (> 1.5 once s > 0.60), and LLM end-to-end latency,
 which grows with the output length, often has s in 0.5-1. So they are reported, recorded and exported, never paged
 on, and their ratios are configurable (``golden_rules`` in the config).
@@ -214,8 +214,8 @@ class AdvisoryTracker:
     """Golden-rule advisories of one scope: on above the ratio, off at ``clear_ratio`` x the ratio or below."""
 
     RULES = (
-        ("p99_over_p50", "p99_over_p50", "P99 > {r:g} x P50: start the optimization plan now (seed's golden rule)"),
-        ("p99_over_p95", "p99_over_p95", "P99 > {r:g} x P95: plan an optimization within 24 h (seed's golden rule)"),
+        ("p99_over_p50", "p99_over_p50", "P99 > {r:g} x P50: plan improvements now (golden rule)"),
+        ("p99_over_p95", "p99_over_p95", "P99 > {r:g} x P95: plan improvements within a day (golden rule)"),
     )
 
     def __init__(self, scope: str, cfg: GoldenRulesConfig) -> None:

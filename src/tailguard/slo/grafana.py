@@ -68,7 +68,7 @@ def available_metrics(gateway: bool = False) -> dict[str, MetricInfo]:
     SLOMetrics(slo_registry)
     registries = [server.registry, slo_registry]
     if gateway:
-        from tailguard.gateway.metrics import GatewayMetrics
+        from tailguard.observe.gateway_metrics import GatewayMetrics
 
         registries.append(CollectorRegistry(auto_describe=True))
         GatewayMetrics(registries[-1], "model")

@@ -1,4 +1,4 @@
-"""Hotspot analysis of stored records (T2/T4): layers and stages slower than mean + 2 sigma.
+"""Hotspot analysis of stored records: layers and stages slower than mean + 2 sigma.
 
 Layers: the sampled internals (engine/internals.py) give each instrumented step a wall time per layer. Prefill and
 decode steps differ by orders of magnitude, so each kind is judged apart. Two views per kind:
@@ -145,7 +145,7 @@ def load_records(target: str, since: float | None = None, limit: int = 10_000) -
     where = "outcome = 'success'" + (" AND received_at >= ?" if since is not None else "")
     params: tuple = (since,) if since is not None else ()
     if is_postgres_url(target):
-        from tailguard.observe.store import open_store
+        from tailguard.observe.stores import open_store
 
         store = open_store(target)
         try:

@@ -1,10 +1,10 @@
-"""SLO profiles (requirement S1): named sets of objectives over latency metrics.
+"""SLO profiles: named sets of objectives over latency metrics.
 
 A profile is a list of :class:`Objective`. Each objective names a metric (``ttft``, ``e2e``...), a percentile (or
 none for rate metrics), a threshold in seconds (latencies) or as a ratio (rates, decay), and optionally a ``where``
 selector that narrows the traffic it applies to (a lane, a client class, long-context requests, peak hours).
 
-The seed's profiles are built in (:data:`BUILTIN_PROFILES`): ``baseline``, ``advanced`` (baseline plus the
+The required profiles are built in (:data:`BUILTIN_PROFILES`): ``baseline``, ``advanced`` (baseline plus the
 advanced objectives), ``strict`` (advanced plus both strict scenarios), ``strict-finance`` and ``strict-medical``.
 Custom profiles come from YAML through :func:`load_profiles`; they may extend a built-in one.
 
@@ -173,7 +173,7 @@ class Objective(BaseModel):
     short_max_tokens: int = Field(default=8192, ge=1)
     name: str | None = None
     description: str = ""
-    # Bench only: a run in which no request has a business type is held to this objective as a whole (the seed's
+    # Bench only: a run in which no request has a business type is held to this objective as a whole (the
     # finance bound, say, for a run that is all finance Q&A but not labelled so). The live monitor ignores it.
     all_if_unlabelled: bool = False
 
@@ -381,7 +381,7 @@ def _o(metric: str, threshold: float, percentile: float | None = None, **kw: Any
 
 
 def builtin_profiles() -> dict[str, SLOProfile]:
-    """The seed's profiles (S1), fresh copies. ``advanced`` builds on ``baseline`` and ``strict`` on ``advanced``."""
+    """The built-in profiles, fresh copies. ``advanced`` builds on ``baseline`` and ``strict`` on ``advanced``."""
     base_objs = (
         _o("e2e", 0.45, 50),
         _o("e2e", 1.2, 95),
@@ -390,7 +390,7 @@ def builtin_profiles() -> dict[str, SLOProfile]:
     )
     baseline = SLOProfile(
         name="baseline",
-        description="the seed's baseline: E2E P50 <= 450 ms, P95 <= 1.2 s, P99 <= 2 s, errors < 0.5%",
+        description="baseline SLO profile: E2E P50 <= 450 ms, P95 <= 1.2 s, P99 <= 2 s, errors < 0.5%",
         objectives=base_objs,
     )
     adv_objs = (
@@ -404,7 +404,7 @@ def builtin_profiles() -> dict[str, SLOProfile]:
     advanced = SLOProfile(
         name="advanced",
         description=(
-            "the seed's advanced tier: baseline, plus TTFT <= 350 ms (mobile <= 300 ms, VIP <= 200 ms), P99 at 64K "
+            "advanced SLO profile: baseline, plus TTFT <= 350 ms (mobile <= 300 ms, VIP <= 200 ms), P99 at 64K "
             "context at most 40% above short context, peak-hour degradation rate < 2%"
         ),
         objectives=adv_objs,
@@ -415,7 +415,7 @@ def builtin_profiles() -> dict[str, SLOProfile]:
                      name="medical reports: E2E P95 <= 3 s")
     strict = SLOProfile(
         name="strict",
-        description=("the seed's strict scenarios: advanced, plus finance Q&A E2E P99 <= 1.5 s and medical report "
+        description=("strict SLO profile: advanced, plus finance Q&A E2E P99 <= 1.5 s and medical report "
                      "generation E2E P95 <= 3 s"),
         objectives=(*adv_objs, finance_e2e, medical_e2e),
     )

@@ -1,4 +1,4 @@
-"""``tailguard slo report``: the weekly P99/P95 trend and SLO attainment (S5), read from the request store.
+"""``tailguard slo report``: the weekly P99/P95 trend and SLO attainment, read from the request store.
 
 Reads the SQLite store of :mod:`tailguard.observe.store` (table ``requests``) read-only and defensively: columns
 that are missing are reported as such, never guessed. Per ISO week (UTC) it gives request counts, error rate,
@@ -297,8 +297,8 @@ def build_report(db: str | Path, profiles: Iterable[SLOProfile], weeks: int = 4,
 
 
 def _audit_summary(conn: sqlite3.Connection, tables: set[str], start: float) -> dict[str, dict]:
-    """The speculative decoding consistency audit (L4): per sampling mode, how many reruns, mismatches and the
-    distribution of the token edit distance (greedy must be 0; sampled is judged against the seed's bound of 3)."""
+    """The speculative decoding consistency audit: per sampling mode, how many reruns, mismatches and the
+    distribution of the token edit distance (greedy must be 0; sampled is judged against the bound of 3)."""
     if "slo_alerts" not in tables:
         return {}
     out: dict[str, dict] = {}
@@ -369,7 +369,7 @@ def render_report(rep: dict[str, Any], console: Any | None = None) -> None:
                   _sec(w["p99"]), ratio_s, arrow, _r(w["p99_over_p50"]),
                   " ".join(f"{k[0]}{v}" for k, v in al.items()) or "-")
     con.print(t)
-    con.print("[dim]P99/P95 > 1.5 and P99/P50 > 3 are the seed's golden-rule limits: advisories (healthy lognormal "
+    con.print("[dim]P99/P95 > 1.5 and P99/P50 > 3 are the golden rules' limits: advisories (healthy lognormal "
               "traffic exceeds them too). chg: week-on-week change of P99/P95.[/]")
     last = rep["weeks"][-1]
     a = Table(title=f"SLO attainment ({last}; hours met per week, oldest first)", title_justify="left")
@@ -404,7 +404,7 @@ def render_report(rep: dict[str, Any], console: Any | None = None) -> None:
                        str(d["p95_distance"]), f"{d['within_3']:.0%}")
         con.print(au)
         con.print("[dim]greedy output must be identical (distance 0): a mismatch is a bug; sampled output is rerun "
-                  "with the same seed and judged against the seed's bound of 3 tokens.[/]")
+                  "with the same seed and judged against the bound of 3 tokens (edit distance).[/]")
     for n in rep["notes"]:
         con.print(f"[dim]note: {escape(n)}[/]")
     con.print(f"[dim]{rep['rows_read']:,} records read; hours and weeks with fewer than {rep['min_samples']} "

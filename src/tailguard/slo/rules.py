@@ -13,7 +13,7 @@ Over the histograms and counters of :mod:`tailguard.observe.metrics` (``tailguar
 
 A latency objective "P99 <= 2 s" is read as "at most 1% of requests slower than 2 s", so its error ratio is
 ``1 - bucket{le="2.0"} / count``. That needs a bucket edge exactly at the threshold; tailguard's buckets have one at
-each of the seed's thresholds, and an objective whose threshold is not an edge is skipped with a note. Burn-rate
+each of the built-in thresholds, and an objective whose threshold is not an edge is skipped with a note. Burn-rate
 alerts are made for tail objectives (P90 and above) and error-rate objectives; objectives that select on labels the
 metrics do not carry (lane, client, region, context length, peak hours) stay with the live monitor.
 
@@ -273,16 +273,17 @@ def build_rules(profiles: Iterable[SLOProfile], tiers: TierPolicy | None = None,
             "annotations": _tier_annotations(lv, judged, tiers, tier_window),
         })
     golden = []
-    for rule, limit, advice in (("p99_over_p50", p99_over_p50, "start the optimization plan now"),
-                                ("p99_over_p95", p99_over_p95, "plan an optimization within 24 h")):
+    for rule, limit, advice in (("p99_over_p50", p99_over_p50, "plan improvements now"),
+                                ("p99_over_p95", p99_over_p95, "plan improvements within a day")):
         golden.append({
             "alert": "TailguardGoldenRule", "expr": f"tailguard:{e2e}:{rule}_{golden_window} > {_fmt(limit)}",
             "for": "30m",
             "labels": {"severity": "info", "rule": rule, "team": "tailguard"},
             "annotations": {
                 "summary": f"E2E {rule.replace('_over_', '/').upper()} above {_fmt(limit)}: {advice}",
-                "description": ("An advisory, not a page: this ratio exceeds the seed's limit on healthy lognormal "
-                                "traffic too (P99/P50 > 3 once log-sigma > 0.47; P99/P95 > 1.5 once > 0.60)."),
+                "description": ("An advisory, not a page: this ratio exceeds the golden rule's limit on healthy "
+                                "lognormal traffic too (P99/P50 > 3 once log-sigma > 0.47; P99/P95 > 1.5 once "
+                                "> 0.60)."),
             },
         })
     groups.append({"name": "tailguard-slo-tiers", "rules": tier_alerts + golden})

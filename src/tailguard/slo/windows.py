@@ -1,4 +1,4 @@
-"""Live sliding windows (requirement S2): a ring of per-interval t-digest sketches, merged on query.
+"""Live sliding windows: a ring of per-interval t-digest sketches, merged on query.
 
 Time is cut into slots of ``slot_s`` seconds (30 s by default). Each slot holds one :class:`_Cell` per *key*: the
 combination (business type, lane, client class, region, context-length bucket) of a finished request. A cell keeps,
@@ -330,7 +330,7 @@ def _parse_hours(spec: str) -> tuple[int, int]:
 
 
 class PeakDetector:
-    """Is it peak time? (S2: the window is 5 minutes at peak and 15 minutes otherwise.)
+    """Is it peak time? (The window is 5 minutes at peak and 15 minutes otherwise.)
 
     Modes: ``configured`` (hour ranges in a time zone), ``detected`` (from traffic), ``always``, ``never``.
     Detection compares the request rate of the last ``recent_s`` seconds with a slow moving average of the rate
@@ -417,7 +417,7 @@ class SlidingWindows:
     ``metrics``: latency metrics kept (the core four plus any of ``tpot``, ``e2e_per_token``, ``tokenize``,
     ``prefill``).
     ``ctx_edges``: prompt-length bucket edges in tokens (a request with ``t`` tokens falls in the first bucket whose
-    upper edge is >= t); the defaults put 8K (the long-context watch, S4) and 64K (the decay objective) on edges.
+    upper edge is >= t); the defaults put 8K (the long-context watch) and 64K (the decay objective) on edges.
     ``max_keys``: cardinality guard; further keys are folded into ``("other", "other", ...)``.
     """
 

@@ -4,7 +4,7 @@ The C source is compiled with the machine's gcc (``-O3 -march=native -fopenmp``)
 (``python -m tailguard.engine.kernels``) or on first use, into a cache keyed by the source, the compiler and the CPU's
 instruction set, and loaded with ctypes, which releases the GIL during each call, so the HTTP event loop keeps running
 while a step computes. Arrays are numpy's, or torch's CPU tensors (what comes back is of the caller's kind): the lean
-runner (engine/lean.py) serves without importing torch.
+runner (engine/native_runner.py) serves without importing torch.
 
 Parallel loops run on the kernels' own thread pool, whose threads sleep soon after they run out of work; its thread
 count, polling time and the choice of OpenMP's pool instead are read from the environment when the library loads
@@ -406,6 +406,7 @@ def linear(x: Array, w: PackedMatrix, out: Array | None = None, accumulate: bool
     xa = np.ascontiguousarray(_np(x))
     if xa.dtype != np.float32 or xa.ndim != 2 or xa.shape[1] != w.in_features:
         raise ValueError("linear expects a contiguous float32 [T, in_features] input")
+    out_a: np.ndarray | None
     if out is None:
         out_a = np.empty((xa.shape[0], w.out_features), dtype=np.float32)
         out = _like(out_a, x)
@@ -527,7 +528,7 @@ class DecodeStep:
                              self._layers, _ptr(final_norm), _mat(embed_w), _mat(lm_head), _ptr(cos), _ptr(sin))
         n_layers, two, num_blocks, block_size, n_kv, row = kv.shape
         fmt = KV_FORMATS.get(str(kv.dtype))
-        # int8 rows carry their float16 scale after the head_dim values (model.py's quantize_kv)
+        # int8 rows carry their float16 scale after the head_dim values (torch_model.py's quantize_kv)
         want_row = config.head_dim + 2 if kv.dtype == np.int8 else config.head_dim
         if (fmt is None or not kv.flags.c_contiguous or two != 2 or n_layers != config.num_layers
                 or n_kv != config.num_kv_heads or row != want_row):

@@ -1416,7 +1416,7 @@ static void rope(float *v, int hd, const float *cos, const float *sin) {
 /* int8 KV rows hold K and V turned by the orthonormal Hadamard transform (Sylvester order, H = H^T = H^-1) when
  * head_dim is a power of two: a few outlier channels then no longer set the one scale of a row, and the int8
  * rounding error spreads evenly (QuaRot's trick). Scores are unchanged ((Hq) . (Hk) = q . k): the queries turn the
- * same way, and the attention output turns back (sum p_i H v_i = H sum p_i v_i). model.py's rotate_kv does the same
+ * same way, and the attention output turns back (sum p_i H v_i = H sum p_i v_i). torch_model.py's rotate_kv does the same
  * for the torch path. Mean per-token change of -log p against a float32 cache: 0.024 / 0.029 (en / zh) unturned,
  * 0.012 / 0.016 turned (benchmarks/kv_rotation.py). */
 static inline int kv_rotated(int fmt, int hd) { return fmt == TG_KV_I8 && hd >= 2 && (hd & (hd - 1)) == 0; }
@@ -1467,7 +1467,7 @@ static void hadamard(float *v, int n) {
     for (int i = 0; i < n; i++) v[i] *= s;
 }
 
-/* One (position, kv head) row of hd values at element offset off. int8: the same numbers as model.py's
+/* One (position, kv head) row of hd values at element offset off. int8: the same numbers as torch_model.py's
  * quantize_kv (scale rounded to float16 first, then q = round-half-even(x / scale), clamped to +-127). */
 static inline void kv_store(void *kv, int fmt, size_t off, const float *src, int hd) {
     if (fmt == TG_KV_F16) {
@@ -1599,7 +1599,7 @@ static float exp_shifted_sum(float *s, int n, float shift) {
  * slices, each a task with its own max, sum of exp and unnormalised output, merged by log-sum-exp below. The score
  * buffer is one slice on the stack whatever the context; the only per-context memory is pm (hd + 2 floats per slice,
  * KV head and query head: ~76 KB for SmolLM2 at 8K tokens). No float copy of the cache is made (the generic path
- * reads rows one at a time, the AVX-512 one converts 16 K rows at a time into a 4-8 KB tile on the stack). So an 8K context needs nothing more here; the torch paths (model.py
+ * reads rows one at a time, the AVX-512 one converts 16 K rows at a time into a 4-8 KB tile on the stack). So an 8K context needs nothing more here; the torch paths (torch_model.py
  * attention_sliced, EngineArgs.attention_slice_tokens) do the same for steps with prefill chunks. */
 #define SLICE 256   /* positions per attention slice: long contexts split across threads, merged by log-sum-exp */
 #define MAX_GROUP 16

@@ -1,1 +1,1 @@
-"""The server's HTTP endpoints, one module per concern (the completions endpoint is ``serving/completions.py``)."""
+"""The server's HTTP endpoints, one module per concern (the completions endpoint is ``serving/endpoint.py``)."""

@@ -24,8 +24,7 @@ async def ready(request: Request) -> Response:
     if state.admission.drain is not None:  # SIGTERM: out of rotation first (serving/drain.py)
         return JSONResponse({"status": "draining", "error": "the server is shutting down"}, 503)
     if state.ready and state.engine is not None and state.engine_error() is None:
-        unavailable = getattr(state.engine, "unavailable", None)
-        why = unavailable() if unavailable is not None else None
+        why = state.engine.unavailable()
         if why is None:
             return JSONResponse({"status": "ready", "model": state.engine.model_name})
         return JSONResponse({"status": "unavailable", "error": why[:500]}, 503)

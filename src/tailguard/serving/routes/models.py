@@ -7,7 +7,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tailguard.serving.errors import APIError
+from tailguard.api_error import APIError
 from tailguard.serving.state import ServerState, state_of
 
 

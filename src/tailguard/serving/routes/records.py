@@ -8,9 +8,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tailguard.api_error import APIError
 from tailguard.observe.timeline import Timeline
-from tailguard.serving.auth import Caller
-from tailguard.serving.errors import APIError
+from tailguard.policy.identity import Caller
 from tailguard.serving.state import ServerState, state_of
 
 

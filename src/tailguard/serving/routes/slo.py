@@ -8,7 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from tailguard.serving.errors import APIError
+from tailguard.api_error import APIError
 from tailguard.serving.query import query_choice, query_int, query_number
 from tailguard.serving.state import ServerState, state_of
 from tailguard.slo.dashboard import DASHBOARD_HTML, json_safe

@@ -10,18 +10,17 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tailguard.gateway.upstream import UpstreamConfig, UpstreamForbidden
-from tailguard.serving.errors import APIError
+from tailguard.api_error import APIError
+from tailguard.backends.upstream.pool import UpstreamConfig, UpstreamForbidden, UpstreamPool
 from tailguard.serving.protocol import decode_json
 from tailguard.serving.state import ServerState, state_of
 
 
-def _pool(state: ServerState):
-    pool = getattr(state.engine, "pool", None)
-    if pool is None:
+def _pool(state: ServerState) -> UpstreamPool:
+    if state.upstream is None:
         raise APIError(404, "this server has no upstream replicas (it is not running as a gateway: --upstream)",
                        code="not_a_gateway")
-    return pool
+    return state.upstream.pool
 
 
 async def list_upstreams(request: Request) -> Response:

@@ -6,10 +6,11 @@ import torch
 
 from tailguard.engine.blocks import BlockTable
 from tailguard.engine.internals import StepProbe
-from tailguard.engine.lean_sampling import SampledToken, failed_row
-from tailguard.engine.model import NATIVE_PREFILL_MAX_CONTEXT, AttentionMetadata, LlamaModel, PrefillSpan
-from tailguard.engine.request import SamplingParams, Sequence
+from tailguard.engine.kv_layout import NATIVE_PREFILL_MAX_CONTEXT
+from tailguard.engine.sampling import SampledToken, failed_row
 from tailguard.engine.scheduler import ScheduledChunk, leading_decode_rows
+from tailguard.engine.sequence import SamplingParams, Sequence
+from tailguard.engine.torch_model import AttentionMetadata, LlamaModel, PrefillSpan
 
 
 class ModelRunner:
@@ -265,7 +266,9 @@ class ModelRunner:
         gen = self._generators.get(seq.request_id)
         if gen is None and seq.sampling.seed is not None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(seq.sampling.generator_seed)
+            seed = seq.sampling.generator_seed
+            assert seed is not None  # set whenever sampling.seed is
+            gen.manual_seed(seed)
             self._generators[seq.request_id] = gen
         return gen
 

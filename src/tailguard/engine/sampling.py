@@ -1,4 +1,4 @@
-"""Choosing each new token from a step's logits, in numpy (the lean runner's sampler; runner.py has torch's).
+"""Choosing each new token from a step's logits, in numpy (the lean runner's sampler; torch_runner.py has torch's).
 
 The same rules as runner.ModelRunner.sample: greedy is the argmax; sampling applies temperature, then top-k, then
 top-p (the smallest set of most likely tokens whose mass reaches top_p), and draws from what is left; stop tokens are
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tailguard.engine.request import SamplingParams, Sequence
+from tailguard.engine.sequence import SamplingParams, Sequence
 
 
 @dataclass

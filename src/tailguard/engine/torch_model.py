@@ -22,18 +22,17 @@ import torch.nn.functional as F
 
 from tailguard.engine import kernels
 from tailguard.engine.kernels import PackedMatrix
-from tailguard.engine.lean import (  # noqa: F401 - the constants are re-exported for the torch paths' callers
+from tailguard.engine.kv_layout import (
     DEFAULT_ATTENTION_SLICE_TOKENS,
     KV_INT8_SCALE_BYTES,
-    NATIVE_PREFILL_MAX_CONTEXT,
     allocate_kv_cache,
     decode_step_fits,
     kv_cache_shape,
     kv_rotated,
     rope_tables,
 )
-from tailguard.engine.lean import kv_bytes_per_token as _kv_bytes_per_token
-from tailguard.engine.lean import kv_row_bytes as _kv_row_bytes
+from tailguard.engine.kv_layout import kv_bytes_per_token as _kv_bytes_per_token
+from tailguard.engine.kv_layout import kv_row_bytes as _kv_row_bytes
 from tailguard.engine.loader import ModelWeights
 
 if TYPE_CHECKING:
@@ -47,7 +46,7 @@ WEIGHT_FORMATS = ("native", "float32", "bfloat16", "int8")
 # kernels read the blocks directly (decode). Measured crossover on this machine class: benchmarks/native_kernels.py.
 NATIVE_GEMM_MIN_TOKENS = 192
 
-# NATIVE_PREFILL_MAX_CONTEXT (lean.py): a step whose prefill chunks all end within it runs as rows of the one-call C
+# NATIVE_PREFILL_MAX_CONTEXT (kv_layout.py): a step whose prefill chunks all end within it runs as rows of the one-call C
 # step; beyond it the step runs here in torch. KV_INT8_SCALE_BYTES: the int8 KV row's float16 scale.
 # DEFAULT_ATTENTION_SLICE_TOKENS: the torch paths' attention slice.
 
@@ -61,7 +60,7 @@ DECODE_ATTENTION_GROUP_KEYS = 8192
 
 
 def rotates_kv(kv_dtype: torch.dtype, head_dim: int) -> bool:
-    """int8 K/V rows are stored turned by the Hadamard transform (lean.kv_rotated, which says why)."""
+    """int8 K/V rows are stored turned by the Hadamard transform (kv_layout.kv_rotated, which says why)."""
     return kv_rotated(kernels.dtype_name(kv_dtype), head_dim)
 
 
@@ -139,18 +138,21 @@ class Linear:
         self.fmt = fmt
         self.out_features = weight.out_features if isinstance(weight, PackedMatrix) else weight.shape[0]
         self.packed = weight if isinstance(weight, PackedMatrix) else None
-        self.in_features = weight.in_features if self.packed is not None else weight.shape[1]
+        self.in_features = weight.in_features if isinstance(weight, PackedMatrix) else weight.shape[1]
+        self.weight: torch.Tensor | None  # the dense weight (float32 and bfloat16 formats)
         if fmt == "native":
             if self.packed is None:
                 raise ValueError("the native format needs packed weights (load_gguf(..., packed=True))")
             self.weight = None
         elif fmt == "int8":
+            assert isinstance(weight, torch.Tensor), "the int8 format quantizes a dense weight"
             w = weight.float()
             self._wscale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)  # per output channel
             self._qweight = torch.round(w / self._wscale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
             self.weight = None
         else:
-            self.weight = weight
+            # a packed matrix in another format runs through the kernels all the same (``packed``)
+            self.weight = None if isinstance(weight, PackedMatrix) else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -164,6 +166,7 @@ class Linear:
             sx = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
             acc = torch._int_mm(torch.round(x / sx).to(torch.int8), self._qweight.t())
             return acc.float() * sx * self._wscale
+        assert self.weight is not None  # float32 or bfloat16, not packed: the dense weight is set
         if self.fmt == "bfloat16":
             return F.linear(x.to(torch.bfloat16), self.weight).float()
         return F.linear(x, self.weight)
@@ -198,7 +201,7 @@ class LlamaModel:
         native = weight_format == "native"
         if native != isinstance(weights.embed, PackedMatrix):
             raise ValueError("load the GGUF with packed=True for the native format, and only for it")
-        self.embed = weights.embed if native else dev(weights.embed)
+        self.embed: torch.Tensor | PackedMatrix = weights.embed if native else dev(weights.embed)
         self.layers = [
             (dev(lw.attn_norm), lin(lw.qkv), lin(lw.o), dev(lw.ffn_norm), lin(lw.gate_up), lin(lw.down))
             for lw in weights.layers
@@ -232,6 +235,8 @@ class LlamaModel:
                        logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """A step in one call of the C kernels (every layer, paged attention, the LM head at ``logits_indices``)."""
         if self._decode_step is None or self._decode_step_cache is not kv_cache:
+            # native weights (uses_decode_kernel): the embedding and the LM head are packed
+            assert isinstance(self.embed, PackedMatrix) and self.lm_head.packed is not None
             self._decode_step = kernels.DecodeStep(
                 config=self.config,
                 layers=[(an, qkv.packed, o.packed, fn, gu.packed, dn.packed) for an, qkv, o, fn, gu, dn in self.layers],
@@ -329,7 +334,6 @@ class LlamaModel:
         cfg = self.config
         n_tok = input_ids.shape[0]
         d = meta.num_decodes
-        native = self.weight_format == "native"
         if probe is None and self.uses_decode_kernel and d == n_tok:
             # Every token a row (the runner builds prefill chunks as rows too): one C call for the step, whatever it
             # mixes. A row's numbers depend on its own sequence only, so they are the same however its prompt was
@@ -342,7 +346,9 @@ class LlamaModel:
         rotated = rotates_kv(kv_cache.dtype, head_dim)
         if probe is not None:
             probe.step_begin()
-        x = kernels.embed(input_ids, self.embed) if native else self.embed[input_ids]
+        # the embedding is packed exactly when the weights are native (checked in __init__)
+        embed = self.embed
+        x = kernels.embed(input_ids, embed) if isinstance(embed, PackedMatrix) else embed[input_ids]
         for layer_idx, (attn_norm, qkv_proj, o_proj, ffn_norm, gate_up_proj, down_proj) in enumerate(self.layers):
             if probe is not None:
                 probe.layer_begin()
@@ -352,6 +358,7 @@ class LlamaModel:
             qk = self._rope(qkv[:, : q_dim + kv_dim].view(n_tok, n_heads + n_kv, head_dim), cos, sin)
             v = qkv[:, q_dim + kv_dim :].view(n_tok, n_kv, head_dim)
             if rotated:
+                assert self._hadamard is not None  # built for int8 K/V with this head_dim (rotates_kv)
                 qk, v = qk @ self._hadamard, v @ self._hadamard
             q, k = qk[:, :n_heads], qk[:, n_heads:]
             k_cache, v_cache = kv_cache[layer_idx, 0], kv_cache[layer_idx, 1]
@@ -378,6 +385,7 @@ class LlamaModel:
                 elif self.attention_slice_tokens > 0 and span.gather.shape[0] * kv_cache.shape[3] > (
                         self.attention_slice_tokens):
                     # A chunk against a long cached prefix: key tiles, so the scores stay [H, n, tile] wide.
+                    assert span.mask is not None  # set with ``gather`` (the chunk starts past 0)
                     op = prefill_attention_tiled(qp[0], k_cache, v_cache, span.gather, span.mask,
                                                  self.attention_slice_tokens).unsqueeze(0)
                 else:
@@ -386,6 +394,7 @@ class LlamaModel:
                     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, enable_gqa=True)
                 attn[span.token_start : span.token_end] = op.squeeze(0).transpose(0, 1)
             if rotated:
+                assert self._hadamard is not None
                 attn = attn @ self._hadamard
             x = x + o_proj(attn.reshape(n_tok, q_dim))
             if probe is not None:
@@ -417,6 +426,7 @@ def _slice_attention_fused(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [B, kv, r, hd] against k, v [B, kv, S, hd]; mask: additive float [B or 1, 1, r, S] or None.
     Returns (softmax-normalized output [B, kv, r, hd], log-sum-exp of the scaled scores [B, kv, r])."""
+    assert _FLASH_CPU is not None  # attention_sliced calls this only where torch has the kernel
     out, lse = _FLASH_CPU(rows, k, v, 0.0, False, attn_mask=mask, scale=scale)
     return out, lse
 
@@ -450,7 +460,8 @@ def attention_sliced(q: torch.Tensor, slices) -> torch.Tensor:
     scale = 1.0 / math.sqrt(head_dim)
     fused = _FLASH_CPU is not None and q.device.type == "cpu"
     floor = torch.finfo(q.dtype).min  # a finite stand-in for -inf: exp(-inf - floor) = 0, never nan
-    out = run_lse = None
+    out: torch.Tensor | None = None
+    run_lse: torch.Tensor | None = None
     for k, v, mask in slices:
         k = k.reshape(batch, n_kv, k.shape[-2], head_dim) if lead else k.unsqueeze(0)
         v = v.reshape(batch, n_kv, v.shape[-2], head_dim) if lead else v.unsqueeze(0)
@@ -468,6 +479,7 @@ def attention_sliced(q: torch.Tensor, slices) -> torch.Tensor:
         if out is None:
             out, run_lse = part, lse
             continue
+        assert run_lse is not None  # set with ``out``
         merged = torch.logaddexp(run_lse, lse).clamp_(min=floor)
         out = out.mul_(torch.exp(run_lse - merged)).add_(part.mul_(torch.exp(lse - merged)))
         run_lse = merged

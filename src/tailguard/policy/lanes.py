@@ -21,7 +21,7 @@ waits past its deadline is refused then.
 
 Capacity in tokens (optional, ``CapacityConfig.tokens_per_s``): the backend may hold ``tokens_per_s x
 token_horizon_s`` tokens of outstanding work. ``tokens_per_s: auto`` measures the rate instead: what the backend
-drains while work waits for it (``tailguard.gateway.token_rate``); until the first such window there is no token
+drains while work waits for it (``tailguard.policy.token_rate``); until the first such window there is no token
 budget. Each admitted request holds its estimated cost (prompt tokens +
 max_tokens, passed to ``acquire`` and given back to ``release``) until it finishes. The token budget is cut like the
 sequences (reserved, burst, general; borrowing the reserve only while its lane is idle) and a request must fit both.
@@ -31,13 +31,13 @@ it holds its full cost, so the rest waits until it finishes. It is never refused
 passes no ``tokens`` (0) is counted in sequences only.
 
 The upstream queue gate (optional, ``upstream_full``, asked with the number of requests this gateway has admitted
-and not yet released): over upstream replicas that report their waiting queue (``tailguard.gateway.upstream``), while
+and not yet released): over upstream replicas that report their waiting queue (``tailguard.backends.upstream.pool``), while
 they together hold more than ``CapacityConfig.upstream_queue_limit`` per replica, the non-reserved lanes admit
 nobody new: their requests wait here, in lane order and fairly by tenant,
 rather than in the upstream's FIFO; the reserved lane is still admitted up to its reserve. The hook is asked at
 each admission decision, and ``poke()`` re-runs the decisions when the figure changes (a new scrape).
 
-In a fleet (several gateways sharing Redis, ``tailguard.gateway.shared``), the same rule runs over the fleet's
+In a fleet (several gateways sharing Redis, ``tailguard.policy.fleet_state``), the same rule runs over the fleet's
 in-flight counts: a slot is a lease in Redis, taken atomically, and the reserve is a fleet reserve. Queues and
 fairness stay per gateway; waiters are admitted by a pump that retries the fleet every ``FLEET_POLL_S`` (and at once
 when this gateway releases a slot). Redis unreachable: the gateway falls back to its own counts (fail open). The
@@ -58,10 +58,10 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tailguard.gateway.token_rate import TokenRateMeter
+from tailguard.policy.token_rate import TokenRateMeter
 
 if TYPE_CHECKING:
-    from tailguard.gateway.shared import RedisState
+    from tailguard.policy.fleet_state import RedisState
 
 # Over upstream replicas every lane keeps time unless its config says otherwise (``LaneConfig.for_upstreams``): a
 # replica that stops answering (a hung engine, a stopped process) must not hold a stream silent. The first token's
@@ -231,7 +231,7 @@ class Lanes:
         self.general = max(1, self.capacity - self.reserved - self.burst)
         self._split_tokens(has_reserved)
         if self.fleet is not None:
-            from tailguard.gateway.shared import lane_rule
+            from tailguard.policy.fleet_state import lane_rule
 
             self.rule = lane_rule(self.capacity, self.general, self.burst,
                                   self.reserved if self.lend_reserve else 0, self.lanes)
@@ -416,7 +416,7 @@ class Lanes:
     async def _fleet_take(self, lane: LaneState, tokens: int = 0) -> bool:
         """A slot for ``lane`` under the fleet's rule (its lease kept with the lane), or False. Redis unreachable:
         this gateway's own counts decide (fail open)."""
-        from tailguard.gateway.shared import SharedUnavailable
+        from tailguard.policy.fleet_state import SharedUnavailable
 
         assert self.fleet is not None
         try:
@@ -440,7 +440,7 @@ class Lanes:
 
     async def _pump_loop(self) -> None:
         """Admit waiters as the fleet's budget allows, most important lane first, until nobody waits."""
-        from tailguard.gateway.shared import SharedUnavailable
+        from tailguard.policy.fleet_state import SharedUnavailable
 
         assert self.fleet is not None and self._wake is not None
         while True:

@@ -6,7 +6,7 @@ The client's JSON body is forwarded as it came (the gateway does not tokenize: t
 counts are the upstream's own, and the model name, ``max_tokens`` and (where the replica accepts it) ``priority`` set
 by the gateway. Each content chunk is one event; the final event carries the usage the upstream reported.
 
-The stream is read as bytes, whatever has arrived at each read (``gateway/sse.py`` splits it into events and takes a
+The stream is read as bytes, whatever has arrived at each read (``backends/upstream/sse.py`` splits it into events and takes a
 plain token chunk's text without a JSON parse); the tokens of one read go up together, stamped with the read's time.
 The server re-encodes each token under the gateway's own id and the model name the client asked for (the upstream's
 chunks carry its own), and writes the role chunk and the last chunks (usage, the ``tailguard`` object, a degraded
@@ -23,69 +23,25 @@ import math
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
 from tailguard import fast_json
+from tailguard.backends.base import Submission, Submitted
+from tailguard.backends.upstream.events import Opening, UpstreamError, UpstreamEvent
+from tailguard.backends.upstream.fallback import UpstreamRequest, stall_fallback
+from tailguard.backends.upstream.http1 import ConnectFailed, Sent
+from tailguard.backends.upstream.pool import NoReplica, Replica, UpstreamPool
+from tailguard.backends.upstream.quarantine import fingerprint
+from tailguard.backends.upstream.relay import Relay, UpstreamFeed
+from tailguard.backends.upstream.sse import DONE, read_chunk
 from tailguard.engine.events import EngineStats, TokenEvent
-from tailguard.gateway.http1 import ConnectFailed, Sent
-from tailguard.gateway.quarantine import fingerprint
-from tailguard.gateway.relay import Relay, UpstreamFeed
-from tailguard.gateway.sse import DONE, read_chunk
-from tailguard.gateway.upstream import NoReplica, Replica, UpstreamPool
+from tailguard.engine.sequence import SamplingParams
 
 log = logging.getLogger("tailguard.gateway")
 perf_counter = time.perf_counter
 UNKNOWN_TOKEN = -1  # an upstream chunk's token id is not known to the gateway
-
-
-@dataclass
-class UpstreamEvent(TokenEvent):
-    replica: str | None = None  # on the final event: the replica that answered, after how many attempts
-    attempts: int = 1
-    sent: float | None = None  # on the final event: when the answering attempt's request left for the replica
-    # The replica answered 200 (its head): the server may send the client's status and headers before the first
-    # token, as the replica did. Neither a token nor the end; once per attempt.
-    accepted: bool = False
-
-
-@dataclass
-class Opening:
-    """A request's first attempt, written before the server built the stream that reads it (``UpstreamBackend.open``):
-    ``generate_request`` takes it up; ``abandon`` closes its connection if nothing did."""
-
-    replica: Replica
-    body: dict[str, Any]
-    headers: dict[str, str]
-    sent: Sent
-
-    def abandon(self) -> None:
-        self.sent.abandon()
-
-
-class UpstreamError(Exception):
-    """An upstream failed: ``status`` is what the client gets (the upstream's own 4xx, or 502/503).
-
-    ``message`` is for the record and the logs. An upstream's own refusal (4xx) reaches the client as the upstream
-    wrote it: ``client_message``, ``type``, ``param`` and ``code`` unchanged. ``implicates``: the replica failed while
-    it held the request (not merely could not take it), so the request may be what broke it (``gateway/quarantine.py``).
-    """
-
-    def __init__(self, status: int, message: str, code: Any = None, retry_after: int | None = None,
-                 before_first_token: bool = True, *, implicates: bool = False, client_message: str | None = None,
-                 type: str | None = None, param: Any = None) -> None:  # noqa: A002 - the OpenAI field name
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.retry_after = retry_after
-        self.before_first_token = before_first_token
-        self.implicates = implicates
-        self.client_message = client_message
-        self.type = type
-        self.param = param
 
 
 def _upstream_error(raw: bytes) -> dict[str, Any]:
@@ -117,8 +73,7 @@ def _client_status(code: Any) -> int | None:
 class UpstreamBackend:
     """A ``Backend`` over a pool of upstream replicas. It takes the request as text, not token ids."""
 
-    takes_text = True
-    tokenizer = None
+    tokenizer = None  # the replicas tokenize
 
     def __init__(self, pool: UpstreamPool, model_name: str | None = None, max_model_len: int = 0) -> None:
         self.pool = pool
@@ -129,6 +84,44 @@ class UpstreamBackend:
         # Called once per attempt with (replica, outcome, seconds from sending to the first token or None): the
         # server's gateway metrics (outcome: ok, error, refused, aborted).
         self.on_attempt: Callable[[str, str, float | None], None] | None = None
+
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    def preempts(self) -> bool:
+        """Only where every replica starts a higher-priority arrival by preempting (``preempts``: another tailguard).
+        llama.cpp's server has no priorities; vLLM's priority scheduling orders its waiting queue and preempts only
+        when its KV cache runs out, so a VIP request sent there waits for a batch stream to end (measured:
+        benchmarks/lanes.py --engine vllm)."""
+        reps = self.pool.replicas
+        return bool(reps) and all(r.cfg.preempts for r in reps)
+
+    def speculates(self) -> bool:
+        return False  # whatever the replicas do, the gateway cannot rerun their output to audit it
+
+    def submit(self, request: Submission) -> Submitted:
+        """Send the request to a replica now (``open``), and return the stream that reads its answer; under a stall
+        watch with a fallback, a stalled stream goes on at another replica (``fallback.py``)."""
+        body = request.body
+        if request.max_tokens_cap is not None:  # the policy's cap replaces the client's limit, under either name
+            body = dict(body)
+            body.pop("max_completion_tokens", None)
+            body["max_tokens"] = request.max_tokens_cap
+        affinity = self.pool.affinity_key(request.session, request.prompt_text or "")
+        opening = self.open(body, request.chat, request.request_id, priority=request.priority,
+                            affinity_key=affinity, headers=request.headers)
+        max_tokens = request.sampling.max_tokens
+        up = UpstreamRequest(body, request.chat, request.request_id, max_tokens, priority=request.priority,
+                             est_tokens=request.num_prompt_tokens + max_tokens, affinity_key=affinity,
+                             headers=request.headers, relay=request.relay, opening=opening)
+        events: AsyncGenerator[TokenEvent, None]
+        if request.watch is not None and request.fallback is not None:
+            events = stall_fallback(self, up, request.watch, request.fallback, wanted=request.wanted)
+        else:
+            events = up.send(self)
+            if request.watch is not None:
+                events = request.watch(events)
+        return Submitted(events, opening.abandon) if opening is not None else Submitted(events)
 
     def unavailable(self) -> str | None:
         """Why ``/ready`` says no: no replica is available (the gateway itself stays live for ``/health``)."""
@@ -155,7 +148,7 @@ class UpstreamBackend:
     def shutdown(self) -> None:  # the pool is closed by ``aclose`` on the event loop
         pass
 
-    def check_request(self, num_prompt_tokens: int, sampling: Any) -> None:
+    def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
         pass  # the upstream validates against its own model
 
     def abort(self, request_id: str) -> None:
@@ -222,14 +215,14 @@ class UpstreamBackend:
                                headers: dict[str, str] | None = None, tried: list[str] | None = None,
                                exclude: set[str] | None = None, relay: Relay | None = None,
                                opening: Opening | None = None,
-                               origin: dict[str, Any] | None = None) -> AsyncIterator[UpstreamEvent]:
+                               origin: dict[str, Any] | None = None) -> AsyncGenerator[UpstreamEvent, None]:
         """Stream the request's tokens from a replica; retry elsewhere while no token has come back.
 
         ``tried``: the caller's list, to which each replica is appended as it is sent the request (the last one is
         the replica streaming); ``exclude``: replicas not to use (the stall fallback's stalled one); ``relay``: the
-        client's direct relay (``gateway/relay.py``), which plain tokens may take instead of this stream;
+        client's direct relay (``backends/upstream/relay.py``), which plain tokens may take instead of this stream;
         ``opening``: the first attempt, written already (``open``); ``origin``: the client's request when ``body`` is
-        a continuation of it (its fingerprint is the request's, ``gateway/quarantine.py``).
+        a continuation of it (its fingerprint is the request's, ``backends/upstream/quarantine.py``).
 
         A failure before the first token is retried on another replica up to ``routing.retries`` times, but a failure
         that implicates the request (the replica failed while holding it) only ``routing.failure_retries`` times, and
@@ -308,7 +301,7 @@ class UpstreamBackend:
 
     async def _attempt(self, r: Replica, path: str, body: dict[str, Any], headers: dict[str, str],
                        request_id: str, est_tokens: int, chat: bool, attempt: int, relay: Relay | None = None,
-                       written: Sent | None = None) -> AsyncIterator[list[UpstreamEvent]]:
+                       written: Sent | None = None) -> AsyncGenerator[list[UpstreamEvent], None]:
         """One try at one replica: the token events of each read together (one resumption per read, not per token),
         then the final event alone."""
         r.in_flight += 1
@@ -439,41 +432,6 @@ class UpstreamBackend:
             r.outstanding_tokens -= max(0, est_tokens - n_out - (feed.relayed if feed is not None else 0))
             if self.on_attempt is not None:
                 self.on_attempt(r.name, outcome, None if first is None else first - sent)
-
-
-def continuation_body(body: dict[str, Any], chat: bool, sent_text: str, sent_tokens: int,
-                      max_tokens: int) -> dict[str, Any] | None:
-    """The request that carries on an answer elsewhere after ``sent_tokens`` tokens (``sent_text``) went out.
-
-    Completions: the prompt followed by the text already sent. Chat: the messages plus an assistant message holding
-    it, with ``continue_final_message`` (and no generation prompt), the fields vLLM, SGLang and tailguard accept.
-    ``max_tokens`` (the request's effective limit) shrinks by the tokens already sent. Before the first token, the
-    request as it was. None when the answer cannot be continued (a prompt given as token ids)."""
-    out = dict(body)
-    if sent_tokens == 0:
-        return out
-    if chat:
-        messages = list(body.get("messages") or [])
-        last = messages[-1] if messages else None
-        if body.get("continue_final_message") and isinstance(last, dict) and isinstance(last.get("content"), str):
-            messages[-1] = {**last, "content": last["content"] + sent_text}  # it was a continuation already
-        else:
-            messages.append({"role": "assistant", "content": sent_text})
-        out["messages"] = messages
-        out["continue_final_message"] = True
-        out["add_generation_prompt"] = False
-        out.pop("max_completion_tokens", None)
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            return None
-        out["prompt"] = prompt + sent_text
-    out["max_tokens"] = max_tokens - sent_tokens
-    if isinstance(body.get("min_tokens"), int):
-        out["min_tokens"] = max(0, body["min_tokens"] - sent_tokens)
-    return out
 
 
 def _event_error(name: str, message: str, body: dict[str, Any] | None, before_first_token: bool) -> UpstreamError:

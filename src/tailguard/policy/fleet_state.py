@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tailguard.gateway.tenants import RateLimited, Tenant
+from tailguard.policy.tenants import RateLimited, Tenant
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -42,7 +42,7 @@ class SharedUnavailable(Exception):
 
 @dataclass(frozen=True)
 class LaneRule:
-    """What the fleet-wide admission rule needs to know about the lanes (see ``tailguard.gateway.lanes``)."""
+    """What the fleet-wide admission rule needs to know about the lanes (see ``tailguard.policy.lanes``)."""
 
     capacity: int
     general: int
@@ -124,7 +124,7 @@ redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[4]))
 return 1
 """
 
-# The lanes' admission rule (tailguard.gateway.lanes.Lanes._fits) over the fleet's leases.
+# The lanes' admission rule (tailguard.policy.lanes.Lanes._fits) over the fleet's leases.
 # KEYS: per lane, its lease set then its waiter set (reserved lanes: gateways with VIP requests waiting).
 # ARGV: wanted lane's index (1-based), lease id, lease TTL ms, capacity, general, burst, lendable, then per lane
 # "reserved burst" flags as two strings "0"/"1". Returns 1 (lease taken) or 0.
@@ -319,7 +319,8 @@ class RedisState:
         flags: list[str] = []
         for _, res, burst in rule.lanes:
             flags += ["1" if res else "0", "1" if burst else "0"]
-        args = [want, lease, self.lease_ttl_ms, rule.capacity, rule.general, rule.burst, rule.lendable, *flags]
+        args: list[str | int] = [want, lease, self.lease_ttl_ms, rule.capacity, rule.general, rule.burst,
+                                 rule.lendable, *flags]
         got = await self._call("lane", lambda: self._take(keys=self._lane_keys(rule), args=args))
         if int(got) != 1:
             return None
@@ -357,8 +358,10 @@ class RedisState:
         now_ms = now_s * 1000 + now_us // 1000
         out = {}
         for name in lanes:
-            out[name] = int(await self._call("read", lambda n=name: self.client.zcount(
-                self.key("lane", n, "leases"), now_ms, "+inf")))
+            def count(n: str = name) -> Awaitable[Any]:
+                return self.client.zcount(self.key("lane", n, "leases"), now_ms, "+inf")
+
+            out[name] = int(await self._call("read", count))
         return out
 
     def _ensure_heartbeat(self) -> None:
@@ -372,9 +375,12 @@ class RedisState:
                 if not leases:
                     continue
                 members = list(leases)
+
+                def renew(ln: str = lane, m: list[str] = members) -> Awaitable[Any]:
+                    return self._renew(keys=[self.key("lane", ln, "leases")], args=[self.lease_ttl_ms, *m])
+
                 try:
-                    await self._call("lease_renew", lambda ln=lane, m=members: self._renew(
-                        keys=[self.key("lane", ln, "leases")], args=[self.lease_ttl_ms, *m]))
+                    await self._call("lease_renew", renew)
                 except SharedUnavailable:
                     break
 
@@ -392,9 +398,13 @@ class RedisState:
             self._heartbeat.cancel()
         for lane, leases in list(self.held.items()):  # a clean stop gives its slots back at once
             if leases:
+                members = list(leases)
+
+                def release(ln: str = lane, m: list[str] = members) -> Awaitable[Any]:
+                    return self.client.zrem(self.key("lane", ln, "leases"), *m)
+
                 with contextlib.suppress(SharedUnavailable):
-                    await self._call("lane_release", lambda ln=lane, m=list(leases): self.client.zrem(
-                        self.key("lane", ln, "leases"), *m))
+                    await self._call("lane_release", release)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.timeout_s * 4)
         with contextlib.suppress(Exception):  # closing a dead connection must not fail the shutdown

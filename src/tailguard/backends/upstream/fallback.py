@@ -16,14 +16,16 @@ metrics. Each stall counts as a failure for the stalled replica's circuit breake
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tailguard.gateway.proxy import Opening, UpstreamBackend, UpstreamError, UpstreamEvent, continuation_body
-from tailguard.gateway.relay import Relay
-from tailguard.gateway.streams import Stalled
+from tailguard.backends.base import FallbackReport
+from tailguard.backends.stall_watch import Stalled
+from tailguard.backends.upstream.events import Opening, UpstreamError, UpstreamEvent, continuation_body
+from tailguard.backends.upstream.relay import Relay
+from tailguard.engine.events import TokenEvent
 
 perf_counter = time.perf_counter
 
@@ -40,11 +42,11 @@ class UpstreamRequest:
     est_tokens: int = 0
     affinity_key: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
-    relay: Relay | None = None  # the client's direct relay of plain tokens (``gateway/relay.py``), when it has one
+    relay: Relay | None = None  # the client's direct relay of plain tokens (``backends/upstream/relay.py``), when it has one
     opening: Opening | None = None  # the first attempt, written already (``UpstreamBackend.open``): the first send's
 
-    def send(self, backend: UpstreamBackend, body: dict[str, Any] | None = None, est_tokens: int | None = None,
-             tried: list[str] | None = None, exclude: set[str] | None = None) -> AsyncIterator[UpstreamEvent]:
+    def send(self, backend: Sender, body: dict[str, Any] | None = None, est_tokens: int | None = None,
+             tried: list[str] | None = None, exclude: set[str] | None = None) -> AsyncGenerator[UpstreamEvent, None]:
         """The backend's event stream for this request (or for ``body``, a continuation of it)."""
         opening = None
         if body is None and exclude is None:
@@ -55,17 +57,22 @@ class UpstreamRequest:
             headers=self.headers, tried=tried, exclude=exclude, relay=self.relay, opening=opening, origin=self.body)
 
 
-class FallbackReport(Protocol):
-    def switched(self, stalled_on: str | None, sent_tokens: int, stalled: Stalled) -> None:
-        """The answer goes on at another replica after ``sent_tokens`` tokens."""
+class Sender(Protocol):
+    """What the fallback needs of the upstream backend (``proxy.UpstreamBackend``)."""
 
-    def finished(self, outcome: str, replica: str | None) -> None:
-        """How the fallback ended: ok, stalled, failed, no_replica, interrupted, or not_continuable."""
+    def generate_request(self, body: dict[str, Any], chat: bool, request_id: str, *, priority: int = 0,
+                         est_tokens: int = 0, affinity_key: str | None = None,
+                         headers: dict[str, str] | None = None, tried: list[str] | None = None,
+                         exclude: set[str] | None = None, relay: Relay | None = None,
+                         opening: Opening | None = None,
+                         origin: dict[str, Any] | None = None) -> AsyncGenerator[UpstreamEvent, None]: ...
+
+    def stalled(self, name: str | None) -> None: ...
 
 
-async def stall_fallback(backend: UpstreamBackend, request: UpstreamRequest,
-                         guard: Callable[[AsyncIterator[Any]], AsyncIterator[Any]],
-                         report: FallbackReport, wanted: Callable[[], bool] = lambda: True) -> AsyncIterator[Any]:
+async def stall_fallback(backend: Sender, request: UpstreamRequest,
+                         guard: Callable[[AsyncIterator[TokenEvent]], AsyncGenerator[TokenEvent, None]],
+                         report: FallbackReport, wanted: Callable[[], bool] = lambda: True) -> AsyncGenerator[TokenEvent, None]:
     """The request's events, through ``guard`` (the stall watch); after a stall, the continuation's events.
     ``wanted``: False once the client has gone (no continuation is sent for nobody)."""
     tried: list[str] = []
@@ -108,9 +115,9 @@ async def stall_fallback(backend: UpstreamBackend, request: UpstreamRequest,
     try:
         async with aclosing(second):
             async for ev in second:
-                if getattr(ev, "token_id", None) is not None:
+                if ev.token_id is not None:
                     produced = True
-                if getattr(ev, "finished", False):
+                if ev.finished and isinstance(ev, UpstreamEvent):  # a replica's final event (never a keep-alive)
                     _whole_answer(ev, sent, len(tried))
                     report.finished("ok", ev.replica)
                 yield ev

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
 
-from tailguard.serving.errors import APIError
+from tailguard.api_error import APIError
 
 if TYPE_CHECKING:
-    from tailguard.gateway.tenants import Tenant, Tenants
+    from tailguard.policy.tenants import Tenant, Tenants
 
 _BEARER = "bearer"
 

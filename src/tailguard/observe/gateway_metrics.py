@@ -3,15 +3,11 @@ streams (stalls, interruptions, degraded, stall fallbacks) and upstream replicas
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tailguard.observe.metrics import LATENCY_BUCKETS
-
-if TYPE_CHECKING:
-    from tailguard.gateway.lanes import Lanes
-    from tailguard.gateway.upstream import UpstreamPool
 
 
 class GatewayMetrics:
@@ -109,43 +105,7 @@ class GatewayMetrics:
         if ttft is not None:
             self.child(self.up_ttft, replica).observe(ttft)
 
-    def sample(self, lanes: Lanes | None, pool: UpstreamPool | None) -> None:
-        m = self.model
-        if lanes is not None:
-            for name, s in lanes.lanes.items():
-                self.lane_waiting.labels(m, name).set(s.waiting)
-                self.lane_in_use.labels(m, name).set(s.in_use)
-            for part, v in (("total", lanes.capacity), ("reserved", lanes.reserved), ("burst", lanes.burst),
-                            ("general", lanes.general)):
-                self.lane_capacity.labels(m, part).set(v)
-            if lanes.token_budget is not None or lanes.meter is not None:
-                for name, s in lanes.lanes.items():
-                    self.lane_tokens.labels(m, name).set(s.tokens)
-            if lanes.meter is not None and lanes.meter.rate is not None:
-                self.token_rate.labels(m).set(lanes.meter.rate)
-            if lanes.token_budget is not None:
-                for part, v in (("total", lanes.token_budget), ("reserved", lanes.reserved_tokens),
-                                ("burst", lanes.burst_tokens), ("general", lanes.general_tokens)):
-                    self.lane_token_capacity.labels(m, part).set(v)
-            if lanes.upstream_full is not None:
-                self.upstream_gate.labels(m).set(1 if lanes.gate_closed() else 0)
-        if pool is not None:
-            for rep in pool.replicas:
-                self.up_outstanding.labels(m, rep.name).set(rep.outstanding_tokens)
-                self.up_in_flight.labels(m, rep.name).set(rep.in_flight)
-                self.up_waiting.labels(m, rep.name).set(rep.upstream_waiting)
-                self.up_healthy.labels(m, rep.name).set(1 if rep.available else 0)
-                self._catch_up(self.up_breaker_open, (m, rep.name), rep.breaker.opened_total)
-                c = rep.conns
-                self.up_conns_idle.labels(m, rep.name).set(len(c.idle))
-                self._catch_up(self.up_conns_opened, (m, rep.name, "ahead"), c.opened - c.opened_on_demand)
-                self._catch_up(self.up_conns_opened, (m, rep.name, "on_demand"), c.opened_on_demand)
-                self._catch_up(self.up_resent, (m, rep.name), c.reconnects)
-            q = pool.quarantine
-            self._catch_up(self.quarantine, (m, "quarantined"), q.quarantined_total)
-            self._catch_up(self.quarantine, (m, "refused"), q.refused_total)
-
-    def _catch_up(self, counter: Counter, labels: tuple[str, ...], total: int) -> None:
+    def catch_up(self, counter: Counter, labels: tuple[str, ...], total: int) -> None:
         """Bring a counter's child up to a running total kept elsewhere (a replica's breaker, its connection pool)."""
         key = (counter, labels)
         done = self._counted.get(key, 0)

@@ -17,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-KEEPALIVE: Any = object()  # yielded in place of an event: time for an SSE comment
+from tailguard.engine.events import TokenEvent
+
+# Yielded in place of an event: time for an SSE comment. A token event (no token, no end) known by its identity.
+KEEPALIVE = TokenEvent("", None, "", 0.0)
 
 
 class Stalled(Exception):
@@ -32,9 +35,9 @@ class Stalled(Exception):
         self.before_first_token = before_first_token
 
 
-async def watch(events: AsyncIterator[Any], *, ttft_deadline: float | None, itl_deadline: float | None,
+async def watch(events: AsyncIterator[TokenEvent], *, ttft_deadline: float | None, itl_deadline: float | None,
                 misses: int = 3, keepalive: float | None = None,
-                on_miss: Callable[[str], None] | None = None, relay: Any = None) -> AsyncIterator[Any]:
+                on_miss: Callable[[str], None] | None = None, relay: Any = None) -> AsyncGenerator[TokenEvent, None]:
     """``relay``: the client's direct relay (``serving/client_relay.py``), whose tokens never pass here: it tells the
     inter-token clock of each (``on_token``)."""
     it = events.__aiter__()
@@ -60,8 +63,8 @@ async def watch(events: AsyncIterator[Any], *, ttft_deadline: float | None, itl_
                 await aclose()
 
 
-async def _until_first_token(it: AsyncIterator[Any], deadline: float | None, misses: int, keepalive: float | None,
-                             on_miss: Callable[[str], None] | None) -> AsyncIterator[Any]:
+async def _until_first_token(it: AsyncIterator[TokenEvent], deadline: float | None, misses: int, keepalive: float | None,
+                             on_miss: Callable[[str], None] | None) -> AsyncGenerator[TokenEvent, None]:
     """Events up to and with the first token. The wait runs in a task of its own so that keep-alives can be yielded
     while it lasts (once per request: the tokens after it are timed without a task each)."""
     streak = 0
@@ -107,8 +110,8 @@ async def _until_first_token(it: AsyncIterator[Any], deadline: float | None, mis
                 await pending
 
 
-async def _between_tokens(it: AsyncIterator[Any], deadline: float, misses: int,
-                          on_miss: Callable[[str], None] | None, relay: Any = None) -> AsyncIterator[Any]:
+async def _between_tokens(it: AsyncIterator[TokenEvent], deadline: float, misses: int,
+                          on_miss: Callable[[str], None] | None, relay: Any = None) -> AsyncGenerator[TokenEvent, None]:
     """Events after the first token, each awaited in the caller's own task. One timer keeps the deadlines: it is
     armed once and, when it fires, counts a miss only if the current wait has lasted a full deadline, else moves to
     where that wait's deadline falls; a token costs a clock read, not a task and a timer. At the last miss the timer

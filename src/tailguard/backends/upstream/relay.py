@@ -3,7 +3,7 @@
 Relaying a token the general way costs a wake-up of the request's task and a pass through three async generators
 (the upstream attempt, the retry loop, the server's stream), each with its own bookkeeping, before the chunk is
 handed to the ASGI server. Most of a stream's chunks need none of it: after the first token, a plain token chunk
-(``gateway/sse.py``: one text, no finish reason, no usage) becomes one chunk to the client and two timestamps. So
+(``backends/upstream/sse.py``: one text, no finish reason, no usage) becomes one chunk to the client and two timestamps. So
 while the server's stream is waiting for its next event, and nothing read before is still waiting for it, such a
 token is written by the ``Relay`` the server armed, inside the read callback; anything else (the role chunk, the
 first token, the last chunks, an error, a token behind one of those, a token the relay refuses) is queued for the
@@ -23,8 +23,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from tailguard.gateway.http1 import HIGH_WATER
-from tailguard.gateway.sse import DONE, SSELines, TokenTexts
+from tailguard.backends.upstream.http1 import HIGH_WATER
+from tailguard.backends.upstream.sse import DONE, SSELines, TokenTexts
 
 log = logging.getLogger("tailguard.gateway")
 

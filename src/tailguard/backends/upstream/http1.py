@@ -21,7 +21,7 @@ connection.
 The response is parsed by ``httptools`` (llhttp, uvicorn's parser) in the protocol's callbacks; its body is read as
 whatever arrived since the last read, one wake-up per read, as the gateway's SSE reader wants it, or handed as it
 arrives to a ``tap`` (a callable set by the reader), which takes it inside the read callback, with no wake-up: the
-gateway's direct relay of plain tokens (``gateway/relay.py``).
+gateway's direct relay of plain tokens (``backends/upstream/relay.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ outstanding tokens by the power of two choices (two at random, the lighter wins:
 one replica). With prefix affinity a request with a session key or a long shared prefix goes to the replica chosen by
 rendezvous hashing on that key, so that the replica's prefix cache is reused, unless that replica is much busier than
 the rest (bounded load). Where an upstream exposes vLLM-style ``/metrics``, its waiting queue is counted in its load
-and feeds the lanes' admission (``queue_full``, the upstream queue gate of ``tailguard.gateway.lanes``).
+and feeds the lanes' admission (``queue_full``, the upstream queue gate of ``tailguard.policy.lanes``).
 
 The scraped queue is read at each health check, and every ``queue_scrape_s`` while a replica's queue is (or is
 estimated) non-zero. Between two reads it is kept current from what the gateway itself sees: a replica that queues is
@@ -31,8 +31,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from tailguard.gateway.http1 import ConnectionPool
-from tailguard.gateway.quarantine import Quarantine
+from tailguard.backends.upstream.http1 import ConnectionPool
+from tailguard.backends.upstream.quarantine import Quarantine
 
 if TYPE_CHECKING:
     import aiohttp
@@ -448,9 +448,9 @@ class UpstreamPool:
         queued = sum(r.queue_estimate() for r in reps)
         unsent = admitted - sum(r.in_flight for r in self.replicas)
         if unsent > 0:
-            free = [r.free_slots() for r in avail]
-            if None not in free:
-                queued += max(0.0, unsent - sum(free))  # type: ignore[arg-type]
+            free = [f for r in avail if (f := r.free_slots()) is not None]
+            if len(free) == len(avail):  # every replica says how many slots it has free
+                queued += max(0.0, unsent - sum(free))
         return queued > per_replica * len(reps)
 
     async def check_all(self) -> None:
