@@ -100,7 +100,7 @@ def main() -> None:
                                       kv_cache_dtype=kv_dtype, kv_cache_tokens=4096))
         if engine.weight_format == "native":
             layer = engine.model.layers[0]
-            mats = ([layer.qkv, layer.o, layer.gate_up, layer.down] if engine.lean
+            mats = ([layer.qkv, layer.o, layer.gate_up, layer.down] if engine.native
                     else [m.packed for m in layer if hasattr(m, "packed")])
             layouts = sorted({kernels.NATIVE_FORMATS[m.fmt] for m in mats})
             print(f"{fmt}: layer matrices {'/'.join(layouts)}", flush=True)

@@ -1,4 +1,4 @@
-"""The lean runner (engine/native_runner.py): the C step hosted by numpy, so that a serving process never imports torch.
+"""The native runner (engine/native_runner.py): the C step hosted by numpy, so that a serving process never imports torch.
 
 It must give what the torch runner gives (the same C step, the same RoPE tables, the same KV format), hand the steps it
 does not take (prefill chunks past NATIVE_PREFILL_MAX_CONTEXT) to torch over the same cache memory, and sample by the
@@ -22,7 +22,7 @@ from tailguard.engine.sampling import log_softmax, probabilities
 from tailguard.engine.sequence import SamplingParams, Sequence
 from tailguard.engine.torch_runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="the lean runner runs tailguard's kernels (gcc)")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native runner runs tailguard's kernels (gcc)")
 
 
 def _engine(path, runner: str, kv: str, **kw) -> LLMEngine:
@@ -39,8 +39,8 @@ def test_the_engine_picks_the_lean_runner_where_it_can(tiny_gguf):
     assert isinstance(_engine(tiny_gguf, "auto", "auto").runner, NativeRunner)
     assert isinstance(_engine(tiny_gguf, "torch", "auto").runner, ModelRunner)
     assert isinstance(_engine(tiny_gguf, "auto", "auto", speculative="ngram").runner, ModelRunner)
-    with pytest.raises(ValueError, match="lean runner needs"):
-        _engine(tiny_gguf, "lean", "auto", weight_format="float32")
+    with pytest.raises(ValueError, match="native runner needs"):
+        _engine(tiny_gguf, "native", "auto", weight_format="float32")
     with pytest.raises(ValueError, match="runner must be one of"):
         _engine(tiny_gguf, "fast", "auto")
 
@@ -51,7 +51,7 @@ def test_lean_and_torch_runners_give_the_same_tokens(tiny_gguf, kv):
     same, because both runners call the same C step with the same arrays."""
     prompts = _prompts(6, seed=1)
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    lean, ref = _engine(tiny_gguf, "lean", kv), _engine(tiny_gguf, "torch", kv)
+    lean, ref = _engine(tiny_gguf, "native", kv), _engine(tiny_gguf, "torch", kv)
     assert lean.generate(prompts, sp) == ref.generate(prompts, sp)
     assert lean.pool.num_used == ref.pool.num_used == 0
 
@@ -60,15 +60,15 @@ def test_logits_and_logprobs_match_the_torch_runner(tiny_gguf):
     prompt = _prompts(1, seed=2)[0]
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
     got = {}
-    for runner in ("lean", "torch"):
+    for runner in ("native", "torch"):
         engine = _engine(tiny_gguf, runner, "int8")
         rid = engine.add_request(prompt, SamplingParams(**vars(sp)))
         events = []
         while engine.has_unfinished():
             events += [e for e in engine.step() if e.request_id == rid and e.token_id is not None]
         got[runner] = [(e.token_id, e.logprob, e.top_logprobs) for e in events]
-    assert [t[0] for t in got["lean"]] == [t[0] for t in got["torch"]] and len(got["lean"]) == 4
-    for (_, lp_a, top_a), (_, lp_b, top_b) in zip(got["lean"], got["torch"]):
+    assert [t[0] for t in got["native"]] == [t[0] for t in got["torch"]] and len(got["native"]) == 4
+    for (_, lp_a, top_a), (_, lp_b, top_b) in zip(got["native"], got["torch"]):
         assert abs(lp_a - lp_b) <= 1e-4
         assert [i for i, _ in top_a] == [i for i, _ in top_b] and len(top_a) == 3
         assert all(abs(a - b) <= 1e-4 for (_, a), (_, b) in zip(top_a, top_b))
@@ -80,7 +80,7 @@ def test_a_step_past_the_c_limit_runs_in_torch_over_the_same_cache(tiny_gguf):
     runner with the same limit."""
     prompt = _prompts(1, seed=3)[0][:5] + list(range(1000, 1085))
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    lean, ref = _engine(tiny_gguf, "lean", "int8"), _engine(tiny_gguf, "torch", "int8")
+    lean, ref = _engine(tiny_gguf, "native", "int8"), _engine(tiny_gguf, "torch", "int8")
     lean.runner.native_prefill_max_context = ref.runner.native_prefill_max_context = 32
     assert not lean.runner.torch_loaded
     model = lean.runner.torch_runner().model
@@ -102,10 +102,10 @@ def test_a_seeded_request_draws_the_same_tokens_whoever_shares_its_steps(tiny_gg
     prompt = _prompts(1, seed=5)[0][:20]
     long_prompt = list(range(2000, 2200))
     sp = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
-    alone = _engine(tiny_gguf, "lean", "int8")
+    alone = _engine(tiny_gguf, "native", "int8")
     alone.runner.native_prefill_max_context = 32
     expected = alone.generate([prompt], sp)[0]
-    shared = _engine(tiny_gguf, "lean", "int8")
+    shared = _engine(tiny_gguf, "native", "int8")
     shared.runner.native_prefill_max_context = 32
     rid = shared.add_request(prompt, SamplingParams(**vars(sp)))
     out: list[int] = []
@@ -132,7 +132,7 @@ def test_the_numpy_sampler_draws_from_the_torch_runners_distribution(temperature
 
 
 def test_seeded_sampling_repeats_and_min_tokens_holds_back_the_stop_token(tiny_gguf):
-    engine = _engine(tiny_gguf, "lean", "auto")
+    engine = _engine(tiny_gguf, "native", "auto")
     prompt = _prompts(1, seed=4)[0]
     runs = [engine.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=s, ignore_eos=True))[0]
             for s in (7, 7, 8)]
@@ -158,7 +158,7 @@ def test_a_serving_process_never_imports_torch(tiny_gguf):
         e = LLMEngine(EngineArgs(model={str(tiny_gguf)!r}, kv_cache_tokens=1024))
         e.generate([[5, 6, 7], list(range(100, 160))], SamplingParams(max_tokens=5, temperature=0.0))
         e.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.9, seed=1, logprobs=2))
-        print("torch" in sys.modules, e.lean)
+        print("torch" in sys.modules, e.native)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -170,7 +170,7 @@ def test_tokens_and_logprobs_do_not_depend_on_the_thread_pool_or_count(tiny_gguf
     OpenMP's (static shares): every row is computed whole by one thread, so the numbers are the same bits."""
     prompts = _prompts(5, seed=6)
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
-    engine = _engine(tiny_gguf, "lean", "int8")
+    engine = _engine(tiny_gguf, "native", "int8")
     loaded = kernels.thread_settings_loaded()
 
     def run() -> list:

@@ -5,7 +5,7 @@ After such a position the two continuations are free to diverge, so our engine i
 (the prompt plus transformers' tokens up to and including the tie) and the comparison goes on from there. Every prompt
 must have at least MIN_COMPARED_SHARE of its new tokens compared: a near-tie on the first token must not turn a
 prompt's comparison into no comparison at all. Both the default (native) and the float32 weight formats are checked,
-with a float32 KV cache like transformers' (the lean runner for native): the default int8 KV cache rounds K and V, so
+with a float32 KV cache like transformers' (the native runner for native): the default int8 KV cache rounds K and V, so
 free-running greedy output may part from float32's at a small margin; its fidelity is judged by perplexity
 (tests/test_kv_int8.py, benchmarks/fidelity.py).
 """
@@ -215,7 +215,7 @@ def real_native_engine(smollm2_path):
 def test_real_model_greedy_matches_transformers(fmt, real_native_engine, real_float32_engine, tokenizer,
                                                 hf_real_tokens):
     engine = real_native_engine if fmt == "native" else real_float32_engine
-    assert engine.weight_format == fmt and (fmt != "native" or engine.lean)
+    assert engine.weight_format == fmt and (fmt != "native" or engine.native)
     prompts = {
         q: tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS_ZH + QUESTIONS_EN
     }

@@ -102,7 +102,7 @@ def _decode_meta(lengths: list[int], num_blocks: int, block: int, seed: int) -> 
 def test_grouped_decode_attention_equals_the_whole_batch(monkeypatch, kv_dtype, slice_tokens):
     # One thread, as the engines of this suite run: with more, torch's CPU attention may split a small batch's keys
     # across threads, and the float sums then differ in the last bits between a group and the whole batch. (Earlier
-    # the suite's engines left torch at one thread for every later test; the lean runner sets only OpenMP's count.)
+    # the suite's engines left torch at one thread for every later test; the native runner sets only OpenMP's count.)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

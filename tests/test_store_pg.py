@@ -15,8 +15,8 @@ from pydantic import ValidationError
 
 from tailguard.observe import store_pg
 from tailguard.observe.store import SCHEMA_VERSION, SECRET_ENV, RequestStore, SchemaError
-from tailguard.observe.stores import open_store
 from tailguard.observe.store_pg import PostgresStore, StoreUnavailableError, redact_url, to_postgres_sql
+from tailguard.observe.stores import open_store
 from tailguard.serving.config import ServerConfig
 from tests.net import free_port
 from tests.pg_cluster import shared_cluster

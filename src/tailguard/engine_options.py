@@ -33,10 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str | None = "smo
                    help="auto: int8 with native weights (K/V rows turned by a Hadamard transform, a float16 scale per "
                         "token and KV head: half float16's bytes, perplexity within 0.1%% of float32's), float16 "
                         "otherwise")
-    p.add_argument("--runner", default="auto", choices=["auto", "lean", "torch"],
-                   help="auto: the lean runner (the C step hosted by numpy: torch is not imported, ~190 MiB less) "
+    p.add_argument("--runner", default="auto", choices=["auto", "native", "torch", "lean"],
+                   help="auto: the native runner (the C step hosted by numpy: torch is not imported, ~190 MiB less) "
                         "wherever it can run (native weights on the CPU, no speculative decoding, no sampled "
-                        "internals), else torch's")
+                        "internals), else torch's; lean: the native runner's former name")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block, the unit the cache is paged in")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once: the batch cap")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")

@@ -78,7 +78,7 @@ class EngineArgs:
     # perplexity -0.04% against float32's, interval -0.17..+0.09%, benchmarks/fidelity.py), float16 elsewhere |
     # float16 | float32 | int8
     kv_cache_dtype: str = "auto"
-    # auto: the lean runner (engine/native_runner.py: the C step hosted by numpy; torch is not imported until a step needs it)
+    # auto: the native runner (engine/native_runner.py: the C step hosted by numpy; torch is not imported until a step needs it)
     # wherever it can run (native weights on the CPU, no speculative decoding, no sampled internals) | lean | torch
     runner: str = "auto"
     max_model_len: int | None = None  # defaults to the model's context length, clamped to what the KV cache holds
@@ -139,7 +139,7 @@ def tiny_model_path(source: Path) -> Path:
 
 
 KV_CACHE_DTYPES = ("auto", "float16", "float32", "int8")
-RUNNERS = ("auto", "lean", "torch")
+RUNNERS = ("auto", "native", "torch")
 DEFAULT_KV_MEMORY = {"int8": "768MiB", "float16": "1.5GiB", "float32": "1.5GiB"}
 
 
@@ -185,6 +185,8 @@ def resolve_weight_format(name: str, device: Any) -> str:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         bound_heap_retention()  # before the weights load: large freed blocks go back to the OS (engine/memory.py)
+        if args.runner == "lean":  # its name before 2026-12-06 (CHANGELOG.md), still accepted
+            args.runner = "native"
         if args.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, not {args.runner!r}")
         self.args = args
@@ -206,14 +208,14 @@ class LLMEngine:
         self.weight_format = resolve_weight_format(args.weight_format, device)
         weights = load_gguf(path, packed=self.weight_format == "native")
         self.config = weights.config
-        lean_ok = (self.weight_format == "native" and device.type == "cpu" and args.speculative == "off"
+        native_ok = (self.weight_format == "native" and device.type == "cpu" and args.speculative == "off"
                    and args.internals_sample_rate == 0 and decode_step_fits(self.config))
-        if args.runner == "lean" and not lean_ok:
-            raise ValueError("the lean runner needs native weights on the CPU, no speculative decoding, no sampled "
+        if args.runner == "native" and not native_ok:
+            raise ValueError("the native runner needs native weights on the CPU, no speculative decoding, no sampled "
                              "internals and an attention shape the C step takes")
-        self.lean = lean_ok and args.runner != "torch"
+        self.native = native_ok and args.runner != "torch"
         kv_name = kv_dtype_name(args.kv_cache_dtype, self.weight_format, self.config.head_dim)
-        if self.lean:
+        if self.native:
             if args.num_threads:
                 kernels.set_num_threads(args.num_threads)
             self.device: Device | torch.device = CPU
@@ -262,7 +264,7 @@ class LLMEngine:
             ),
             self.pool,
         )
-        if self.lean:
+        if self.native:
             assert isinstance(self.model, NativeModel)  # lean: the C step's model
             self.runner: Any = NativeRunner(self.model, num_blocks, args.block_size, kv_name, args.num_threads)
         else:
@@ -307,7 +309,7 @@ class LLMEngine:
             dtype += f" (float16 scale per token and head{turned}; {gain:.2f}x float16's tokens per byte)"
         full = self.kv_capacity_tokens // max(1, self.max_model_len)
         return (f"{self.model_name}: {self.weight_format} weights ({format_bytes(self.model.weight_bytes())} read per "
-                f"token) on {self.device}{' (lean runner)' if self.lean else ''}{self._prompt_path()}; KV cache "
+                f"token) on {self.device}{' (native runner)' if self.native else ''}{self._prompt_path()}; KV cache "
                 f"{format_bytes(self.kv_cache_bytes)} {dtype} = "
                 f"{self.kv_capacity_tokens:,} tokens ({full} sequences of the full {self.max_model_len:,}-token "
                 f"context, {self.kv_capacity_tokens // 2048} of 2,048)")

@@ -1,7 +1,7 @@
 """GGUF -> weights for Llama-family models, and a tiny random-weight model of the same architecture.
 
 Packed (the native format) the matrices keep the file's blocks in numpy arrays and nothing here imports torch (the
-lean runner serves without it); dequantized (the other formats) they are torch tensors.
+native runner serves without it); dequantized (the other formats) they are torch tensors.
 
 llama.cpp's converter permutes the rows of the Q and K projections so that its RoPE can rotate adjacent pairs; we undo
 that permutation so that the model uses the usual rotate-half RoPE of the Hugging Face reference. Forgetting this

@@ -1,4 +1,4 @@
-"""The lean runner: tailguard's C step (kernels/tg_kernels.c) hosted by numpy, in a process that never imports torch.
+"""The native runner: tailguard's C step (kernels/tg_kernels.c) hosted by numpy, in a process that never imports torch.
 
 With native weights on the CPU every step of ordinary traffic is one call of the C step (every layer, paged attention,
 the LM head), so torch was only the step's container: its arrays, the KV cache's allocation and the sampler. Importing
@@ -47,7 +47,7 @@ class NativeModel:
     def __init__(self, weights: ModelWeights) -> None:
         cfg = weights.config
         if not isinstance(weights.embed, kernels.PackedMatrix):
-            raise ValueError("the lean runner reads packed weights (load_gguf(..., packed=True))")
+            raise ValueError("the native runner reads packed weights (load_gguf(..., packed=True))")
         if not decode_step_fits(cfg):
             raise ValueError("this model's attention shape is outside the C step's limits")
         self.config = cfg

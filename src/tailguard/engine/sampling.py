@@ -1,4 +1,4 @@
-"""Choosing each new token from a step's logits, in numpy (the lean runner's sampler; torch_runner.py has torch's).
+"""Choosing each new token from a step's logits, in numpy (the native runner's sampler; torch_runner.py has torch's).
 
 The same rules as runner.ModelRunner.sample: greedy is the argmax; sampling applies temperature, then top-k, then
 top-p (the smallest set of most likely tokens whose mass reaches top_p), and draws from what is left; stop tokens are

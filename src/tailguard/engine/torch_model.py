@@ -210,7 +210,7 @@ class LlamaModel:
         self.lm_head = lin(weights.lm_head)
         head_dim = cfg.head_dim
         # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: the sign lives in the table, one op per layer less.
-        # The lean runner's tables, the same numbers.
+        # The native runner's tables, the same numbers.
         cos, sin = rope_tables(cfg)
         self.cos, self.sin = dev(cos), dev(sin)
         self._native_step_fits = decode_step_fits(cfg)

@@ -241,7 +241,7 @@ def row_bytes(fmt: int, k: int) -> int:
 
 def set_num_threads(n: int) -> None:
     """Threads of the parallel loops from now on, the calling thread included: the kernels' own pool's
-    (process-wide) and OpenMP's (a per-thread setting: the lean runner applies it on the thread that steps)."""
+    (process-wide) and OpenMP's (a per-thread setting: the native runner applies it on the thread that steps)."""
     if n < 1:
         raise ValueError("threads must be >= 1")
     lib().tg_set_num_threads(n)
