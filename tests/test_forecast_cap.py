@@ -17,7 +17,7 @@ from tests.conftest import _make_engine
 from tests.serving_helpers import ADMIN_KEY, make_config, wait_until
 from tests.test_scheduler import make_scheduler, make_seq
 
-# This engine's measured throughput curve (docs/benchmarks.md), short requests
+# This engine's measured throughput curve (CHANGELOG.md, 2026-12-03), short requests
 PROFILE = ServiceProfile(mean_input_tokens=100, mean_output_tokens=30, prefill_tokens_per_s=821.0,
                          decode_tokens_per_s={1: 88.9, 16: 362.3, 64: 468.5})
 PERIOD = 10.0

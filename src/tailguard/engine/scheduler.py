@@ -31,7 +31,7 @@ from tailguard.engine.sequence import FinishReason, RequestError, Sequence, Sequ
 from tailguard.engine.step_cost import StepCostModel, StepShape, chunk_keys
 
 # With a step time budget, a prompt that has waited this many budgets since it arrived lifts the budget (see
-# SchedulerConfig.prompt_wait_guard_s). With a 0.1 s budget, single A/B runs (docs/benchmarks.md): TTFT P99 641 ms at
+# SchedulerConfig.prompt_wait_guard_s). With a 0.1 s budget, single A/B runs (CHANGELOG.md, 2026-12-06): TTFT P99 641 ms at
 # 6 req/s and 4.4 s at 9 with the guard, 811 ms and 6.4 s without it.
 PROMPT_WAIT_GUARD_STEPS = 4
 

@@ -13,7 +13,7 @@ buffer is above uvicorn's high-water mark (its ``send`` would wait there: the wa
 that the poll made ready, so writing there put each burst of tokens ahead of the new requests' first steps and the
 first tokens (the TTFT path) that arrived with it: in paired rounds at 256 streams the added P99 TTFT rose by ~1 ms
 over the relay-free path. A ``RelayFlusher`` holds the accepted chunks and writes them, in order, one turn later,
-after the tasks of the turn that received them (``serving/next_turn.py``; docs/benchmarks.md, "The direct relay").
+after the tasks of the turn that received them (``serving/next_turn.py``; CHANGELOG.md, 2026-12-04, the direct relay).
 The server's stream flushes whatever is held before it writes anything itself (``settle``), so nothing overtakes.
 
 **The first token is the exception** (``first_token``): it is the TTFT, so it leaves inside the read callback, with

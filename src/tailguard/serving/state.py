@@ -206,7 +206,7 @@ class ServerState:
         """``close_record`` and the request's end in ``in_flight``, two event-loop turns later: after the work the
         current turn made ready (a new request's first step, a first token), which the record's metrics, SLO windows
         and store row (~0.3 ms in the gateway at 256 streams) would otherwise hold up. Measured: added P99 TTFT +2.19
-        -> +1.06 ms (docs/benchmarks.md, "The direct relay"). Whatever reads what records feed flushes first
+        -> +1.06 ms (CHANGELOG.md, 2026-12-04, the direct relay). Whatever reads what records feed flushes first
         (``state_of``, the lifespan's end), so nothing is seen half-done."""
         self.closing.add(tl)
 

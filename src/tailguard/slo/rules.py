@@ -18,7 +18,7 @@ alerts are made for tail objectives (P90 and above) and error-rate objectives; o
 metrics do not carry (lane, client, region, context length, peak hours) stay with the live monitor.
 
 :func:`build_rules_tests` writes a ``promtool test rules`` file for the rules it describes, so CI checks both.
-Alertmanager should inhibit lower tiers while a higher one fires (see docs/benchmarks.md / the rules' comments).
+Alertmanager should inhibit lower tiers while a higher one fires (see the rules' comments).
 """
 
 from __future__ import annotations

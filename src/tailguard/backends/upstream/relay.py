@@ -7,7 +7,7 @@ handed to the ASGI server. Most of a stream's chunks need none of it: after the 
 while the server's stream is waiting for its next event, and nothing read before is still waiting for it, such a
 token is written by the ``Relay`` the server armed, inside the read callback; anything else (the role chunk, the
 first token, the last chunks, an error, a token behind one of those, a token the relay refuses) is queued for the
-reader as before, in order. Measured in docs/benchmarks.md ("The direct relay").
+reader as before, in order. Measured in CHANGELOG.md (2026-12-04, the direct relay).
 
 ``UpstreamFeed`` is one attempt's side of it: it takes the body as the connection receives it (the connection's
 ``tap``), splits it into ``data:`` payloads and either relays or queues each. An attempt's first token is always
