@@ -7,6 +7,7 @@ import the tensor code that ``tailguard.engine.engine`` pulls in.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tailguard.engine.sequence import FinishReason
 
@@ -35,7 +36,10 @@ class TokenEvent:
     num_spec_proposed: int = 0  # speculative guesses verified for this request
     num_spec_accepted: int = 0  # of which the target accepted (its output is the same either way)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed) at first admission
-    internals: dict | None = None  # sampled internals (T2): per-layer step timings and statistics; None if unsampled
+    internals: dict | None = None  # sampled internals: per-layer step timings and statistics; None if unsampled
+    # An upstream's own fields of this chunk, passed on as it wrote them: ``delta`` (a chat delta's keys other than
+    # role and content: tool_calls, reasoning_content, ...) and ``logprobs``. None for the embedded engine.
+    passthrough: dict[str, Any] | None = None
 
 
 @dataclass

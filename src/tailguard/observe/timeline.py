@@ -82,6 +82,8 @@ class Timeline:
     spec_proposed: int = 0
     spec_accepted: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served (not computed again)
+    # An upstream's usage as it reported it (token details included): the answer's usage, passed on unchanged.
+    upstream_usage: dict[str, Any] | None = None
     # Sampled internals: per-layer step timings and activation statistics, for a sampled share of requests.
     internals: dict[str, Any] | None = None
     # Text audit (input provenance, output and candidates); filled only when text storage is on, redacted by the

@@ -42,7 +42,14 @@ from tailguard.serving.errors import outcome_of
 from tailguard.serving.exchange import Exchange, Incoming, Phase, forwarded_headers, run_watched
 from tailguard.serving.ids import request_id_from
 from tailguard.serving.prompt import PromptReader, prompt_text
-from tailguard.serving.protocol import Parsed, decode_json, parse_chat, parse_completion
+from tailguard.serving.protocol import (
+    OWN_FIELDS,
+    Parsed,
+    decode_json,
+    parse_chat,
+    parse_completion,
+    parse_passthrough,
+)
 from tailguard.serving.respond import FallbackRecord, Responder
 from tailguard.serving.state import ServerState
 
@@ -277,19 +284,22 @@ class CompletionEndpoint:
         """Parse and check the request, tokenize its prompt (unless the backend does), and decide its limits."""
         st, tl, d = self.state, ex.tl, ex.decision
         data = decode_json(body)
-        vocab = backend.tokenizer.vocab_size if backend.tokenizer is not None else 1 << 31  # an upstream checks its own
-        p = parse_chat(data) if self.chat else parse_completion(data, vocab)
+        takes_text = backend.tokenizer is None
+        if takes_text:  # upstream replicas: the API passes through; only the gateway's own fields are checked
+            p = parse_passthrough(data, self.chat)
+        elif self.chat:
+            p = parse_chat(data)
+        else:
+            assert backend.tokenizer is not None
+            p = parse_completion(data, backend.tokenizer.vocab_size)
         tl.stream = p.stream
         if p.model not in st.model_names:
             raise APIError(404, f"The model `{clean_text(p.model, 200)}` does not exist; this server has: "
                                 f"{', '.join(st.model_names)}", param="model", code="model_not_found")
         tl.user = clean_text(p.user) or tl.user
-        takes_text = backend.tokenizer is None
         if takes_text:
             # The upstream tokenizes: the prompt's size is estimated (4 characters a token) for admission and
             # routing, and replaced by the upstream's own count when its usage comes back.
-            if p.logprobs is not None:
-                raise APIError(400, "logprobs are not available through the gateway yet", param="logprobs")
             ids: list[int] = []
             text: str | None = prompt_text(p)
             tl.num_prompt_tokens = max(1, len(text or "") // 4)
@@ -311,8 +321,7 @@ class CompletionEndpoint:
             speculative=p.speculative,
         )
         if takes_text:
-            data = dict(data)
-            data.pop("speculative", None)  # tailguard's own extension: not for the upstream
+            data = {k: v for k, v in data.items() if k not in OWN_FIELDS}  # tailguard's own: not for the upstream
             return Prepared(p, ids, text, sampling, data)
         if st.audit is not None and st.audit.wants(sampling):
             ex.audit_ids = []

@@ -1,4 +1,6 @@
-"""The OpenAI request schema we accept, validated strictly: wrong types and unsupported parameters are refused.
+"""The OpenAI request schema the embedded engine accepts, validated strictly: wrong types and unsupported parameters
+are refused. In front of upstream replicas (``parse_passthrough``) the API passes through: the upstream validates its
+own, and only the fields the gateway acts on are checked here.
 
 A parameter we do not implement is never silently ignored: it is accepted only at its neutral value (``n=1``,
 ``presence_penalty=0``, ...) and refused otherwise, with a message naming it. vLLM's common extensions ``top_k``,
@@ -322,3 +324,73 @@ def parse_completion(data: dict[str, Any], vocab_size: int) -> Parsed:
         text = prompt
     return Parsed(max_tokens=req.max_tokens or 16, prompt=text, prompt_token_ids=ids, raw=data,
                   **_common(req, req.logprobs))
+
+
+# tailguard's own request fields: acted on by the gateway, never sent on to an upstream.
+OWN_FIELDS = ("speculative",)
+
+
+def _text_of(content: Any) -> str:
+    """A message's text for estimates and records: a string, or the text parts of a list of parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def parse_passthrough(data: dict[str, Any], chat: bool) -> Parsed:
+    """A request for upstream replicas: the upstream validates its own API, so every field reaches it unchanged
+    (tools, response formats, penalties, logprobs, engine extras); only the fields the gateway acts on are checked
+    here: ``model`` (routing), ``stream`` and ``stream_options``, the output limit (admission, the SLO's cap),
+    ``priority`` (the lane's) and ``user`` (routing by session)."""
+    model = data.get("model")
+    if type(model) is not str or not 1 <= len(model) <= 512:
+        raise APIError(400, "'model' must be a non-empty string", param="model", code="invalid_value")
+    stream = data.get("stream")
+    if not (stream is None or type(stream) is bool):
+        raise APIError(400, "'stream' must be a boolean", param="stream", code="invalid_value")
+    options = data.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise APIError(400, "'stream_options' must be an object", param="stream_options", code="invalid_value")
+    limit_key = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
+    limit = data.get(limit_key)
+    if not _count(limit):
+        raise APIError(400, f"'{limit_key}' must be a positive integer", param=limit_key, code="invalid_value")
+    for key in ("n", "best_of"):  # one choice per answer: the token path follows choice 0 alone
+        if data.get(key) not in (None, 1):
+            raise APIError(400, f"'{key}' > 1 is not supported through the gateway yet: send {data.get(key)} requests",
+                           param=key, code="unsupported_parameter")
+    priority = data.get("priority")
+    if not (priority is None or type(priority) is int):
+        raise APIError(400, "'priority' must be an integer", param="priority", code="invalid_value")
+    user = data.get("user")
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    if chat:
+        raw = data.get("messages")
+        if type(raw) is not list or not raw or not all(isinstance(m, dict) for m in raw):
+            raise APIError(400, "'messages' must be a non-empty list of message objects", param="messages",
+                           code="invalid_value")
+        messages = [{"role": str(m.get("role") or ""), "content": _text_of(m.get("content"))} for m in raw]
+    else:
+        raw_prompt = data.get("prompt")
+        if raw_prompt is None:
+            raise APIError(400, "'prompt' is required", param="prompt", code="invalid_value")
+        prompt = raw_prompt if isinstance(raw_prompt, str) else _text_of(
+            [{"text": p} for p in raw_prompt if isinstance(p, str)] if isinstance(raw_prompt, list) else None)
+
+    def number(key: str, default: float) -> float:
+        value = data.get(key)
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
+
+    stop = data.get("stop")
+    return Parsed(
+        model=model, stream=bool(stream), include_usage=bool(options and options.get("include_usage")),
+        user=user[:256] if isinstance(user, str) else None, max_tokens=limit, temperature=number("temperature", 1.0),
+        top_p=number("top_p", 1.0), top_k=int(number("top_k", 0)), min_tokens=int(number("min_tokens", 0)),
+        ignore_eos=data.get("ignore_eos") is True, seed=data.get("seed") if type(data.get("seed")) is int else None,
+        stop=[stop] if isinstance(stop, str) else [s for s in stop or () if isinstance(s, str)]
+        if isinstance(stop, list | str | None) else [],
+        speculative=data.get("speculative") is not False, logprobs=None, messages=messages, prompt=prompt,
+        priority=priority, raw=data)

@@ -12,12 +12,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tailguard.backends.stall_watch import KEEPALIVE, Stalled
+from tailguard.backends.upstream.events import UpstreamEvent
 from tailguard.engine.events import TokenEvent
 from tailguard.engine.sequence import FinishReason
 from tailguard.observe.gateway_metrics import GatewayMetrics
 from tailguard.observe.timeline import Outcome, Timeline
 from tailguard.serving.client_relay import ClientRelay
 from tailguard.serving.exchange import SSE_HEADERS, Exchange, Phase, degraded_headers, degraded_marker
+from tailguard.serving.passthrough import Reassembly
 from tailguard.serving.protocol import Parsed
 from tailguard.serving.responses import (
     DONE,
@@ -152,6 +154,11 @@ class Responder:
                 g["upstream_sent"] = round(sent - tl.received, 6)
                 if ev.first_token is not None:
                     g["upstream_ttft"] = round(ev.first_token - sent, 6)
+            if isinstance(ev, UpstreamEvent):
+                if ev.usage:
+                    tl.upstream_usage = ev.usage
+                if ev.reasoning_chunks:
+                    g["reasoning_tokens"] = ev.reasoning_chunks  # tokens of reasoning, not of the answer
             if reason in _UPSTREAM_REASONS:
                 tl.finish_reason = reason
                 return reason
@@ -162,9 +169,13 @@ class Responder:
 
     @staticmethod
     def _usage(tl: Timeline) -> dict[str, Any]:
-        """What was really produced: the engine's count (a template answer counts none)."""
-        usage: dict[str, Any] = {"prompt_tokens": tl.num_prompt_tokens, "completion_tokens": tl.num_output_tokens,
-                                 "total_tokens": tl.num_prompt_tokens + tl.num_output_tokens}
+        """What was really produced: the engine's count (a template answer counts none); an upstream's usage as it
+        reported it (its token details included), the counts being the same."""
+        counts = {"prompt_tokens": tl.num_prompt_tokens, "completion_tokens": tl.num_output_tokens,
+                  "total_tokens": tl.num_prompt_tokens + tl.num_output_tokens}
+        if tl.upstream_usage is not None:  # the counts are the whole answer's (a stall fallback's two parts)
+            return {**tl.upstream_usage, **counts}
+        usage: dict[str, Any] = counts
         if tl.cached_prompt_tokens:  # as OpenAI and vLLM report prefix cache hits
             usage["prompt_tokens_details"] = {"cached_tokens": tl.cached_prompt_tokens}
         return usage
@@ -270,11 +281,17 @@ class Responder:
                     final = ev
                     break
                 text = ev.text
-                if not text:
+                passed = ev.passthrough
+                if not text and passed is None:
                     continue
-                if keep_text:
+                if keep_text and text:
                     ex.output.append(text)
-                if want_lp:
+                if passed is not None:  # an upstream's tool call, reasoning or logprobs: its fields as written
+                    chunk = fmt.passthrough(text, passed)
+                    if held:
+                        chunk = fmt.content("".join(held)) + chunk
+                        held.clear()
+                elif want_lp:
                     chunk = fmt.content_logprobs(text, self._logprobs(lp_items, offset))
                     offset += len(text)
                     lp_items = []
@@ -291,11 +308,13 @@ class Responder:
                     role_sent = True
                     count_stream()
                     last_sent = relay.first_sent
-                    tl.add_tokens_sent(pending, last_sent)
-                    pending = 0
+                    relayed = pending if passed is None else pending - 1  # this event's chunk is not written yet
+                    tl.add_tokens_sent(relayed, last_sent)
+                    pending -= relayed
                     g = tl.gateway = tl.gateway or {}
                     g["first_token_direct"] = True
-                    continue
+                    if passed is None:
+                        continue
                 if not role_sent or not ex.started:
                     chunk = await begin() + chunk
                 await ex.chunk(chunk)
@@ -357,6 +376,7 @@ class Responder:
         want_lp = p.logprobs is not None
         texts: list[str] = []
         lp_items: list = []
+        passed = Reassembly()
         final = None
         stalled: str | None = None
         try:
@@ -371,6 +391,8 @@ class Responder:
                 self._take(ex, ev, lp_items if want_lp else None)
                 if ev.text:
                     texts.append(ev.text)
+                if ev.passthrough is not None:
+                    passed.add(ev.passthrough)
                 if ev.finished:
                     final = ev
                     break
@@ -388,8 +410,8 @@ class Responder:
         text = "".join(texts)
         if self.state.config.store_text:
             tl.output_text = text
-        lp = self._logprobs(lp_items) if want_lp else None
-        obj = fmt.full(text, reason, self._usage(tl), lp, **self._extra(tl))
+        lp = self._logprobs(lp_items) if want_lp else passed.logprobs
+        obj = fmt.full(text, reason, self._usage(tl), lp, passed.message_fields(), **self._extra(tl))
         body = json.dumps(obj, ensure_ascii=False).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"server-timing", tl.server_timing().encode()), *degraded_headers(tl)]

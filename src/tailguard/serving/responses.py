@@ -122,6 +122,12 @@ class ChatFormat:
     def content_logprobs(self, text: str, logprobs: dict) -> bytes:
         return self._chunk([{"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}])
 
+    def passthrough(self, text: str, fields: dict[str, Any]) -> bytes:
+        """A chunk with an upstream's own delta fields (tool calls, reasoning) and logprobs, as it wrote them."""
+        delta = {"content": text} if text else {}
+        delta.update(fields.get("delta") or {})
+        return self._chunk([{"index": 0, "delta": delta, "logprobs": fields.get("logprobs"), "finish_reason": None}])
+
     def finish(self, text: str, reason: str, logprobs: dict | None, **extra: Any) -> bytes:
         delta = {"content": text} if text else {}
         return self._chunk([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}], **extra)
@@ -129,10 +135,11 @@ class ChatFormat:
     def usage(self, usage: dict, **extra: Any) -> bytes:
         return self._chunk([], usage=usage, **extra)
 
-    def full(self, text: str, reason: str, usage: dict, logprobs: dict | None, **extra: Any) -> dict:
+    def full(self, text: str, reason: str, usage: dict, logprobs: dict | None, message: dict | None = None,
+             **extra: Any) -> dict:
+        body = {"role": "assistant", "content": text if text or not message else None, **(message or {})}
         return {"id": self.id, "object": self.object_full, "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                             "finish_reason": reason}],
+                "choices": [{"index": 0, "message": body, "logprobs": logprobs, "finish_reason": reason}],
                 "usage": usage, **extra}
 
 
@@ -159,13 +166,18 @@ class CompletionFormat:
     def content_logprobs(self, text: str, logprobs: dict) -> bytes:
         return self._chunk([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}])
 
+    def passthrough(self, text: str, fields: dict[str, Any]) -> bytes:
+        """A chunk with an upstream's own logprobs, as it wrote them."""
+        return self._chunk([{"index": 0, "text": text, "logprobs": fields.get("logprobs"), "finish_reason": None}])
+
     def finish(self, text: str, reason: str, logprobs: dict | None, **extra: Any) -> bytes:
         return self._chunk([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}], **extra)
 
     def usage(self, usage: dict, **extra: Any) -> bytes:
         return self._chunk([], usage=usage, **extra)
 
-    def full(self, text: str, reason: str, usage: dict, logprobs: dict | None, **extra: Any) -> dict:
+    def full(self, text: str, reason: str, usage: dict, logprobs: dict | None, message: dict | None = None,
+             **extra: Any) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}],
                 "usage": usage, **extra}

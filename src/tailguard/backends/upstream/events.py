@@ -20,6 +20,8 @@ class UpstreamEvent(TokenEvent):
     # The replica answered 200 (its head): the server may send the client's status and headers before the first
     # token, as the replica did. Neither a token nor the end; once per attempt.
     accepted: bool = False
+    usage: dict[str, Any] | None = None  # on the final event: the usage the upstream reported, as it wrote it
+    reasoning_chunks: int = 0  # on the final event: chunks that carried reasoning text (not the answer's)
 
 
 @dataclass

@@ -316,6 +316,7 @@ class UpstreamBackend:
         first: float | None = None
         n_out = 0
         usage: dict | None = None
+        reasoning = 0  # chunks with reasoning text
         finish: str | None = None
         ok = False
         outcome = "aborted"  # the client went away mid-stream (the generator was closed)
@@ -379,6 +380,15 @@ class UpstreamBackend:
                                 usage = chunk.usage or usage
                                 finish = chunk.finish_reason or finish
                                 text = chunk.text
+                                if chunk.passthrough is not None:  # a tool call, reasoning, logprobs: as written
+                                    if first is None:
+                                        first = now
+                                        r.ttft_ewma = (now - sent) if r.ttft_ewma is None else \
+                                            0.8 * r.ttft_ewma + 0.2 * (now - sent)
+                                    reasoning += chunk.reasoning
+                                    tokens.append(UpstreamEvent(request_id, UNKNOWN_TOKEN, text or "", now,
+                                                                passthrough=chunk.passthrough))
+                                    continue
                             if not text:  # a chunk without a token (the role chunk, a last chunk's usage)
                                 continue
                             if first is None:
@@ -414,7 +424,8 @@ class UpstreamBackend:
                 request_id, None, "", now, finished=True, finish_reason=finish or "stop",  # type: ignore[arg-type]
                 num_prompt_tokens=int((usage or {}).get("prompt_tokens") or 0),
                 num_output_tokens=int((usage or {}).get("completion_tokens") or n_out + feed.relayed),
-                first_token=first, replica=r.name, attempts=attempt, sent=sent,
+                first_token=first, replica=r.name, attempts=attempt, sent=sent, usage=usage,
+                reasoning_chunks=reasoning,
             )]
         except UpstreamError as exc:
             outcome = "error" if exc.status >= 500 else "refused"

@@ -24,6 +24,9 @@ _CHAT_TEXT = re.compile(rb'"content"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.S)
 _COMPLETION_TEXT = re.compile(rb'"text"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.S)
 _FINISH_NULL = re.compile(rb'"finish_reason"\s*:\s*null')
 _USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')
+_LOGPROBS_NULL = re.compile(rb'"logprobs"\s*:\s*null')
+# Fields of a chunk that the gateway passes on as they are (a tool call, reasoning text): never a plain chunk.
+_PASSED_ON = (b'"tool_calls"', b'"reasoning', b'"function_call"', b'"refusal"', b'"audio"')
 
 
 class SSELines:
@@ -67,6 +70,8 @@ class Chunk:
     usage: dict | None = None
     error: str | None = None
     error_body: dict | None = None  # the error object as the upstream wrote it (its code, type, param)
+    passthrough: dict[str, Any] | None = None  # fields passed on as written: ``delta`` extras, ``logprobs``
+    reasoning: bool = False  # the chunk carries reasoning text (DeepSeek-style ``reasoning_content``)
 
 
 def _plain_text(payload: bytes, chat: bool) -> re.Match[bytes] | None:
@@ -77,7 +82,19 @@ def _plain_text(payload: bytes, chat: bool) -> re.Match[bytes] | None:
         return None  # not a plain chunk of one choice
     if b'"usage"' in payload and not _USAGE_NULL.search(payload):
         return None
+    if b'"logprobs"' in payload and not _LOGPROBS_NULL.search(payload):
+        return None
+    if any(key in payload for key in _PASSED_ON) and passed_on(payload, chat):
+        return None
     return m
+
+
+def passed_on(payload: bytes, chat: bool) -> bool:
+    """Whether a chunk holds fields to pass on (decided by the parse: the keys' bytes may be inside the text)."""
+    try:
+        return bool(read_chunk(payload, chat).passthrough)
+    except ValueError:
+        return True
 
 
 def _decode(raw: bytes) -> str | None:
@@ -140,11 +157,18 @@ def read_chunk(payload: bytes, chat: bool) -> Chunk:
         out.usage = obj["usage"]
     texts = []
     for ch in obj.get("choices") or ():
-        text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+        delta = (ch.get("delta") or {}) if chat else {}
+        text = delta.get("content") if chat else ch.get("text")
         if ch.get("finish_reason"):
             out.finish_reason = ch["finish_reason"]
         if text:
             texts.append(text)
+        extra = {k: v for k, v in delta.items() if k not in ("role", "content") and v is not None} \
+            if isinstance(delta, dict) else {}
+        lp = ch.get("logprobs")
+        if extra or lp:
+            out.passthrough = {"delta": extra or None, "logprobs": lp or None}
+            out.reasoning = out.reasoning or any(k.startswith("reasoning") for k in extra)
     if texts:
         out.text = "".join(texts)
     return out
