@@ -79,6 +79,23 @@ class _Upstream(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).received.append(body)
+        if self.path == "/v1/embeddings":
+            out = {"object": "list", "model": "up", "data": [{"object": "embedding", "index": 0,
+                                                              "embedding": [0.25, -0.5, 1.0]}],
+                   "usage": {"prompt_tokens": 2, "total_tokens": 2}}
+            self._send(200, json.dumps(out).encode(), "application/json")
+            return
+        if self.path == "/v1/responses":
+            if body.get("stream"):
+                events = [{"type": "response.created"}, {"type": "response.output_text.delta", "delta": "Hi"},
+                          {"type": "response.completed"}]
+                sse = b"".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events)
+                self._send(200, sse, "text/event-stream")
+            else:
+                out = {"id": "resp_1", "object": "response", "status": "completed", "model": "up", "output": [
+                    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi"}]}]}
+                self._send(200, json.dumps(out).encode(), "application/json")
+            return
         events = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in _script(body)) + b"data: [DONE]\n\n"
         self._send(200, events, "text/event-stream")
 
@@ -225,3 +242,28 @@ def test_tool_call_deltas_are_put_back_together_by_index():
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
         {"id": "b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}
     assert r.logprobs == {"content": [1, 2]}
+
+
+def test_embeddings_and_responses_are_forwarded_under_the_same_keys_and_records(through):
+    client, received, gw = through
+    emb = client.embeddings.with_raw_response.create(model="fake", input="hello world")
+    assert emb.parse().data[0].embedding == [0.25, -0.5, 1.0] and received[-1]["input"] == "hello world"
+    resp = client.responses.create(model="fake", input="hi", max_output_tokens=16)
+    assert resp.output_text == "Hi" and received[-1]["max_output_tokens"] == 16
+    events = [e.type for e in client.responses.create(model="fake", input="hi", stream=True)]
+    assert events == ["response.created", "response.output_text.delta", "response.completed"]
+    settle(gw)
+    rec = gw.state.store.get(emb.headers["x-request-id"])
+    assert rec["endpoint"] == "/v1/embeddings" and rec["status"] == 200 and rec["ttft"] is not None
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="nope", input="x")
+
+
+def test_the_embedded_engine_says_where_embeddings_are_served(tmp_path):
+    from tests.serving_helpers import fake_server
+
+    with fake_server(tmp_path) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        with pytest.raises(openai.NotFoundError) as err:
+            client.embeddings.create(model="fake", input="x")
+    assert err.value.body["code"] == "not_a_gateway"

@@ -20,6 +20,7 @@ from tailguard.observe.metrics import ServerMetrics
 from tailguard.serving.config import ServerConfig
 from tailguard.serving.endpoint import CompletionEndpoint
 from tailguard.serving.errors import APIError, on_api_error, on_http_error, on_server_error
+from tailguard.serving.forward import ForwardEndpoint
 from tailguard.serving.lifespan import Lifespan
 from tailguard.serving.routes import health, models, records, slo, upstreams
 from tailguard.serving.state import ServerState
@@ -54,6 +55,8 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", CompletionEndpoint(state, chat=True), methods=["POST"]),
         Route("/v1/completions", CompletionEndpoint(state, chat=False), methods=["POST"]),
+        Route("/v1/responses", ForwardEndpoint(state, "/v1/responses"), methods=["POST"]),
+        Route("/v1/embeddings", ForwardEndpoint(state, "/v1/embeddings"), methods=["POST"]),
         Route("/v1/models", models.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", models.get_model, methods=["GET"]),
         Route("/v1/requests/{request_id:path}", records.get_request, methods=["GET"]),

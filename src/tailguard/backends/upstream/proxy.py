@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from tailguard import fast_json
@@ -68,6 +69,15 @@ def _client_status(code: Any) -> int | None:
     if isinstance(code, str) and code.isdigit():
         code = int(code)
     return code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 500 else None
+
+
+@dataclass(slots=True)
+class Forwarded:
+    """The head of a forwarded answer: its status and content type, and the replica that sent it."""
+
+    status: int
+    content_type: str
+    replica: str
 
 
 class UpstreamBackend:
@@ -122,6 +132,54 @@ class UpstreamBackend:
             if request.watch is not None:
                 events = request.watch(events)
         return Submitted(events, opening.abandon) if opening is not None else Submitted(events)
+
+    async def forward(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                      session: str | None = None) -> AsyncGenerator[Forwarded | bytes, None]:
+        """A request the gateway passes on without reading its answer (``/v1/responses``, ``/v1/embeddings``): sent
+        to the replica the routing picks; yields the answer's head (``Forwarded``), then its body as it arrives.
+        One attempt: such answers are not replayed elsewhere once begun."""
+        try:
+            r = self.pool.pick(self.pool.affinity_key(session, ""), set())
+        except NoReplica as exc:
+            raise UpstreamError(503, str(exc), code="no_upstream", retry_after=1) from None
+        out = dict(body)
+        if r.model:
+            out["model"] = r.model
+        hdrs = {"Content-Type": "application/json", **r.headers(), **headers}
+        r.in_flight += 1
+        r.requests += 1
+        r.breaker.begin()
+        sent = perf_counter()
+        first: float | None = None
+        outcome = "aborted"
+        try:
+            async with r.conns.request("POST", path, fast_json.dumps(out), hdrs) as resp:
+                first = perf_counter()
+                yield Forwarded(resp.status, resp.headers.get("content-type") or "application/json", r.name)
+                while data := await resp.read():
+                    yield data
+            if resp.status >= 500:
+                outcome = "error"
+                r.errors += 1
+                r.last_error = f"answered {resp.status} on {path}"
+                r.breaker.failure()
+            else:
+                outcome = "ok" if resp.status < 400 else "refused"
+                r.breaker.success()
+        except ConnectFailed as exc:
+            outcome = "error"
+            raise UpstreamError(502, f"upstream {r.name} connection failed: {exc}"[:400],
+                                code="upstream_unreachable") from None
+        except (OSError, ValueError) as exc:
+            outcome = "error"
+            r.breaker.failure()
+            raise UpstreamError(502, f"upstream {r.name} failed: {type(exc).__name__}: {exc}"[:400],
+                                code="upstream_unreachable", before_first_token=first is None) from None
+        finally:
+            r.breaker.trial = False
+            r.in_flight -= 1
+            if self.on_attempt is not None:
+                self.on_attempt(r.name, outcome, None if first is None else first - sent)
 
     def unavailable(self) -> str | None:
         """Why ``/ready`` says no: no replica is available (the gateway itself stays live for ``/health``)."""

@@ -1,0 +1,139 @@
+"""``POST /v1/responses`` and ``POST /v1/embeddings`` through the gateway: passed on to a replica as the client
+sent them and answered as the replica answers, under the same keys, lanes, admission and records as completions.
+
+The gateway does not read these answers (no tokens to time one by one): the record's first token is the answer's
+first byte, and its last the last byte. The embedded engine serves neither: a 404 says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from tailguard.api_error import APIError
+from tailguard.backends.upstream.events import UpstreamError
+from tailguard.backends.upstream.proxy import Forwarded
+from tailguard.observe.metrics import clean_label
+from tailguard.observe.timeline import Outcome, Timeline
+from tailguard.policy.decision import clean_text
+from tailguard.serving.errors import outcome_of
+from tailguard.serving.exchange import Exchange, Incoming, Phase, forwarded_headers
+from tailguard.serving.ids import request_id_from
+from tailguard.serving.prompt import PromptReader
+from tailguard.serving.protocol import OWN_FIELDS, decode_json
+from tailguard.serving.state import ServerState
+
+log = logging.getLogger("tailguard.server")
+perf_counter = time.perf_counter
+
+
+def _estimate_tokens(data: dict[str, Any]) -> int:
+    """Tokens the request holds for admission: its input at 4 characters a token, plus its output limit."""
+    chars = len(str(data.get("input") or "")) + len(str(data.get("instructions") or ""))
+    limit = data.get("max_output_tokens")
+    return max(1, chars // 4) + (limit if type(limit) is int and limit > 0 else 0)
+
+
+class ForwardEndpoint:
+    def __init__(self, state: ServerState, path: str) -> None:
+        self.state = state
+        self.path = path
+        self.prompts = PromptReader(state, chat=True)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        received = perf_counter()
+        st = self.state
+        request = Incoming(scope, receive)
+        tl = Timeline(request_id=request_id_from(request.headers.get("x-request-id")), endpoint=self.path,
+                      received=received, model=st.model_label)
+        tl.business_type = st.metrics.business_type(request.headers.get("x-business-type")) if st.metrics \
+            else "default"
+        tl.client = clean_label(request.headers.get("x-client"))
+        tl.region = clean_label(request.headers.get("x-region"))
+        tl.lane = "default"
+        ex = Exchange(st, send, tl)
+        st.admission.in_flight += 1
+        try:
+            await self._exchange(ex, request)
+        except APIError as err:
+            tl.error = clean_text(err.message, 1000)
+            await ex.fail(err)
+            tl.finalize(err.status, outcome_of(err))
+        except UpstreamError as exc:
+            tl.error = clean_text(exc.message, 1000)
+            passed_on = APIError(exc.status, f"{exc.message}; request id {tl.request_id}", code=exc.code,
+                                 headers={"Retry-After": str(exc.retry_after)} if exc.retry_after else {})
+            await ex.fail(passed_on)
+            tl.finalize(exc.status, Outcome.ERROR if exc.status >= 500 else outcome_of(passed_on))
+        except (ClientDisconnect, OSError):
+            tl.error = "client disconnected"
+            tl.finalize(499, Outcome.ABORTED)
+        except asyncio.CancelledError:
+            tl.error = "cancelled by the server (shutdown)"
+            tl.finalize(503, Outcome.ABORTED)
+            raise
+        except Exception:
+            log.exception("request %s failed", tl.request_id)
+            tl.error = "internal error"
+            await ex.fail(APIError(500, f"internal server error; request id {tl.request_id}"))
+            tl.finalize(500, Outcome.ERROR)
+        finally:
+            ex.move(Phase.CLOSED)
+            st.policy.release(ex.decision, 0)
+            st.close_record_soon(tl)
+
+    async def _exchange(self, ex: Exchange, request: Incoming) -> None:
+        st, tl, policy = self.state, ex.tl, self.state.policy
+        caller = st.keys.client(request.headers.get("authorization"))
+        tl.owner = caller.key_id
+        d = ex.decision
+        d.tenant = caller.tenant
+        policy.choose_lane(d, tl, request.headers.get("x-lane"))
+        if st.admission.drain is not None:
+            raise st.admission.drain.refusal()
+        upstream = st.upstream
+        if upstream is None:
+            raise APIError(404, f"{self.path} is served through the gateway (tailguard serve --upstream URL), not by "
+                                "the embedded engine", code="not_a_gateway")
+        if not st.ready:
+            raise APIError(503, "the gateway is still starting", code="model_not_ready", headers={"Retry-After": "5"})
+        data = decode_json(await self.prompts.read_body(request, st.config.max_body_bytes))
+        model = data.get("model")
+        if type(model) is not str or model not in st.model_names:
+            raise APIError(404, f"The model `{clean_text(str(model), 200)}` does not exist; this server has: "
+                                f"{', '.join(st.model_names)}", param="model", code="model_not_found")
+        policy.shed(d, tl, clean_label(request.headers.get("x-business-type")))
+        tokens = _estimate_tokens(data)
+        tl.num_prompt_tokens = tokens
+        await policy.charge(d, tl, 0)
+        await policy.admit(d, tl, tokens)
+        ex.enqueue()
+        tl.stream = data.get("stream") is True
+        tl.tokenized = tl.queued = perf_counter()
+        body = {k: v for k, v in data.items() if k not in OWN_FIELDS}
+        user = data.get("user")
+        answer = upstream.forward(self.path, body, forwarded_headers(request),
+                                  session=user if isinstance(user, str) else request.headers.get("x-session-id"))
+        try:
+            async for part in answer:
+                if isinstance(part, Forwarded):
+                    tl.scheduled = perf_counter()
+                    tl.gateway = {**(tl.gateway or {}), "replica": part.replica}
+                    status = part.status
+                    await ex.start(status, [(b"content-type", part.content_type.encode())])
+                    ex.move(Phase.RESPONDING)
+                    continue
+                if tl.first_token is None:  # the answer's first byte stands for its first token
+                    tl.first_token = perf_counter()
+                    tl.token_times.append(tl.first_token)
+                await ex.chunk(part)
+        finally:
+            await answer.aclose()
+        tl.last_token = perf_counter()
+        await ex.last(b"")
+        tl.finalize(status, Outcome.SUCCESS if status < 400 else Outcome.INVALID if status < 500 else Outcome.ERROR)
