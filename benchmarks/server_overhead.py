@@ -95,6 +95,7 @@ class ScriptedStepEngine:
         self.model_name = "fake"
         self.max_model_len = max_model_len
         self.scheduler = self  # AsyncLLMEngine.check_request calls engine.scheduler.check_fits
+        self.speculation = None  # never speculates (AsyncLLMEngine.speculates reads it)
         self._live: dict[str, _Seq] = {}
         self._text = [ord(c) for c in OUTPUT_TEXT]
         self.steps = 0
