@@ -22,7 +22,7 @@ from tailguard.serving.endpoint import CompletionEndpoint
 from tailguard.serving.errors import APIError, on_api_error, on_http_error, on_server_error
 from tailguard.serving.forward import ForwardEndpoint
 from tailguard.serving.lifespan import Lifespan
-from tailguard.serving.routes import health, models, records, slo, upstreams
+from tailguard.serving.routes import health, models, openapi, records, slo, upstreams
 from tailguard.serving.state import ServerState
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ def create_app(
         Route("/v1/models/{model:path}", models.get_model, methods=["GET"]),
         Route("/v1/requests/{request_id:path}", records.get_request, methods=["GET"]),
         Route("/health", health.health, methods=["GET"]),
+        Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
         Route("/ready", health.ready, methods=["GET"]),
         Route("/metrics", health.metrics, methods=["GET"]),
         Route("/v1/alerts", slo.alerts, methods=["GET"]),
