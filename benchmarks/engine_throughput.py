@@ -158,7 +158,7 @@ class Timings:
 class TailguardSystem:
     def __init__(self, fmt: str, args: argparse.Namespace, kv_tokens: int, max_seqs: int) -> None:
         """``fmt``: a weight format, optionally ``:KV dtype`` and ``:runner`` (native:float16:torch: the default of
-        the session before the lean runner and the int8 KV default)."""
+        the session before the native runner and the int8 KV default)."""
         self.name = f"tailguard {fmt}"
         self.fmt = fmt
         self.threads = args.threads

@@ -62,7 +62,7 @@ def score_prompt_rows(engine, ids: list[int], chunk: int = 256) -> np.ndarray:
         for start in range(0, len(ids) - 1, chunk):
             n = min(chunk, len(ids) - 1 - start)
             c = ScheduledChunk(seq, start, n)
-            if hasattr(runner, "_step"):  # the lean runner: the C step, every row's logits
+            if hasattr(runner, "_step"):  # the native runner: the C step, every row's logits
                 tokens, pos, slots, tabs, lens, _, decode_rows = runner._build([c], {"score": table})
                 logits = runner._step(tokens, pos, slots, tabs, lens, None, decode_rows)
             else:  # the torch reference

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/serve_memory.py --conversations 32 --context 2048
     .venv/bin/python benchmarks/serve_memory.py --server-args "--kv-cache-dtype int8 --kv-cache-memory 768MiB"   # any serve flags
 
-The server runs with its defaults (native weights on the lean runner, which never imports torch; int8 KV in a 768 MiB
+The server runs with its defaults (native weights on the native runner, which never imports torch; int8 KV in a 768 MiB
 budget: 33 conversations of 2K; `--server-args "--runner torch"` for the same with torch's runner). The KV cache is reserved as address
 space and becomes resident as blocks are first used, so the figure that matters is the resident set (VmRSS) and its
 peak (VmHWM) with N conversations of C tokens held at once: each request's prompt plus max_tokens spans C tokens, and

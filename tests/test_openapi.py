@@ -180,7 +180,7 @@ def test_the_embedded_request_schemas_are_the_validators_own(embedded):
         {"model": "fake", "messages": MESSAGES, "bogus": 1},  # unknown field
         {"model": "fake", "messages": MESSAGES, "n": 2},  # not implemented, at a value that matters
         {"model": "fake", "messages": MESSAGES, "temperature": 3.0},
-        {"model": "fake", "messages": [{"role": "tool", "content": "x"}]},
+        {"model": "fake", "messages": [{"role": "robot", "content": "x"}]},
         {"model": "fake"},
         {"model": "fake", "messages": None},
         {"model": "fake", "messages": MESSAGES, "stream_options": {"include_usage": None}, "stream": True},

@@ -36,7 +36,7 @@ from tailguard.engine.loader import load_gguf, write_tiny_gguf
 from tailguard.engine.memory import bound_heap_retention, format_bytes, parse_budget, release_free_heap
 from tailguard.engine.model_store import cache_dir, resolve_model_path
 from tailguard.engine.native_runner import NativeModel, NativeRunner
-from tailguard.engine.sampling import SampledToken
+from tailguard.engine.sampling import LogitsState, SampledToken
 from tailguard.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from tailguard.engine.sequence import (
     EngineClosed,
@@ -48,6 +48,7 @@ from tailguard.engine.sequence import (
     SequenceStatus,
 )
 from tailguard.engine.speculative import BatchProposer, Proposer, SpeculationPolicy, make_proposer
+from tailguard.engine.structured import GrammarCompiler
 from tailguard.engine.tokenizer import GGUFTokenizer, IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -291,6 +292,8 @@ class LLMEngine:
         release_free_heap()  # the file's header and the weights' staging copies
         logger.info("%s", self.describe())
         self.stop_ids = set(self.tokenizer.stop_token_ids)
+        # Structured output: specs compiled once each against this tokenizer (llguidance is loaded on first use).
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.stop_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.steps = 0
@@ -331,7 +334,7 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         sampling = sampling or SamplingParams()
-        sampling.validate()
+        sampling.validate(self.config.vocab_size)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
@@ -343,6 +346,11 @@ class LLMEngine:
             priority=priority,
             arrival_time=arrival_time if arrival_time is not None else time.perf_counter(),
         )
+        if sampling.transforms_logits:
+            # Penalties, a logit bias or a grammar (compiled here, once per distinct spec; a spec that does not
+            # compile is this request's RequestError). Every other request keeps logits_state None: no work a step.
+            matcher = self.grammars.matcher(sampling.structured) if sampling.structured is not None else None
+            seq.logits_state = LogitsState(seq, matcher)
         self.scheduler.add(seq)
         self._tracked[request_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer))
         self.internals.admit(request_id)
@@ -394,15 +402,21 @@ class LLMEngine:
         spec = self.speculation
         draft_for: Callable[[Sequence], list[int]] | None = None
         if spec is not None and spec.batch_speculates(len(self.scheduler.running)):
+            running = self.scheduler.running
             if spec.batched:
                 # A draft model guesses for the whole step at once, before scheduling; one block per running
-                # sequence stays free so that guessing never takes a block a plain decode needs.
-                drafts = spec.draft_batch(self.scheduler.running, self.scheduler.tables, len(self.scheduler.running))
+                # sequence stays free so that guessing never takes a block a plain decode needs. A request with
+                # penalties, a logit bias or a grammar never speculates (verification samples without them).
+                drafts = spec.draft_batch([s for s in running if s.logits_state is None], self.scheduler.tables,
+                                          len(running))
 
                 def draft_for(seq: Sequence) -> list[int]:
                     return drafts.get(seq.request_id, [])
             else:
-                draft_for = spec.draft
+                plain_draft = spec.draft
+
+                def draft_for(seq: Sequence) -> list[int]:
+                    return plain_draft(seq) if seq.logits_state is None else []
         failed: dict[str, str] = {}  # requests whose own part of this step failed, with why
         if draft_for is not None:
             draft_for = self._guarded_drafts(draft_for, failed)
@@ -506,6 +520,13 @@ class LLMEngine:
             seq.times.first_token = now
         tracked.detok.add(token.token_id)
         reason: FinishReason | None = None
+        grammar_done = False
+        state = seq.logits_state
+        if state is not None and state.matcher is not None:
+            try:
+                grammar_done = state.matcher.advance(token.token_id)
+            except ValueError as exc:
+                raise SequenceFailed(f"structured output failed: {exc}") from exc
         n_out = len(seq.output_token_ids)
         if n_out >= sp.min_tokens and (
             (token.token_id in self.stop_ids and not sp.ignore_eos) or token.token_id in sp.stop_token_ids
@@ -523,6 +544,8 @@ class LLMEngine:
                 cut = hit[0]
                 seq.stop_string_hit = hit[1]
                 reason = FinishReason.STOP
+        if reason is None and grammar_done:  # the grammar is complete: nothing but EOS could follow
+            reason = FinishReason.STOP
         if reason is None and n_out >= sp.max_tokens:
             reason = FinishReason.LENGTH
         if reason is None and sp.stop:
@@ -651,7 +674,7 @@ class AsyncLLMEngine:
         return cls(args=args)
 
     def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
-        sampling.validate()
+        sampling.validate(self.engine.config.vocab_size)
         self.engine.scheduler.check_fits(num_prompt_tokens, sampling.max_tokens)
 
     async def generate(
@@ -664,6 +687,11 @@ class AsyncLLMEngine:
     ) -> AsyncGenerator[TokenEvent, None]:
         """Stream a request's tokens. Leaving the iterator early (client gone, cancel) aborts the request."""
         self.check_request(len(prompt_token_ids), sampling)
+        if sampling.structured is not None:
+            # Compile its spec (once per distinct spec) on a worker thread: neither this event loop nor the engine's
+            # thread, whose steps every running stream waits on, is held up by it. A spec that does not compile
+            # raises RequestError here; the engine's admission then finds it compiled.
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.grammars.compiled, sampling.structured)
         loop = asyncio.get_running_loop()
         stream = _EventStream(loop)
         with self._lock:

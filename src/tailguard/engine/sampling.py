@@ -2,7 +2,9 @@
 
 The same rules as runner.ModelRunner.sample: greedy is the argmax; sampling applies temperature, then top-k, then
 top-p (the smallest set of most likely tokens whose mass reaches top_p), and draws from what is left; stop tokens are
-forbidden while a request is below its min_tokens; logprobs are log-softmax of the raw logits. A seeded request draws
+forbidden while a request is below its min_tokens; logprobs are log-softmax of the raw logits. Before any of that, a
+request with penalties, a logit bias or a grammar has its row transformed by its LogitsState (below; the torch runner
+applies the same code to its rows, so both runners pick the same tokens from the same logits). A seeded request draws
 from its own generator (numpy's PCG64), so its output repeats run after run; the torch runner draws from torch's
 generator, so the same seed gives other tokens there.
 """
@@ -10,10 +12,14 @@ generator, so the same seed gives other tokens there.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tailguard.engine.sequence import SamplingParams, Sequence
+
+if TYPE_CHECKING:
+    from tailguard.engine.structured import GrammarMatcher
 
 
 @dataclass
@@ -54,6 +60,116 @@ def probabilities(row: np.ndarray, sp: SamplingParams) -> np.ndarray:
     return probs
 
 
+def banned_tokens(seq: Sequence, stop_ids: set[int]) -> list[int]:
+    """Tokens forbidden now: the stop tokens while the request is below its min_tokens."""
+    if len(seq.output_token_ids) >= seq.sampling.min_tokens:
+        return []
+    return list(stop_ids | set(seq.sampling.stop_token_ids))
+
+
+class LogitsState:
+    """What one request does to its logits beyond temperature, top-k and top-p, in this order (vLLM's): the logit
+    bias is added; the repetition penalty divides positive and multiplies negative logits of every token seen in the
+    prompt or the output; the frequency and presence penalties subtract ``frequency * count + presence`` from every
+    token generated so far; the grammar sets every token it does not allow to -inf. Then the min_tokens ban, except
+    where the grammar allows nothing but a stop token (the grammar wins). All in float32 on a copy of the row.
+
+    Built at admission only for a request that needs it (``SamplingParams.transforms_logits``); its counts follow the
+    sequence's output, read incrementally at each step."""
+
+    __slots__ = ("presence", "frequency", "repetition", "bias_ids", "bias_values", "matcher", "_counts", "_counted",
+                 "_seen", "_seen_ids", "_prompt")
+
+    def __init__(self, seq: Sequence, matcher: GrammarMatcher | None = None) -> None:
+        sp = seq.sampling
+        self.presence = float(sp.presence_penalty)
+        self.frequency = float(sp.frequency_penalty)
+        self.repetition = float(sp.repetition_penalty)
+        self.bias_ids: np.ndarray | None = None
+        self.bias_values: np.ndarray | None = None
+        if sp.logit_bias:
+            self.bias_ids = np.fromiter(sp.logit_bias.keys(), dtype=np.int64, count=len(sp.logit_bias))
+            self.bias_values = np.fromiter(sp.logit_bias.values(), dtype=np.float32, count=len(sp.logit_bias))
+        self.matcher = matcher
+        self._counts: dict[int, int] = {}  # output token -> times generated
+        self._counted = 0  # output tokens already in _counts
+        self._prompt = seq.prompt_token_ids
+        self._seen: set[int] | None = None  # prompt and output tokens (repetition penalty), built on first use
+        self._seen_ids: np.ndarray | None = None
+
+    def _catch_up(self, output: list[int]) -> None:
+        if len(output) < self._counted:  # never in this engine (outputs only grow), but stay exact if it happens
+            self._counts.clear()
+            self._counted = 0
+            self._seen = None
+        if self.repetition != 1.0 and self._seen is None:
+            self._seen = set(self._prompt)
+            self._seen_ids = None
+        counts, seen = self._counts, self._seen
+        for tok in output[self._counted:]:
+            counts[tok] = counts.get(tok, 0) + 1
+            if seen is not None and tok not in seen:
+                seen.add(tok)
+                self._seen_ids = None
+        self._counted = len(output)
+
+    def process(self, row: np.ndarray, seq: Sequence, banned: list[int]) -> np.ndarray:
+        """A transformed float32 copy of one row of logits. (The grammar's mask is taken first, into the copy: -inf
+        stays -inf under every later step, so the result is the same as masking last, and cheaper.)"""
+        if self.matcher is not None:
+            allowed = self.matcher.allowed()
+            n_allowed = int(np.count_nonzero(allowed))
+            if n_allowed == 0:
+                raise ValueError("the grammar allows no token here")
+            if n_allowed <= allowed.shape[0] // 8:  # the usual case: copy the few allowed logits into -inf
+                ids = np.flatnonzero(allowed)
+                out = np.full(row.shape[0], -np.inf, dtype=np.float32)
+                out[ids] = row[ids]
+            else:  # inside free text most tokens are allowed: one branch-free pass
+                out = np.where(allowed, row.astype(np.float32, copy=False), np.float32(-np.inf))
+            # min_tokens bans stop tokens, unless the grammar allows nothing else (then the grammar is done)
+            if banned and int(np.count_nonzero(allowed[banned])) < n_allowed:
+                out[banned] = -np.inf
+        else:
+            out = np.array(row, dtype=np.float32)
+            if banned:
+                out[banned] = -np.inf
+        return self._penalize(out, seq)
+
+    def greedy_token(self, row: np.ndarray, seq: Sequence, banned: list[int]) -> int:
+        """The argmax of ``process(row, seq, banned)``, without the grammar's full mask where it is not needed: the
+        argmax of the row under bias, penalties and ban is the masked argmax whenever the grammar allows that token
+        (numpy's argmax takes the first of equal values, masked or not), which one check of that token tells (~1 us
+        against tens for a mask over the vocabulary). Only a refused token pays for the mask."""
+        if self.matcher is not None:
+            out = np.array(row, dtype=np.float32)
+            if banned:
+                out[banned] = -np.inf
+            tok = int(self._penalize(out, seq).argmax())
+            if self.matcher.allows(tok):
+                return tok
+        return int(self.process(row, seq, banned).argmax())
+
+    def _penalize(self, out: np.ndarray, seq: Sequence) -> np.ndarray:
+        """Bias, repetition, frequency and presence penalties, in place."""
+        if self.bias_ids is not None:
+            out[self.bias_ids] += self.bias_values
+        if self.presence or self.frequency or self.repetition != 1.0:
+            self._catch_up(seq.output_token_ids)
+        if self.repetition != 1.0:
+            if self._seen_ids is None:
+                assert self._seen is not None  # built by _catch_up
+                self._seen_ids = np.fromiter(self._seen, dtype=np.int64, count=len(self._seen))
+            ids = self._seen_ids
+            values = out[ids]
+            out[ids] = np.where(values > 0, values / np.float32(self.repetition), values * np.float32(self.repetition))
+        if (self.presence or self.frequency) and self._counts:
+            ids = np.fromiter(self._counts.keys(), dtype=np.int64, count=len(self._counts))
+            counts = np.fromiter(self._counts.values(), dtype=np.float32, count=len(self._counts))
+            out[ids] -= np.float32(self.frequency) * counts + np.float32(self.presence)
+        return out
+
+
 class Sampler:
     def __init__(self) -> None:
         self._rngs: dict[str, np.random.Generator] = {}
@@ -70,9 +186,7 @@ class Sampler:
     @staticmethod
     def _banned(seq: Sequence, stop_ids: set[int]) -> list[int]:
         """Tokens forbidden now: the stop tokens while the request is below its min_tokens."""
-        if len(seq.output_token_ids) >= seq.sampling.min_tokens:
-            return []
-        return list(stop_ids | set(seq.sampling.stop_token_ids))
+        return banned_tokens(seq, stop_ids)
 
     def sample(self, logits: np.ndarray, seqs: list[Sequence], stop_ids: set[int]) -> list[SampledToken]:
         """One token for each row of ``logits`` [len(seqs), vocab]."""
@@ -86,19 +200,25 @@ class Sampler:
 
     def _sample_row(self, row: np.ndarray, seq: Sequence, stop_ids: set[int]) -> SampledToken:
         banned = self._banned(seq, stop_ids)
-        masked = row
-        if banned:
-            masked = row.copy()
-            masked[banned] = -np.inf
+        state = seq.logits_state
         sp = seq.sampling
-        if sp.greedy:
-            tok = int(masked.argmax())
+        if state is not None and sp.greedy:  # penalties, a logit bias or a grammar (the ban included)
+            tok = state.greedy_token(row, seq, banned)
         else:
-            probs = probabilities(masked, sp)
-            cdf = np.cumsum(probs)
-            tok = int(np.searchsorted(cdf, self._rng(seq).random() * cdf[-1], side="right"))
-            if tok >= len(cdf) or probs[tok] == 0:  # a draw rounding onto the very top: the last possible token
-                tok = int(np.flatnonzero(probs)[-1])
+            masked = row
+            if state is not None:  # a transformed copy, the ban included
+                masked = state.process(row, seq, banned)
+            elif banned:
+                masked = row.copy()
+                masked[banned] = -np.inf
+            if sp.greedy:
+                tok = int(masked.argmax())
+            else:
+                probs = probabilities(masked, sp)
+                cdf = np.cumsum(probs)
+                tok = int(np.searchsorted(cdf, self._rng(seq).random() * cdf[-1], side="right"))
+                if tok >= len(cdf) or probs[tok] == 0:  # a draw rounding onto the very top: the last possible token
+                    tok = int(np.flatnonzero(probs)[-1])
         if sp.logprobs is None:
             return SampledToken(tok)
         logprobs = log_softmax(row.astype(np.float32))

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tailguard.engine.sampling import LogitsState
+    from tailguard.engine.structured import StructuredOutput
 
 
 class RequestError(ValueError):
@@ -24,6 +31,9 @@ class SequenceFailed(RuntimeError):
 GREEDY_TEMPERATURE = 1e-5
 # A seed is any 64-bit integer, signed or not (OpenAI's range); generators take it folded into [0, 2**64).
 SEED_MODULUS = 2**64
+# OpenAI's ranges: presence and frequency penalties in [-2, 2], a logit bias in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 class SequenceStatus(enum.Enum):
@@ -52,8 +62,25 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives to return with each token (T3)
     speculative: bool = True  # False opts this request out of speculative decoding (when the engine has it on)
+    # OpenAI's penalties over the tokens generated so far: logits[t] -= presence * (count[t] > 0) + frequency * count[t]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's: over prompt and output tokens, a positive logit is divided by it and a negative one multiplied (1 = off)
+    repetition_penalty: float = 1.0
+    # token id -> bias in [-100, 100], added to that token's logit
+    logit_bias: dict[int, float] | None = None
+    # The output held to a JSON schema, any JSON object, a regex or a grammar (engine/structured.py)
+    structured: StructuredOutput | None = None
 
-    def validate(self) -> None:
+    @property
+    def transforms_logits(self) -> bool:
+        """Anything beyond temperature/top-k/top-p touches this request's logits (penalties, a bias, a grammar): such
+        a request gets a LogitsState at admission, and never speculates."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.structured is not None)
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise RequestError for a parameter out of range; ``vocab_size``: logit_bias ids are checked against it."""
         if self.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1")
         if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails every comparison
@@ -66,6 +93,30 @@ class SamplingParams:
             raise RequestError("min_tokens must be between 0 and max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError("logprobs must be between 0 and 20")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not -MAX_PENALTY <= float(value) <= MAX_PENALTY:
+                raise RequestError(f"{name} must be a number between -2 and 2")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, numbers.Real) or not 0 < float(rp) < math.inf:
+            raise RequestError("repetition_penalty must be a finite number > 0")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise RequestError("logit_bias must map token ids to biases")
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+                    raise RequestError(f"logit_bias keys must be token ids (integers), not {token!r}")
+                if token < 0 or (vocab_size is not None and token >= vocab_size):
+                    top = "" if vocab_size is None else f" (0..{vocab_size - 1})"
+                    raise RequestError(f"logit_bias token id {token} is outside the vocabulary{top}")
+                if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or \
+                        not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise RequestError(f"logit_bias values must be numbers between -100 and 100 (token {token})")
+        if self.structured is not None:
+            validate_structured = getattr(self.structured, "validate", None)
+            if validate_structured is None:
+                raise RequestError("structured must be a StructuredOutput")
+            validate_structured()
 
     @property
     def greedy(self) -> bool:
@@ -105,6 +156,9 @@ class Sequence:
     num_cached_tokens: int = 0
     # Chained content hashes of its leading full blocks (prefix_cache.py), filled as they are needed.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # Penalties, logit bias and grammar matcher (sampling.py), set at admission only for a request that has any of
+    # them: None is the whole per-step cost for every other request.
+    logits_state: LogitsState | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.times = RequestTimes(arrival=self.arrival_time)

@@ -7,7 +7,7 @@ import torch
 from tailguard.engine.blocks import BlockTable
 from tailguard.engine.internals import StepProbe
 from tailguard.engine.kv_layout import NATIVE_PREFILL_MAX_CONTEXT
-from tailguard.engine.sampling import SampledToken, failed_row
+from tailguard.engine.sampling import SampledToken, banned_tokens, failed_row
 from tailguard.engine.scheduler import ScheduledChunk, leading_decode_rows
 from tailguard.engine.sequence import SamplingParams, Sequence
 from tailguard.engine.torch_model import AttentionMetadata, LlamaModel, PrefillSpan
@@ -202,21 +202,47 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], stop_ids: set[int]) -> list[SampledToken]:
         results: list[SampledToken] = []
-        greedy_rows = [i for i, s in enumerate(seqs) if s.sampling.greedy]
+        failed: dict[int, Exception] = {}
+        chosen = self._transformed(logits, seqs, stop_ids, failed)
+        greedy_rows = [i for i, s in enumerate(seqs) if s.sampling.greedy and i not in failed]
         picks: dict[int, int] = {}
         if greedy_rows:
             idx = torch.tensor(greedy_rows, device=logits.device)
-            masked = self._mask_early_stop(logits[idx], [seqs[i] for i in greedy_rows], stop_ids)
+            masked = self._mask_early_stop(chosen[idx], [seqs[i] for i in greedy_rows], stop_ids)
             for row, tok in zip(greedy_rows, masked.argmax(dim=-1).tolist()):
                 picks[row] = tok
         for row, seq in enumerate(seqs):
             try:
+                if row in failed:
+                    raise failed[row]
                 if row not in picks:
-                    picks[row] = self._sample_one(logits[row : row + 1], seq, stop_ids)
+                    picks[row] = self._sample_one(chosen[row : row + 1], seq, stop_ids)
+                # logprobs are always of the raw logits (vLLM's default), as in the numpy sampler
                 results.append(self._with_logprobs(logits[row], picks[row], seq.sampling.logprobs))
             except Exception as exc:  # noqa: BLE001 - one request's failure must not end its step's neighbours
                 results.append(failed_row(exc))
         return results
+
+    @staticmethod
+    def _transformed(logits: torch.Tensor, seqs: list[Sequence], stop_ids: set[int],
+                     failed: dict[int, Exception]) -> torch.Tensor:
+        """The logits tokens are chosen from: ``logits`` itself unless a request has penalties, a logit bias or a
+        grammar, whose rows are then replaced (in a copy) by their LogitsState's transform, min_tokens ban included:
+        the numpy sampler's code, so both runners choose alike. A row whose transform fails is put in ``failed``."""
+        rows = [i for i, s in enumerate(seqs) if s.logits_state is not None]
+        if not rows:
+            return logits
+        out = logits.clone()
+        for i in rows:
+            seq = seqs[i]
+            state = seq.logits_state
+            assert state is not None
+            try:
+                row = state.process(logits[i].detach().float().cpu().numpy(), seq, banned_tokens(seq, stop_ids))
+                out[i] = torch.from_numpy(row).to(device=out.device, dtype=out.dtype)
+            except Exception as exc:  # noqa: BLE001 - this request alone
+                failed[i] = exc
+        return out
 
     @staticmethod
     def _with_logprobs(row: torch.Tensor, tok: int, n_top: int | None) -> SampledToken:
@@ -229,8 +255,9 @@ class ModelRunner:
 
     @staticmethod
     def _mask_early_stop(logits: torch.Tensor, seqs: list[Sequence], stop_ids: set[int]) -> torch.Tensor:
-        """Forbid stop tokens while a request is below its min_tokens."""
-        rows = [i for i, s in enumerate(seqs) if len(s.output_token_ids) < s.sampling.min_tokens]
+        """Forbid stop tokens while a request is below its min_tokens (rows with a LogitsState have had it applied)."""
+        rows = [i for i, s in enumerate(seqs)
+                if len(s.output_token_ids) < s.sampling.min_tokens and s.logits_state is None]
         if not rows:
             return logits
         logits = logits.clone()

@@ -318,7 +318,8 @@ class CompletionEndpoint:
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
             stop=p.stop, ignore_eos=p.ignore_eos, min_tokens=min(p.min_tokens, max_tokens), logprobs=p.logprobs,
-            speculative=p.speculative,
+            speculative=p.speculative, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, structured=p.structured,
         )
         if takes_text:
             data = {k: v for k, v in data.items() if k not in OWN_FIELDS}  # tailguard's own: not for the upstream

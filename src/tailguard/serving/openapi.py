@@ -105,6 +105,7 @@ class FinishReason(enum.StrEnum):
 
     stop = "stop"
     length = "length"
+    tool_calls = "tool_calls"
 
 
 class PromptTokensDetails(_Closed):
@@ -146,16 +147,36 @@ class CompletionLogprobs(_Closed):
     text_offset: list[int]
 
 
+class ClosedFunctionCall(_Closed):
+    name: str
+    arguments: str = Field(description="the arguments, a JSON text that follows the function's parameters")
+
+
+class ClosedToolCall(_Closed):
+    id: str
+    type: Literal["function"]
+    function: ClosedFunctionCall
+
+
+class ClosedToolCallDelta(ClosedToolCall):
+    """The whole call in one delta: sent once the call is complete (its arguments parse)."""
+
+    index: int
+
+
 class ChatCompletionMessage(_Closed):
     role: Literal["assistant"]
-    content: str | None
+    content: str | None = Field(description="null when the answer is a function call")
+    tool_calls: list[ClosedToolCall] | SkipJsonSchema[None] = Field(
+        None, description="with tools: the call the answer is (finish_reason tool_calls)")
 
 
 class ChatDelta(_Closed):
-    """A piece of the message: the role on the first chunk, then text."""
+    """A piece of the message: the role on the first chunk, then text (or, with tools, one whole call)."""
 
     role: Literal["assistant"] | SkipJsonSchema[None] = None
     content: str | SkipJsonSchema[None] = None
+    tool_calls: list[ClosedToolCallDelta] | SkipJsonSchema[None] = None
 
 
 # Their open versions, which replace them in gateway mode (under the same component names).

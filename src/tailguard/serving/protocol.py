@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tailguard import fast_json
 from tailguard.api_error import APIError
+from tailguard.engine.structured import StructuredOutput
+from tailguard.serving.tools import CALL_CLOSE, CALL_OPEN, ToolPlan, plan_tools
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 # Every stop string is searched for after every token, on the engine's thread: a bound keeps that cost small.
@@ -27,19 +29,12 @@ MAX_STOP_CHARS = 1024
 # OpenAI parameters we do not implement, with the value(s) at which they change nothing.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (1,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
     "store": (False,),
-    "parallel_tool_calls": (False, True),
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none",),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "metadata": ({},),
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
@@ -74,6 +69,63 @@ class _Common(BaseModel):
     priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # OpenAI's penalties over the tokens generated so far, vLLM's repetition penalty, and biases by token id.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
 
 
 class TextPart(BaseModel):
@@ -84,9 +136,11 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls, in the conversation so far
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatRequest(_Common):
@@ -97,6 +151,10 @@ class ChatRequest(_Common):
     # vLLM's and SGLang's fields for continuing an answer: the last (assistant) message is left open, no new turn.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; an answer holds at most one call
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Common):
@@ -129,12 +187,24 @@ class Parsed:
     continue_final_message: bool = False  # chat: the last message (an assistant's) stays open and is continued
     priority: int | None = None  # claimed by the body (vLLM's field); honoured only from a trusted proxy
     raw: dict[str, Any] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    structured: StructuredOutput | None = None  # JSON mode, a JSON schema, or the tools' grammar
+    tools: ToolPlan | None = None  # the functions offered, and what the answer may be
 
     def sampling_record(self) -> dict[str, Any]:
         return {
             "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "seed": self.seed, "stop": self.stop, "logprobs": self.logprobs, "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
+            **({"presence_penalty": self.presence_penalty} if self.presence_penalty else {}),
+            **({"frequency_penalty": self.frequency_penalty} if self.frequency_penalty else {}),
+            **({"repetition_penalty": self.repetition_penalty} if self.repetition_penalty != 1.0 else {}),
+            **({"logit_bias_tokens": len(self.logit_bias)} if self.logit_bias else {}),
+            **({"structured": self.structured.kind} if self.structured is not None else {}),
+            **({"tools": self.tools.mode} if self.tools is not None else {}),
         }
 
 
@@ -206,6 +276,10 @@ def _common(req: _Common, logprobs: int | None) -> dict[str, Any]:
         seed=req.seed,
         stop=_stops(req.stop),
         logprobs=logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=_logit_bias(req.logit_bias),
     )
 
 
@@ -278,8 +352,24 @@ def _parse_chat_schema(data: dict[str, Any]) -> Parsed:
     messages = []
     for m in req.messages:
         content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
+        if m.tool_calls:  # an earlier call, written back the way the model was told to write one
+            content = (content or "") + "".join(
+                f"{CALL_OPEN}{json.dumps({'name': c.function.name, 'arguments': _arguments(c.function.arguments)})}"
+                f"{CALL_CLOSE}" for c in m.tool_calls)
         # The chat template knows system/user/assistant; OpenAI's "developer" is the new name for "system".
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    plan = plan_tools([t.model_dump() for t in req.tools] if req.tools else None,
+                      req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice)
+    structured = _response_format(req.response_format)
+    if plan is not None:
+        if structured is not None:
+            raise APIError(400, "'response_format' and 'tools' cannot be combined on this server", param="response_format",
+                           code="unsupported_parameter")
+        structured = plan.structured()
+        if messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{plan.system_text()}"}
+        else:
+            messages.insert(0, {"role": "system", "content": plan.system_text()})
     if req.continue_final_message:
         if req.add_generation_prompt:
             raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true",
@@ -290,7 +380,42 @@ def _parse_chat_schema(data: dict[str, Any]) -> Parsed:
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return Parsed(max_tokens=max_tokens, messages=messages, raw=data, add_generation_prompt=req.add_generation_prompt,
-                  continue_final_message=req.continue_final_message, **_common(req, logprobs))
+                  continue_final_message=req.continue_final_message, structured=structured, tools=plan,
+                  **_common(req, logprobs))
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _response_format(fmt: ResponseFormat | None) -> StructuredOutput | None:
+    """OpenAI's ``response_format`` as the engine's structured output (None: plain text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutput("json_object")
+    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise APIError(400, "response_format json_schema needs 'json_schema.schema'", param="response_format",
+                       code="invalid_value")
+    return StructuredOutput("json_schema", json.dumps(fmt.json_schema.json_schema))
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not key.lstrip("-").isdigit():
+            raise APIError(400, f"logit_bias keys are token ids, not {key[:40]!r}", param="logit_bias",
+                           code="invalid_value")
+        if not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias values lie in [-100, 100] (token {key})", param="logit_bias",
+                           code="invalid_value")
+        out[int(key)] = float(value)
+    return out
 
 
 def parse_completion(data: dict[str, Any], vocab_size: int) -> Parsed:

@@ -6,6 +6,8 @@ the time each token went out; a client gone mid-answer, or a stream that stalled
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -29,8 +31,12 @@ from tailguard.serving.responses import (
     completion_logprobs,
 )
 from tailguard.serving.state import ServerState
+from tailguard.serving.tools import CallStream, call_of, tool_call_delta
 
 perf_counter = time.perf_counter
+# With ``flush_every`` and no pace: held tokens leave at the latest this long after the last chunk (the gap users
+# notice in a stream).
+FLUSH_TIMER_S = 0.15
 
 _UPSTREAM_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
 
@@ -237,12 +243,29 @@ class Responder:
         def opening(text: str) -> bytes:  # the first token's write from the upstream's read (``ClientRelay``)
             return role() + fmt.content(text)
 
+        calls = CallStream(p.tools) if p.tools is not None else None  # a call is held until the answer ends
         relay = ex.relay
         if relay is not None:
             relay.bind(tl, fmt.content, ex.output if keep_text else None)
+        # Held text leaves within the lane's budget even while the engine is slow: a timer, not the next token.
+        flush_after = pace if pace is not None else (FLUSH_TIMER_S if flush_every > 1 else None)
+        waiting: asyncio.Future[TokenEvent] | None = None  # the next event, awaited across a timed flush
         it = events.__aiter__()
         try:
             while True:
+                if held and flush_after is not None and last_sent:
+                    if waiting is None:
+                        waiting = asyncio.ensure_future(it.__anext__())
+                    left = flush_after - (perf_counter() - last_sent)
+                    if left > 0:
+                        await asyncio.wait((waiting,), timeout=left)
+                    if not waiting.done():
+                        await ex.chunk(fmt.content("".join(held)))
+                        held.clear()
+                        last_sent = perf_counter()
+                        tl.add_tokens_sent(pending, last_sent)
+                        pending = 0
+                        continue
                 if relay is not None:
                     # Armed only while waiting here, so that a token relayed directly never overtakes one this
                     # loop holds (the wait in a paused send included), and only after the first token went out.
@@ -250,7 +273,11 @@ class Responder:
                     # The first token may be written from the read, the status being out and nothing else sent.
                     relay.opening = opening if not role_sent and ex.started and ex.phase is Phase.QUEUED else None
                 try:
-                    ev = await it.__anext__()
+                    if waiting is not None:
+                        next_event, waiting = waiting, None
+                        ev = await next_event
+                    else:
+                        ev = await it.__anext__()
                 except StopAsyncIteration:
                     break
                 finally:
@@ -286,6 +313,10 @@ class Responder:
                     continue
                 if keep_text and text:
                     ex.output.append(text)
+                if calls is not None and text:
+                    text = calls.feed(text)
+                    if not text:
+                        continue
                 if passed is not None:  # an upstream's tool call, reasoning or logprobs: its fields as written
                     chunk = fmt.passthrough(text, passed)
                     if held:
@@ -323,6 +354,11 @@ class Responder:
                 pending = 0
         except Stalled as exc:
             stalled = self.stalled(ex, exc)
+        finally:
+            if waiting is not None:  # the events' generator must not be running when it is closed
+                waiting.cancel()
+                with contextlib.suppress(BaseException):
+                    await waiting
         if stalled is not None:
             # The backend stopped keeping time: finish now with what was produced, plus the lane's notice.
             now = perf_counter()
@@ -351,10 +387,16 @@ class Responder:
             tl.output_text = "".join(ex.output)
         lp = self._logprobs(lp_items, offset) if want_lp and lp_items else None
         last_text = "".join(held) + final.text
+        call_chunk = b""
+        if calls is not None:
+            last_text, call = calls.finish(last_text)
+            if call is not None and isinstance(fmt, ChatFormat):  # tools come only with chat
+                tl.finish_reason = reason = "tool_calls"
+                call_chunk = fmt.tool_call(tool_call_delta(call, tl.request_id))
         if p.include_usage:
-            body = fmt.finish(last_text, reason, lp) + fmt.usage(self._usage(tl), **self._extra(tl))
+            body = call_chunk + fmt.finish(last_text, reason, lp) + fmt.usage(self._usage(tl), **self._extra(tl))
         else:
-            body = fmt.finish(last_text, reason, lp, **self._extra(tl))
+            body = call_chunk + fmt.finish(last_text, reason, lp, **self._extra(tl))
         if not role_sent or not ex.started:
             body = await begin() + body
         await ex.last(body + DONE)
@@ -411,7 +453,13 @@ class Responder:
         if self.state.config.store_text:
             tl.output_text = text
         lp = self._logprobs(lp_items) if want_lp else passed.logprobs
-        obj = fmt.full(text, reason, self._usage(tl), lp, passed.message_fields(), **self._extra(tl))
+        message = passed.message_fields()
+        call = call_of(text, p.tools) if p.tools is not None and stalled is None else None
+        if call is not None:  # the answer is a function call: OpenAI's shape, no text
+            tl.finish_reason = reason = "tool_calls"
+            text = ""
+            message = {"tool_calls": [{k: v for k, v in tool_call_delta(call, tl.request_id).items() if k != "index"}]}
+        obj = fmt.full(text, reason, self._usage(tl), lp, message, **self._extra(tl))
         body = json.dumps(obj, ensure_ascii=False).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"server-timing", tl.server_timing().encode()), *degraded_headers(tl)]

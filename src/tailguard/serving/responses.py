@@ -122,6 +122,10 @@ class ChatFormat:
     def content_logprobs(self, text: str, logprobs: dict) -> bytes:
         return self._chunk([{"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}])
 
+    def tool_call(self, call: dict[str, Any]) -> bytes:
+        """A chunk with one whole function call (``call``: a ``tool_calls`` item with its index)."""
+        return self._chunk([{"index": 0, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}])
+
     def passthrough(self, text: str, fields: dict[str, Any]) -> bytes:
         """A chunk with an upstream's own delta fields (tool calls, reasoning) and logprobs, as it wrote them."""
         delta = {"content": text} if text else {}
