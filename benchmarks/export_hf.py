@@ -4,7 +4,7 @@ read that format and would otherwise fetch it from a hub (vLLM, SGLang).
     .venv/bin/python benchmarks/export_hf.py /tmp/smollm2-hf        # ~40 s; needs the `reference` extra
 
 transformers dequantizes the GGUF's blocks (Q4_1 layers, Q8_0 embedding) to float32 and undoes llama.cpp's Q/K
-row order; the directory then holds the same numbers tailguard's float32 format computes with (tests/test_reference_hf.py
+row order; the directory then holds the same numbers tailguard's float32 format computes with (tests/engine/test_reference_hf.py
 checks that they agree), stored as bfloat16 safetensors (``--dtype float32`` keeps float32). Nothing is downloaded.
 The directory is then read back and scored on a fixed text against the GGUF (top-1 agreement and NLL; the run of
 2026-12-03: 100% over 37 positions, NLL 3.9529 vs 3.9543).

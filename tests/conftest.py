@@ -15,13 +15,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Prompt rows through the matrix units (AMX, bfloat16) round their activations, so tests that hold the C step to
-# float32's numbers run without them (and the same on every CPU); tests/test_prompt_bf16.py turns them on.
+# float32's numbers run without them (and the same on every CPU); tests/engine/test_prompt_bf16.py turns them on.
 os.environ.setdefault("TAILGUARD_PROMPT_BF16", "0")
 
 # Tests that need a service the test script installs (Chromium, Prometheus and promtool, PostgreSQL, redis-server)
 # skip where it is missing, except with TAILGUARD_REQUIRE_SERVICES=1 (CI: .ci/run sets it), where such a skip is a
 # failure: a missing browser or server must not pass CI unseen. TAILGUARD_REQUIRE_PROMETHEUS=1, the old name, still
-# counts; tests/test_grafana.py reads that name, so it is set here for it.
+# counts; tests/slo/test_grafana.py reads that name, so it is set here for it.
 REQUIRE_SERVICES = any(os.environ.get(name) == "1"
                        for name in ("TAILGUARD_REQUIRE_SERVICES", "TAILGUARD_REQUIRE_PROMETHEUS"))
 if REQUIRE_SERVICES:

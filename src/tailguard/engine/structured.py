@@ -18,7 +18,7 @@ first structured request, never before.
 The mask is exact: every token whose bytes the grammar allows next is allowed, however it splits the text. llguidance
 by default forces the canonical tokenization of any text the grammar fixes (a key, a literal) and allows that one token
 alone; every grammar here sets its ``no_forcing`` option instead, so that greedy decoding under a grammar gives the
-unconstrained greedy output wherever that output already fits (tests/test_sampling_features.py), and the model keeps
+unconstrained greedy output wherever that output already fits (tests/engine/test_sampling_features.py), and the model keeps
 its own tokenization.
 
 JSON output is compact by default (``{"a": 1, "b": [2, 3]}``: json.dumps' separators, no free whitespace), so that a

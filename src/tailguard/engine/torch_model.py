@@ -55,7 +55,7 @@ NATIVE_GEMM_MIN_TOKENS = 192
 # in all (rows x the widest slice): the float copy of a group's gathered K/V, with its int8 dequantization temporaries,
 # stays a few MiB. Gathering all rows at once, 31 decodes at 2K held ~150 MB per layer, which set the server's peak
 # under 32 long conversations. Rows are independent, and a group keeps the step's padded width, slices and masks, so
-# its numbers are those of the whole batch (tests/test_serve_memory.py checks that they are equal).
+# its numbers are those of the whole batch (tests/engine/test_serve_memory.py checks that they are equal).
 DECODE_ATTENTION_GROUP_KEYS = 8192
 
 

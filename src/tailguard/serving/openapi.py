@@ -7,7 +7,7 @@ schema requires only what ``parse_passthrough`` checks and lets every other fiel
 
 The answers are described by the pydantic models below, written for what ``serving/responses.py`` and
 ``serving/respond.py`` produce. Where the answer is ours alone (our chunks, our bodies, the ``tailguard`` object) a
-model is closed (``additionalProperties: false``): a new field must be documented here, or ``tests/test_openapi.py``
+model is closed (``additionalProperties: false``): a new field must be documented here, or ``tests/serving/test_openapi.py``
 fails. What a gateway passes on as the upstream wrote it (a message's and a delta's own fields such as ``tool_calls``
 and ``reasoning_content``, logprobs, usage, the answers of ``/v1/responses`` and ``/v1/embeddings``) is open: in
 gateway mode those components are replaced by their open versions (``_GATEWAY_COMPONENTS``).

@@ -297,7 +297,7 @@ def _count(value: Any) -> bool:
 def _plain_chat(data: dict[str, Any]) -> Parsed | None:
     """The common plain chat request (text messages, a few sampling fields), checked by hand; None for anything
     else, which the schema validates. It accepts only what ``ChatRequest`` accepts and returns what the schema's path
-    would (``tests/test_protocol.py`` compares the two on generated requests): the schema's validation is the
+    would (``tests/serving/test_protocol.py`` compares the two on generated requests): the schema's validation is the
     larger part of a gateway request's handling before it is sent on (~30 us of ~230 us on the event loop,
     ``benchmarks/gateway_request_cpu.py``), for requests that are nearly all of this shape."""
     if not _PLAIN_CHAT_KEYS.issuperset(data):

@@ -46,7 +46,7 @@ INTERLEAVED_FORMATS = (Q4_1X, Q8_0X)
 GROUP_ROWS = 16  # rows per interleaved group
 # Activations of the products, read when matrices load (kernels.activation_passes): 2 (the default where the build
 # has AVX-512 VNNI) int8 plus the int8 rounding residual, ~16-bit activations, within 0.02% of float32's perplexity
-# on SmolLM2; 1 int8 alone, as llama.cpp, which fails the fidelity gate on SmolLM2 (tests/test_weight_formats.py's
+# on SmolLM2; 1 int8 alone, as llama.cpp, which fails the fidelity gate on SmolLM2 (tests/engine/test_weight_formats.py's
 # slices: perplexity +3.1% on English, logits off by up to 14% of their scale), an opt-in speed option; 0 float32
 # activations (the exact products, Q4_1R layout).
 INT8_ACTIVATIONS_ENV = "TAILGUARD_INT8_ACTIVATIONS"
