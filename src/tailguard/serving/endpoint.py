@@ -39,8 +39,15 @@ from tailguard.policy.decision import clean_text
 from tailguard.policy.lanes import LaneConfig
 from tailguard.serving.client_relay import ClientRelay
 from tailguard.serving.errors import outcome_of
-from tailguard.serving.exchange import Exchange, Incoming, Phase, forwarded_headers, run_watched
-from tailguard.serving.ids import request_id_from
+from tailguard.serving.exchange import (
+    Exchange,
+    Incoming,
+    Phase,
+    forwarded_headers,
+    identify,
+    open_timeline,
+    run_watched,
+)
 from tailguard.serving.prompt import PromptReader, prompt_text
 from tailguard.serving.protocol import (
     OWN_FIELDS,
@@ -84,7 +91,7 @@ class CompletionEndpoint:
         received = perf_counter()
         st = self.state
         request = Incoming(scope, receive)
-        tl = self._timeline(request, received)
+        tl = open_timeline(st, request, self.endpoint, received)
         ex = Exchange(st, send, tl)
         st.admission.in_flight += 1
         me = asyncio.current_task()
@@ -158,30 +165,11 @@ class CompletionEndpoint:
             else:
                 st.close_record_soon(tl)  # and in_flight with it, after the work this turn made ready
 
-    def _timeline(self, request: Incoming, received: float) -> Timeline:
-        st, hdrs = self.state, request.headers
-        tl = Timeline(request_id=request_id_from(hdrs.get("x-request-id")), endpoint=self.endpoint,
-                      received=received, model=st.model_label)
-        tl.business_type = st.metrics.business_type(hdrs.get("x-business-type")) if st.metrics else "default"
-        tl.user = clean_text(hdrs.get("x-user-id"))
-        # A lane comes from the caller's API key (``TrafficPolicy.choose_lane``), never from a header, unless the operator says the
-        # header is set by a trusted proxy in front.
-        tl.lane = clean_label(hdrs.get("x-lane")) if st.config.trust_lane_header else "default"
-        tl.client = clean_label(hdrs.get("x-client"))
-        tl.region = clean_label(hdrs.get("x-region"))
-        return tl
-
     # --- the exchange -------------------------------------------------------------------------------------------------
     async def _exchange(self, ex: Exchange, request: Incoming) -> None:
-        st, tl, policy = self.state, ex.tl, self.state.policy
-        caller = st.keys.client(request.headers.get("authorization"))
-        tl.owner = caller.key_id
-        d = ex.decision
-        d.tenant = caller.tenant
-        policy.choose_lane(d, tl, request.headers.get("x-lane"))
+        st, tl, policy, d = self.state, ex.tl, self.state.policy, ex.decision
+        identify(st, ex, request)
         backend = st.engine
-        if st.admission.drain is not None:  # SIGTERM: the server drains (serving/drain.py); new work goes elsewhere
-            raise st.admission.drain.refusal()
         if backend is None or not st.ready:
             msg = f"the model failed to load: {st.load_error}" if st.load_error else "the model is still loading"
             raise APIError(503, msg, code="model_not_ready", headers={"Retry-After": "5"})

@@ -26,9 +26,11 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tailguard.api_error import APIError
+from tailguard.observe.metrics import clean_label
 from tailguard.observe.timeline import Timeline
-from tailguard.policy.decision import Decision
+from tailguard.policy.decision import Decision, clean_text
 from tailguard.serving.client_relay import ClientRelay
+from tailguard.serving.ids import request_id_from
 from tailguard.serving.responses import sse_error
 from tailguard.serving.state import ServerState
 
@@ -207,3 +209,29 @@ async def run_watched(respond: Callable[[], Awaitable[None]], receive: Receive, 
             me.uncancel()
     finally:
         listener.cancel()
+
+
+def open_timeline(state: ServerState, request: Incoming, endpoint: str, received: float) -> Timeline:
+    """A request's timeline from its headers: its id, business type, user, client and region (its fingerprint)."""
+    hdrs = request.headers
+    tl = Timeline(request_id=request_id_from(hdrs.get("x-request-id")), endpoint=endpoint, received=received,
+                  model=state.model_label)
+    tl.business_type = state.metrics.business_type(hdrs.get("x-business-type")) if state.metrics else "default"
+    tl.user = clean_text(hdrs.get("x-user-id"))
+    # A lane comes from the caller's API key (``TrafficPolicy.choose_lane``), never from a header, unless the
+    # operator says the header is set by a trusted proxy in front.
+    tl.lane = clean_label(hdrs.get("x-lane")) if state.config.trust_lane_header else "default"
+    tl.client = clean_label(hdrs.get("x-client"))
+    tl.region = clean_label(hdrs.get("x-region"))
+    return tl
+
+
+def identify(state: ServerState, ex: Exchange, request: Incoming) -> None:
+    """Who is calling (the API key's owner and tenant) and in which lane, on the record and the decision; refused
+    while the server drains."""
+    caller = state.keys.client(request.headers.get("authorization"))
+    ex.tl.owner = caller.key_id
+    ex.decision.tenant = caller.tenant
+    state.policy.choose_lane(ex.decision, ex.tl, request.headers.get("x-lane"))
+    if state.admission.drain is not None:  # SIGTERM: the server drains (serving/drain.py); new work goes elsewhere
+        raise state.admission.drain.refusal()

@@ -19,11 +19,10 @@ from tailguard.api_error import APIError
 from tailguard.backends.upstream.events import UpstreamError
 from tailguard.backends.upstream.proxy import Forwarded
 from tailguard.observe.metrics import clean_label
-from tailguard.observe.timeline import Outcome, Timeline
+from tailguard.observe.timeline import Outcome
 from tailguard.policy.decision import clean_text
 from tailguard.serving.errors import outcome_of
-from tailguard.serving.exchange import Exchange, Incoming, Phase, forwarded_headers
-from tailguard.serving.ids import request_id_from
+from tailguard.serving.exchange import Exchange, Incoming, Phase, forwarded_headers, identify, open_timeline
 from tailguard.serving.prompt import PromptReader
 from tailguard.serving.protocol import OWN_FIELDS, decode_json
 from tailguard.serving.state import ServerState
@@ -49,13 +48,7 @@ class ForwardEndpoint:
         received = perf_counter()
         st = self.state
         request = Incoming(scope, receive)
-        tl = Timeline(request_id=request_id_from(request.headers.get("x-request-id")), endpoint=self.path,
-                      received=received, model=st.model_label)
-        tl.business_type = st.metrics.business_type(request.headers.get("x-business-type")) if st.metrics \
-            else "default"
-        tl.client = clean_label(request.headers.get("x-client"))
-        tl.region = clean_label(request.headers.get("x-region"))
-        tl.lane = "default"
+        tl = open_timeline(st, request, self.path, received)
         ex = Exchange(st, send, tl)
         st.admission.in_flight += 1
         try:
@@ -88,14 +81,8 @@ class ForwardEndpoint:
             st.close_record_soon(tl)
 
     async def _exchange(self, ex: Exchange, request: Incoming) -> None:
-        st, tl, policy = self.state, ex.tl, self.state.policy
-        caller = st.keys.client(request.headers.get("authorization"))
-        tl.owner = caller.key_id
-        d = ex.decision
-        d.tenant = caller.tenant
-        policy.choose_lane(d, tl, request.headers.get("x-lane"))
-        if st.admission.drain is not None:
-            raise st.admission.drain.refusal()
+        st, tl, policy, d = self.state, ex.tl, self.state.policy, ex.decision
+        identify(st, ex, request)
         upstream = st.upstream
         if upstream is None:
             raise APIError(404, f"{self.path} is served through the gateway (tailguard serve --upstream URL), not by "
