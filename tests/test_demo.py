@@ -176,7 +176,11 @@ def test_the_slo_failures_are_explained_from_the_run():
     assert len([ln for ln in lines if ln.startswith("E2E P50")]) == 1  # one check failing in two profiles: once
     assert not any(ln.startswith("E2E P99") for ln in lines)  # a passing check is not explained
     assert "decode 80%, prefill 17%, queue wait 2% of E2E" in lines[1]
+    assert "miss them" in lines[0]
     assert explain_slo({}, {}) == []
+    passing = {"slo": {"baseline": {"pass": True, "checks": [{"objective": "E2E P50", "status": "pass"}]}}}
+    said = explain_slo(passing, {"device": "cpu", "usable_cpus": 2, "gpus": []})[0]
+    assert "met them all" in said and "miss them" not in said  # no misses announced when there are none
 
 
 def test_the_report_says_what_the_run_shows(tmp_path, burst):
