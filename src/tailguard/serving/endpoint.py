@@ -78,20 +78,23 @@ class Prepared:
     body: dict[str, Any]  # the request as the client sent it, less tailguard's own fields (what an upstream gets)
 
 
-class CompletionEndpoint:
-    def __init__(self, state: ServerState, chat: bool) -> None:
+class Endpoint:
+    """An inference endpoint's exchange from arrival to record: its timeline, its place among the requests a drain
+    answers, every failure as the client's answer and the record's outcome, and what it held given back, once.
+    ``_exchange`` is the endpoint's own work."""
+
+    def __init__(self, state: ServerState, path: str) -> None:
         self.state = state
-        self.chat = chat
-        self.endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-        self._seq = 0
-        self.prompts = PromptReader(state, chat)
-        self.answers = Responder(state, chat)
+        self.path = path
+
+    async def _exchange(self, ex: Exchange, request: Incoming) -> None:
+        raise NotImplementedError
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         received = perf_counter()
         st = self.state
         request = Incoming(scope, receive)
-        tl = open_timeline(st, request, self.endpoint, received)
+        tl = open_timeline(st, request, self.path, received)
         ex = Exchange(st, send, tl)
         st.admission.in_flight += 1
         me = asyncio.current_task()
@@ -164,6 +167,15 @@ class CompletionEndpoint:
                     st.admission.in_flight -= 1
             else:
                 st.close_record_soon(tl)  # and in_flight with it, after the work this turn made ready
+
+
+class CompletionEndpoint(Endpoint):
+    def __init__(self, state: ServerState, chat: bool) -> None:
+        super().__init__(state, "/v1/chat/completions" if chat else "/v1/completions")
+        self.chat = chat
+        self._seq = 0
+        self.prompts = PromptReader(state, chat)
+        self.answers = Responder(state, chat)
 
     # --- the exchange -------------------------------------------------------------------------------------------------
     async def _exchange(self, ex: Exchange, request: Incoming) -> None:

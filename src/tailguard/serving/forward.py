@@ -7,22 +7,19 @@ first byte, and its last the last byte. The embedded engine serves neither: a 40
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
 
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
 
 from tailguard.api_error import APIError
-from tailguard.backends.upstream.events import UpstreamError
 from tailguard.backends.upstream.proxy import Forwarded
 from tailguard.observe.metrics import clean_label
 from tailguard.observe.timeline import Outcome
 from tailguard.policy.decision import clean_text
-from tailguard.serving.errors import outcome_of
-from tailguard.serving.exchange import Exchange, Incoming, Phase, forwarded_headers, identify, open_timeline
+from tailguard.serving.endpoint import Endpoint
+from tailguard.serving.exchange import Exchange, Incoming, Phase, forwarded_headers, identify
 from tailguard.serving.prompt import PromptReader
 from tailguard.serving.protocol import OWN_FIELDS, decode_json
 from tailguard.serving.state import ServerState
@@ -38,47 +35,10 @@ def _estimate_tokens(data: dict[str, Any]) -> int:
     return max(1, chars // 4) + (limit if type(limit) is int and limit > 0 else 0)
 
 
-class ForwardEndpoint:
+class ForwardEndpoint(Endpoint):
     def __init__(self, state: ServerState, path: str) -> None:
-        self.state = state
-        self.path = path
+        super().__init__(state, path)
         self.prompts = PromptReader(state, chat=True)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        received = perf_counter()
-        st = self.state
-        request = Incoming(scope, receive)
-        tl = open_timeline(st, request, self.path, received)
-        ex = Exchange(st, send, tl)
-        st.admission.in_flight += 1
-        try:
-            await self._exchange(ex, request)
-        except APIError as err:
-            tl.error = clean_text(err.message, 1000)
-            await ex.fail(err)
-            tl.finalize(err.status, outcome_of(err))
-        except UpstreamError as exc:
-            tl.error = clean_text(exc.message, 1000)
-            passed_on = APIError(exc.status, f"{exc.message}; request id {tl.request_id}", code=exc.code,
-                                 headers={"Retry-After": str(exc.retry_after)} if exc.retry_after else {})
-            await ex.fail(passed_on)
-            tl.finalize(exc.status, Outcome.ERROR if exc.status >= 500 else outcome_of(passed_on))
-        except (ClientDisconnect, OSError):
-            tl.error = "client disconnected"
-            tl.finalize(499, Outcome.ABORTED)
-        except asyncio.CancelledError:
-            tl.error = "cancelled by the server (shutdown)"
-            tl.finalize(503, Outcome.ABORTED)
-            raise
-        except Exception:
-            log.exception("request %s failed", tl.request_id)
-            tl.error = "internal error"
-            await ex.fail(APIError(500, f"internal server error; request id {tl.request_id}"))
-            tl.finalize(500, Outcome.ERROR)
-        finally:
-            ex.move(Phase.CLOSED)
-            st.policy.release(ex.decision, 0)
-            st.close_record_soon(tl)
 
     async def _exchange(self, ex: Exchange, request: Incoming) -> None:
         st, tl, policy, d = self.state, ex.tl, self.state.policy, ex.decision
@@ -119,6 +79,8 @@ class ForwardEndpoint:
                     tl.first_token = perf_counter()
                     tl.token_times.append(tl.first_token)
                 await ex.chunk(part)
+        except OSError:  # an ASGI server may report a gone client as a failed send
+            raise ClientDisconnect() from None
         finally:
             await answer.aclose()
         tl.last_token = perf_counter()
