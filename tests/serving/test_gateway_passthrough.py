@@ -209,8 +209,8 @@ def test_what_the_gateway_acts_on_is_still_checked(through):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}], max_tokens=0)
     assert err.value.body["param"] == "max_tokens" and len(received) == before  # refused here, never sent on
-    with pytest.raises(openai.BadRequestError) as err:  # one choice per answer for now: said, not garbled
-        client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}], n=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}], n=0)
     assert err.value.body["param"] == "n" and len(received) == before
 
 
@@ -267,3 +267,44 @@ def test_the_embedded_engine_says_where_embeddings_are_served(tmp_path):
         with pytest.raises(openai.NotFoundError) as err:
             client.embeddings.create(model="fake", input="x")
     assert err.value.body["code"] == "not_a_gateway"
+
+
+def test_several_choices_are_asked_one_each_and_answered_together(through):
+    client, received, gw = through
+    before = len(received)
+    r = client.chat.completions.with_raw_response.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=3, seed=10, logprobs=True)
+    out = r.parse()
+    asked = received[before:]
+    assert sorted(b["seed"] for b in asked) == [10, 11, 12]
+    assert all("n" not in b for b in asked)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert all(c.message.content == "Hi there" and c.finish_reason == "stop" for c in out.choices)
+    assert all([t.token for t in c.logprobs.content] == ["Hi", " there"] for c in out.choices)
+    assert out.usage.completion_tokens == 15 and out.usage.prompt_tokens == 21
+    settle(gw)
+    assert gw.state.store.get(r.headers["x-request-id"])["output_tokens"] == 15
+
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    calls: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "w?"}],
+                                                tools=TOOLS, max_tokens=32, n=2, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            for tc in ch.delta.tool_calls or ():
+                calls[ch.index] = calls.get(ch.index, "") + (tc.function.arguments or "")
+            if ch.finish_reason:
+                finished[ch.index] = ch.finish_reason
+    assert finished == {0: "tool_calls", 1: "tool_calls"}
+    assert all(json.loads(calls[i]) == json.loads(CALL_ARGS) for i in (0, 1))
+
+
+def test_best_of_other_than_n_is_refused_by_name(through):
+    client, _, _ = through
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="fake", prompt="hi", max_tokens=4, n=2, best_of=3)
+    assert err.value.body["param"] == "best_of"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], n=17)
+    assert err.value.body["param"] == "n"

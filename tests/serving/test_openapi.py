@@ -178,7 +178,8 @@ def test_the_embedded_request_schemas_are_the_validators_own(embedded):
     ]
     refused = [
         {"model": "fake", "messages": MESSAGES, "bogus": 1},  # unknown field
-        {"model": "fake", "messages": MESSAGES, "n": 2},  # not implemented, at a value that matters
+        {"model": "fake", "messages": MESSAGES, "best_of": 2},  # not implemented, at a value that matters
+        {"model": "fake", "messages": MESSAGES, "n": 17},  # more choices than one request may ask for
         {"model": "fake", "messages": MESSAGES, "temperature": 3.0},
         {"model": "fake", "messages": [{"role": "robot", "content": "x"}]},
         {"model": "fake"},
@@ -343,7 +344,7 @@ def test_gateway_request_schemas_check_only_what_the_gateway_checks(through):
     assert _post(url, chat, passed).status_code == 200
     for body in ({"model": "fake", "messages": []}, {"messages": MESSAGES},
                  {"model": "fake", "messages": MESSAGES, "max_tokens": 0},
-                 {"model": "fake", "messages": MESSAGES, "n": 2}):
+                 {"model": "fake", "messages": MESSAGES, "n": 17}):
         assert spec.request_errors(body, chat), body
         r = _post(url, chat, body)
         assert r.status_code == 400, body

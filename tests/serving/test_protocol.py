@@ -22,7 +22,7 @@ _VALUES: dict[str, tuple[list[Any], list[Any]]] = {
     "temperature": ([0.0, 0.7, 2.0, None], [2.5, -0.1, float("nan"), float("inf"), 1, True, "0.5"]),
     "top_p": ([0.1, 1.0, None], [0.0, 1.5, 1, False]),
     "user": (["u", None], [5]),
-    "n": ([1], [2]),
+    "n": ([1, 2, 16], [0, 17, True, 2.0, "2"]),
     "seed": ([3, None], ["3"]),
     "unknown_field": ([], [1]),
 }

@@ -82,7 +82,7 @@ def test_wrong_types_and_values_are_400(server, patch, param):
     _assert_error(_post(server, {**OK, **patch}), 400, param=param)
 
 
-@pytest.mark.parametrize("patch,param", [({"n": 2}, "n"), ({"functions": [{"name": "f"}]}, "functions"),
+@pytest.mark.parametrize("patch,param", [({"best_of": 2}, "best_of"), ({"functions": [{"name": "f"}]}, "functions"),
                                          ({"audio": {"voice": "alloy"}}, "audio")])
 def test_unsupported_parameters_are_refused_not_ignored(server, patch, param):
     err = _assert_error(_post(server, {**OK, **patch}), 400, param=param, code="unsupported_parameter")
@@ -258,7 +258,7 @@ def test_fuzzed_bodies_never_crash_or_hang(server):
 def test_every_request_leaves_exactly_one_record(tmp_path):
     with fake_server(tmp_path) as s:
         ids = []
-        for i, body in enumerate([OK, {**OK, "model": "nope"}, b"{", {**OK, "n": 3}, {**OK, "max_tokens": 10**6}]):
+        for i, body in enumerate([OK, {**OK, "model": "nope"}, b"{", {**OK, "n": 17}, {**OK, "max_tokens": 10**6}]):
             rid = f"once-{i}"
             ids.append(rid)
             _post(s, body, headers={"X-Request-ID": rid, "content-type": "application/json"})

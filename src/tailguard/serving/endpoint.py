@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from tailguard.api_error import APIError
-from tailguard.backends.base import Backend, Submission, Submitted
+from tailguard.backends.base import Backend, EventStream, Submission, Submitted
 from tailguard.backends.stall_watch import watch
 from tailguard.backends.upstream.events import UpstreamError
 from tailguard.engine.sequence import EngineClosed, RequestError, SamplingParams, SequenceFailed
@@ -37,6 +37,7 @@ from tailguard.observe.metrics import clean_label
 from tailguard.observe.timeline import Outcome, Timeline
 from tailguard.policy.decision import clean_text
 from tailguard.policy.lanes import LaneConfig
+from tailguard.serving.choices import Choices, ChoicesResponder, choice_submissions
 from tailguard.serving.client_relay import ClientRelay
 from tailguard.serving.errors import outcome_of
 from tailguard.serving.exchange import (
@@ -194,7 +195,7 @@ class CompletionEndpoint(Endpoint):
         if d.degradation is not None and d.degradation.mode == "template":
             await self.answers.template(ex, prep.parsed, d.degradation.template)
             return
-        max_tokens = prep.sampling.max_tokens
+        max_tokens = prep.sampling.max_tokens * prep.parsed.n  # every choice may produce them all
         await policy.charge(d, tl, max_tokens)
         await policy.admit(d, tl, tl.num_prompt_tokens + max_tokens)
         ex.enqueue()
@@ -223,33 +224,21 @@ class CompletionEndpoint(Endpoint):
             if backend.tokenizer is None:  # replicas: routed by session, with the trace context
                 sub.session = p.user or request.headers.get("x-session-id")
                 sub.headers = forwarded_headers(request)
-                if p.stream and self._relays(lane, p):
+                if p.stream and p.n == 1 and self._relays(lane, p):
                     ex.relay = sub.relay = ClientRelay.for_send(ex.send, st.relay_flusher)
             if lane is not None and lane.watches:
                 sub.watch = partial(watch, ttft_deadline=lane.ttft_deadline_s, itl_deadline=lane.itl_deadline_s,
                                     misses=lane.stall_misses, keepalive=lane.keepalive_s if p.stream else None,
                                     on_miss=self._on_miss(tl), relay=ex.relay)
-                if lane.stall_fallback == "replica" and (lane.ttft_deadline_s or lane.itl_deadline_s):
+                if lane.stall_fallback == "replica" and (lane.ttft_deadline_s or lane.itl_deadline_s) and p.n == 1:
                     # A stall continues the answer on another replica (the template only when that fails too).
                     sub.fallback = FallbackRecord(tl, st.gateway_metrics)
                     sub.wanted = lambda: ex.phase < Phase.ABANDONED
-            submitted = backend.submit(sub)
-            events = submitted.events
-            respond = self.answers.stream if p.stream else self.answers.full
-
-            def on_disconnect() -> bool:
-                if not ex.abandon():
-                    return False  # the answer was complete: uvicorn reports every closed connection
-                backend.abort(engine_id)
-                return True
-
-            async with aclosing(events):  # leaving early aborts the request
-                try:
-                    await run_watched(lambda: respond(ex, p, events), request.receive, on_disconnect,
-                                      ABORT_REPORT_WAIT_S)
-                except OSError:  # an ASGI 2.4 server may report a gone client as a failed send
-                    if not on_disconnect():
-                        raise
+            if p.n > 1:
+                await self._choices(ex, request, backend, sub, p)
+            else:
+                submitted = backend.submit(sub)
+                await self._answer(ex, request, backend, engine_id, p, submitted.events)
         except RequestError as exc:
             raise APIError(400, str(exc)) from None
         finally:
@@ -261,6 +250,52 @@ class CompletionEndpoint(Endpoint):
         elif ex.audit_ids is not None and tl.spec_proposed and tl.outcome is Outcome.SUCCESS and not tl.degraded:
             assert st.audit is not None
             st.audit.submit(backend, tl.request_id, ids, prep.sampling, ex.audit_ids)
+
+    async def _answer(self, ex: Exchange, request: Incoming, backend: Backend, engine_id: str, p: Parsed,
+                      events: EventStream) -> None:
+        respond = self.answers.stream if p.stream else self.answers.full
+
+        def on_disconnect() -> bool:
+            if not ex.abandon():
+                return False  # the answer was complete: uvicorn reports every closed connection
+            backend.abort(engine_id)
+            return True
+
+        async with aclosing(events):  # leaving early aborts the request
+            try:
+                await run_watched(lambda: respond(ex, p, events), request.receive, on_disconnect, ABORT_REPORT_WAIT_S)
+            except OSError:  # an ASGI 2.4 server may report a gone client as a failed send
+                if not on_disconnect():
+                    raise
+
+    async def _choices(self, ex: Exchange, request: Incoming, backend: Backend, first: Submission, p: Parsed) -> None:
+        """Several choices (``n`` > 1): one submission each, merged into one answer (``choices.py``)."""
+        st = self.state
+        subs = choice_submissions(first, p.n)
+        extra_ids = [s.request_id for s in subs[1:]]
+        st.active_ids.update(extra_ids)
+        choices = Choices(backend, subs, wanted=lambda: ex.phase < Phase.ABANDONED)
+        merged = choices.events()
+        responder = ChoicesResponder(self.answers)
+        respond = responder.stream if p.stream else responder.full
+
+        def on_disconnect() -> bool:
+            if not ex.abandon():
+                return False
+            choices.abort()
+            return True
+
+        try:
+            async with aclosing(merged):
+                try:
+                    await run_watched(lambda: respond(ex, p, merged), request.receive, on_disconnect,
+                                      ABORT_REPORT_WAIT_S)
+                except OSError:
+                    if not on_disconnect():
+                        raise
+        finally:
+            st.active_ids.difference_update(extra_ids)
+            choices.release()
 
     def _relays(self, lane: LaneConfig | None, p: Parsed) -> bool:
         """Whether plain tokens may take the direct relay: not when something holds or rewrites each token after
@@ -324,7 +359,7 @@ class CompletionEndpoint(Endpoint):
         if takes_text:
             data = {k: v for k, v in data.items() if k not in OWN_FIELDS}  # tailguard's own: not for the upstream
             return Prepared(p, ids, text, sampling, data)
-        if st.audit is not None and st.audit.wants(sampling):
+        if st.audit is not None and p.n == 1 and st.audit.wants(sampling):
             ex.audit_ids = []
         try:
             backend.check_request(len(ids), sampling)

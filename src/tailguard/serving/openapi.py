@@ -30,7 +30,7 @@ from pydantic_core import core_schema
 import tailguard
 from tailguard.observe.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tailguard.serving import protocol
-from tailguard.serving.protocol import ChatRequest, CompletionRequest
+from tailguard.serving.protocol import MAX_CHOICES, ChatRequest, CompletionRequest
 from tailguard.serving.routes.slo import ALERT_KINDS, TIER_NAMES
 
 SCHEMAS = "#/components/schemas/"
@@ -439,6 +439,7 @@ class UpstreamAnswer(_Open):
 # --- the gateway's request bodies: only what the gateway acts on is checked (parse_passthrough) -------------------
 
 _COUNT = Field(None, ge=1, lt=2**63, description="checked by the gateway (admission, the SLO's cap), then passed on")
+_CHOICES = "choices, 1 to 16: each is asked of the replica as its own request, seeded `seed + i`"
 _PASS_ON = "Every other field passes to the upstream unchanged (but `speculative`, tailguard's own)."
 
 
@@ -457,15 +458,15 @@ class GatewayChatRequest(_Passthrough):
 
     messages: list[dict[str, Any]] = Field(min_length=1, description="message objects, passed on as they are")
     max_completion_tokens: int | None = _COUNT
-    n: Literal[1] | None = Field(None, description="one choice per answer through the gateway")
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description=_CHOICES)
 
 
 class GatewayCompletionRequest(_Passthrough):
     __doc__ = "A completion request for the upstream replicas. " + _PASS_ON
 
     prompt: Any = Field(description="text, texts or token ids: passed on as they are")
-    n: Literal[1] | None = Field(None, description="one choice per answer through the gateway")
-    best_of: Literal[1] | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description=_CHOICES)
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="1 or equal to `n`")
 
 
 class GatewayForwardRequest(_Open):

@@ -26,9 +26,12 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 # Every stop string is searched for after every token, on the engine's thread: a bound keeps that cost small.
 MAX_STOP_CHARS = 1024
 
+# The most choices one request may ask for (``n``): each is a sequence in the engine, and one client's request must
+# not take the whole batch.
+MAX_CHOICES = 16
+
 # OpenAI parameters we do not implement, with the value(s) at which they change nothing.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
@@ -74,6 +77,7 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
 
 
 class FunctionDef(BaseModel):
@@ -193,6 +197,7 @@ class Parsed:
     logit_bias: dict[int, float] | None = None
     structured: StructuredOutput | None = None  # JSON mode, a JSON schema, or the tools' grammar
     tools: ToolPlan | None = None  # the functions offered, and what the answer may be
+    n: int = 1  # choices: n sequences from one prompt
 
     def sampling_record(self) -> dict[str, Any]:
         return {
@@ -205,6 +210,7 @@ class Parsed:
             **({"logit_bias_tokens": len(self.logit_bias)} if self.logit_bias else {}),
             **({"structured": self.structured.kind} if self.structured is not None else {}),
             **({"tools": self.tools.mode} if self.tools is not None else {}),
+            **({"n": self.n} if self.n > 1 else {}),
         }
 
 
@@ -280,6 +286,7 @@ def _common(req: _Common, logprobs: int | None) -> dict[str, Any]:
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=_logit_bias(req.logit_bias),
+        n=req.n,
     )
 
 
@@ -482,10 +489,12 @@ def parse_passthrough(data: dict[str, Any], chat: bool) -> Parsed:
     limit = data.get(limit_key)
     if not _count(limit):
         raise APIError(400, f"'{limit_key}' must be a positive integer", param=limit_key, code="invalid_value")
-    for key in ("n", "best_of"):  # one choice per answer: the token path follows choice 0 alone
-        if data.get(key) not in (None, 1):
-            raise APIError(400, f"'{key}' > 1 is not supported through the gateway yet: send {data.get(key)} requests",
-                           param=key, code="unsupported_parameter")
+    n = data.get("n")
+    if not (n is None or type(n) is int and 1 <= n <= MAX_CHOICES):
+        raise APIError(400, f"'n' must be an integer from 1 to {MAX_CHOICES}", param="n", code="invalid_value")
+    if data.get("best_of") not in (None, 1, n):  # the replicas are asked for n choices each, as n requests
+        raise APIError(400, "'best_of' other than 'n' is not supported through the gateway", param="best_of",
+                       code="unsupported_parameter")
     priority = data.get("priority")
     if not (priority is None or type(priority) is int):
         raise APIError(400, "'priority' must be an integer", param="priority", code="invalid_value")
@@ -518,4 +527,4 @@ def parse_passthrough(data: dict[str, Any], chat: bool) -> Parsed:
         stop=[stop] if isinstance(stop, str) else [s for s in stop or () if isinstance(s, str)]
         if isinstance(stop, list | str | None) else [],
         speculative=data.get("speculative") is not False, logprobs=None, messages=messages, prompt=prompt,
-        priority=priority, raw=data)
+        priority=priority, raw=data, n=n or 1)

@@ -109,42 +109,53 @@ class ChatFormat:
                "choices": choices, **extra}
         return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
-    def role(self, system_fingerprint: str | None = None) -> bytes:
-        if not system_fingerprint:  # the common case, on every stream's first-token path: no encoder pass
+    def role(self, system_fingerprint: str | None = None, index: int = 0) -> bytes:
+        if not system_fingerprint and not index:  # the common case, on every stream's first-token path: no encoder
             return (f'data: {self._head},"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},'
                     f'"logprobs":null,"finish_reason":null}}]}}\n\n').encode()
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}], system_fingerprint=system_fingerprint)
+        extra = {"system_fingerprint": system_fingerprint} if system_fingerprint else {}
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}], **extra)
 
-    def content(self, text: str) -> bytes:
+    def content(self, text: str, index: int = 0) -> bytes:
+        if index:
+            return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}])
         return self._content_head + encode_basestring(text).encode() + self._content_tail
 
-    def content_logprobs(self, text: str, logprobs: dict) -> bytes:
-        return self._chunk([{"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}])
+    def content_logprobs(self, text: str, logprobs: dict, index: int = 0) -> bytes:
+        return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}])
 
-    def tool_call(self, call: dict[str, Any]) -> bytes:
+    def tool_call(self, call: dict[str, Any], index: int = 0) -> bytes:
         """A chunk with one whole function call (``call``: a ``tool_calls`` item with its index)."""
-        return self._chunk([{"index": 0, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}])
+        return self._chunk([{"index": index, "delta": {"tool_calls": [call]}, "logprobs": None,
+                             "finish_reason": None}])
 
-    def passthrough(self, text: str, fields: dict[str, Any]) -> bytes:
+    def passthrough(self, text: str, fields: dict[str, Any], index: int = 0) -> bytes:
         """A chunk with an upstream's own delta fields (tool calls, reasoning) and logprobs, as it wrote them."""
         delta = {"content": text} if text else {}
         delta.update(fields.get("delta") or {})
-        return self._chunk([{"index": 0, "delta": delta, "logprobs": fields.get("logprobs"), "finish_reason": None}])
+        return self._chunk([{"index": index, "delta": delta, "logprobs": fields.get("logprobs"),
+                             "finish_reason": None}])
 
-    def finish(self, text: str, reason: str, logprobs: dict | None, **extra: Any) -> bytes:
+    def finish(self, text: str, reason: str, logprobs: dict | None, index: int = 0, **extra: Any) -> bytes:
         delta = {"content": text} if text else {}
-        return self._chunk([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}], **extra)
+        return self._chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}], **extra)
 
     def usage(self, usage: dict, **extra: Any) -> bytes:
         return self._chunk([], usage=usage, **extra)
 
+    @staticmethod
+    def choice(text: str, reason: str, logprobs: dict | None, message: dict | None = None, index: int = 0) -> dict:
+        body = {"role": "assistant", "content": text if text or not message else None, **(message or {})}
+        return {"index": index, "message": body, "logprobs": logprobs, "finish_reason": reason}
+
     def full(self, text: str, reason: str, usage: dict, logprobs: dict | None, message: dict | None = None,
              **extra: Any) -> dict:
-        body = {"role": "assistant", "content": text if text or not message else None, **(message or {})}
+        return self.full_choices([self.choice(text, reason, logprobs, message)], usage, **extra)
+
+    def full_choices(self, choices: list[dict], usage: dict, **extra: Any) -> dict:
         return {"id": self.id, "object": self.object_full, "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": body, "logprobs": logprobs, "finish_reason": reason}],
-                "usage": usage, **extra}
+                "choices": choices, "usage": usage, **extra}
 
 
 class CompletionFormat:
@@ -161,30 +172,38 @@ class CompletionFormat:
                "choices": choices, **extra}
         return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
-    def role(self, system_fingerprint: str | None = None) -> bytes:
+    def role(self, system_fingerprint: str | None = None, index: int = 0) -> bytes:
         return b""  # a completion stream has no role chunk
 
-    def content(self, text: str) -> bytes:
+    def content(self, text: str, index: int = 0) -> bytes:
+        if index:
+            return self._chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
         return self._content_head + encode_basestring(text).encode() + self._content_tail
 
-    def content_logprobs(self, text: str, logprobs: dict) -> bytes:
-        return self._chunk([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}])
+    def content_logprobs(self, text: str, logprobs: dict, index: int = 0) -> bytes:
+        return self._chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}])
 
-    def passthrough(self, text: str, fields: dict[str, Any]) -> bytes:
+    def passthrough(self, text: str, fields: dict[str, Any], index: int = 0) -> bytes:
         """A chunk with an upstream's own logprobs, as it wrote them."""
-        return self._chunk([{"index": 0, "text": text, "logprobs": fields.get("logprobs"), "finish_reason": None}])
+        return self._chunk([{"index": index, "text": text, "logprobs": fields.get("logprobs"), "finish_reason": None}])
 
-    def finish(self, text: str, reason: str, logprobs: dict | None, **extra: Any) -> bytes:
-        return self._chunk([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}], **extra)
+    def finish(self, text: str, reason: str, logprobs: dict | None, index: int = 0, **extra: Any) -> bytes:
+        return self._chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}], **extra)
 
     def usage(self, usage: dict, **extra: Any) -> bytes:
         return self._chunk([], usage=usage, **extra)
 
+    @staticmethod
+    def choice(text: str, reason: str, logprobs: dict | None, message: dict | None = None, index: int = 0) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
     def full(self, text: str, reason: str, usage: dict, logprobs: dict | None, message: dict | None = None,
              **extra: Any) -> dict:
+        return self.full_choices([self.choice(text, reason, logprobs)], usage, **extra)
+
+    def full_choices(self, choices: list[dict], usage: dict, **extra: Any) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}],
-                "usage": usage, **extra}
+                "choices": choices, "usage": usage, **extra}
 
 
 def sse_error(message: str, type_: str = "server_error", code: str | None = None) -> bytes:
