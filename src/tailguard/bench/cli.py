@@ -93,6 +93,22 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--tokenizer", default="auto",
                    help="local token counter: auto (SmolLM2 when pulled, else approx), approx, or a .gguf path")
 
+    c = p.add_argument_group("traffic classes")
+    c.add_argument("--class", dest="traffic_class", action="append", default=[], metavar="SPEC",
+                   help="a traffic class (repeatable), e.g. name=vip,share=0.1,key=sk-vip,profile=strict,"
+                        "prompt-tokens=128,output-tokens=64; fields: name, share (0.1 or 10%%; one class may leave "
+                        "it out and take the rest), key (sent as Authorization: Bearer), key-env (the key from an "
+                        "environment variable), profile (SLO profiles joined by +: built-in names, names from "
+                        "--profiles-file, YAML files; default: --profiles), prompt-tokens, output-tokens, "
+                        "input-spread, output-spread, langs (joined by +), business-type, header (NAME:VALUE, "
+                        "repeatable). Results, report and compare --gate then cover each class and the whole")
+    c.add_argument("--classes", dest="classes_file", metavar="FILE",
+                   help="the traffic classes from a YAML or JSON file: 'classes:' with a list of the fields of "
+                        "--class, and optionally 'column:' (see --class-column)")
+    c.add_argument("--class-column", metavar="NAME",
+                   help="take each request's class from this column of the replayed trace instead of the shares "
+                        "(default: a column named 'class' when the trace has one and classes are given)")
+
     a = p.add_argument_group("analysis and output")
     a.add_argument("--profiles", default="baseline,advanced,strict",
                    help="comma list of SLO profiles to judge: built-in names or YAML files")
@@ -108,7 +124,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                                         "(default runs/bench-YYYYmmdd-HHMMSS)")
     a.add_argument("--label", help="a name for this run, shown by compare (default: none)")
     a.add_argument("--seed", type=int, default=0, help="seeds arrivals, prompts and the bootstrap")
-    a.add_argument("--fail-on-slo", action="store_true", help="exit 1 when any judged SLO profile fails")
+    a.add_argument("--fail-on-slo", action="store_true",
+                   help="exit 1 when any judged SLO profile fails (of the whole run or of a traffic class)")
     a.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary table")
 
 
@@ -140,6 +157,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     cmp.add_argument("--min-abs-ms", type=float, default=1.0, help="smallest absolute regression (ms) that fails")
     cmp.add_argument("--no-slo-gate", dest="slo_gate", action="store_false",
                      help="do not fail the gate on B's SLO verdicts")
+    cmp.add_argument("--gate-classes", metavar="NAMES",
+                     help="comma list of the traffic classes whose regressions and SLO verdicts fail the gate "
+                          "(default: every class both runs have; 'none': the whole run only)")
     cmp.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates for confidence intervals")
     cmp.add_argument("--seed", type=int, default=0, help="seeds the bootstrap")
 
@@ -164,6 +184,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     fk.add_argument("--multi-token-size", type=int, default=2, help="tokens in such a chunk")
     fk.add_argument("--eos-after", type=int, help="stop after N tokens unless ignore_eos (default: at max_tokens)")
     fk.add_argument("--error-every", type=int, default=0, help="every k-th request fails (HTTP 500)")
+    fk.add_argument("--key-delay", action="append", default=[], metavar="KEY=SECONDS",
+                    help="requests with this bearer key get SECONDS more TTFT (repeatable: one per traffic class)")
+    fk.add_argument("--key-itl", action="append", default=[], metavar="KEY=SECONDS",
+                    help="requests with this bearer key get this gap between chunks instead of --itl (repeatable)")
     fk.add_argument("--no-timeline", action="store_true", help="no tailguard stage object or /v1/requests/{id}")
     fk.add_argument("--reject-fixed-length", action="store_true", help="answer 400 to ignore_eos/min_tokens")
     fk.add_argument("--spin", type=float, default=0.001,
@@ -275,13 +299,16 @@ def config_from_args(args: argparse.Namespace) -> Any:
         if not Path(f).is_file():
             raise UsageError(f"--profiles-file: no such file: {f}")
     try:
-        load_profiles(profiles)  # validate now, not after the load
+        run_profiles = load_profiles(profiles)  # validate now, not after the load
     except Exception as exc:  # YAML syntax errors and schema errors alike
         raise UsageError(f"SLO profiles: {exc}") from None
+    classes, class_column = _classes(args, run_profiles, workload, trace)
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("TAILGUARD_API_KEY")
     model = args.model
     if not model:
-        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # without a key of the run's own, the first class's key may open /v1/models
+        key = api_key or next((k for c in classes if (k := c.api_key())), None)
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
         model = _discover_model(url, {**headers, **auth})
     return BenchConfig(
         url=url, model=model, endpoint=args.endpoint, stream=args.stream, api_key=api_key, headers=headers,
@@ -297,7 +324,63 @@ def config_from_args(args: argparse.Namespace) -> Any:
         seed=args.seed, bootstrap=args.bootstrap, http_client=args.http_client, join=args.join,
         join_max=args.join_max, tokenizer=args.tokenizer, probe=args.probe, output_dir=args.output_dir,
         progress=not args.quiet, label=args.label, failures_as_timeout=args.failures_as_timeout,
+        classes=classes, class_column=class_column,
     )
+
+
+def _classes(args: argparse.Namespace, run_profiles: list, workload: str, trace: str | None) -> tuple[tuple, str | None]:
+    """The traffic classes of --class or --classes, checked (shares, keys, profiles, trace column) before any load."""
+    from tailguard.bench.classes import classes_from_file, classes_from_specs, resolve_profiles, settle_shares
+    from tailguard.bench.workloads import trace_columns
+
+    specs, file = args.traffic_class, args.classes_file
+    if not specs and not file:
+        if args.class_column:
+            raise UsageError("--class-column names the column that holds each request's class: give the classes "
+                             "too (--class or --classes)")
+        return (), None
+    if specs and file:
+        raise UsageError("give the traffic classes with --class flags or with --classes FILE, not both")
+    if file and not Path(file).is_file():
+        raise UsageError(f"--classes: no such file: {file}")
+    try:
+        classes, column = classes_from_file(file) if file else (classes_from_specs(specs), None)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    column = args.class_column or column
+    if column and workload != "trace":
+        raise UsageError(f"--class-column reads a column of a replayed trace: use it with --trace, not "
+                         f"--workload {workload}")
+    if workload == "trace" and trace is not None:
+        cols = trace_columns(trace)
+        lower = {c.lower() for c in cols}
+        if column and column.lower() not in lower:
+            raise UsageError(f"the trace {trace} has no column {column!r} to take the class from (columns: "
+                             f"{', '.join(cols)})")
+        if not column and "class" in lower:
+            column = "class"
+    for c in classes:
+        if c.key_env and not os.environ.get(c.key_env):
+            raise UsageError(f"class {c.name!r}: the environment variable {c.key_env} (key-env) is not set")
+    base_dir = Path(file).parent if file else None
+    known = {p.name for p in run_profiles}
+    fixed = []
+    for c in classes:
+        names = []
+        for n in c.profile:  # a YAML path in a classes file is relative to that file
+            if base_dir is not None and n not in known and not Path(n).is_file() and (base_dir / n).is_file():
+                n = str(base_dir / n)
+            names.append(n)
+        try:
+            resolve_profiles(names, run_profiles)
+        except Exception as exc:  # unknown names, YAML errors, schema errors
+            raise UsageError(f"class {c.name!r}: SLO profile: {exc}") from None
+        fixed.append(c.model_copy(update={"profile": tuple(names)}))
+    try:
+        fixed = settle_shares(fixed, by_column=bool(column))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return tuple(fixed), column
 
 
 # --- commands -------------------------------------------------------------------------------------------------
@@ -373,7 +456,9 @@ def _cmd_run(args: argparse.Namespace, sweep: bool) -> int:
             console.print(f"{kind:>4}: {paths[kind]}")
     else:
         print(paths["html"])
-    if args.fail_on_slo and any(v.get("evaluated") and not v.get("pass") for v in results["slo"].values()):
+    if args.fail_on_slo and (any(v.get("evaluated") and not v.get("pass") for v in results["slo"].values())
+                             or any(d.get("pass") is False for d in
+                                    ((results.get("classes") or {}).get("by_class") or {}).values())):
         return EXIT_GATE
     return 0
 
@@ -410,8 +495,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise UsageError("--gate-percentiles must lie in (0, 100)")
     if not metrics or any(m not in METRICS for m in metrics):
         raise UsageError(f"--gate-metrics takes a comma list of {', '.join(METRICS)}")
+    gate_classes = None
+    if args.gate_classes is not None:
+        names = tuple(x.strip() for x in args.gate_classes.split(",") if x.strip())
+        gate_classes = () if names == ("none",) else names
+        if not names:
+            raise UsageError("--gate-classes takes a comma list of class names, or none")
     rules = GateRules(percentiles=pcts, metrics=metrics, min_rel=args.min_rel, min_abs=args.min_abs_ms / 1e3,
-                      slo=args.slo_gate)
+                      slo=args.slo_gate, classes=gate_classes)
     a, b = _resolve_results(args.a), _resolve_results(args.b)
     try:
         cmp = run_compare(a, b, rules, html_path=args.html, json_path=args.json_out, reps=args.bootstrap,
@@ -430,6 +521,7 @@ def _cmd_fake_server(args: argparse.Namespace) -> int:
 
     for name in ("ttft", "itl", "jitter", "spin", "ttft_per_prompt_token"):
         _positive("--" + name.replace("_", "-"), getattr(args, name), allow_zero=True)
+    key_delays, key_itl = _key_seconds("--key-delay", args.key_delay), _key_seconds("--key-itl", args.key_itl)
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be 0..65535, got {args.port}")
     script = FakeScript(ttft=args.ttft, itl=args.itl, jitter=args.jitter,
@@ -437,7 +529,7 @@ def _cmd_fake_server(args: argparse.Namespace) -> int:
                         multi_token_size=args.multi_token_size, eos_after=args.eos_after,
                         error_every=args.error_every, timeline=not args.no_timeline,
                         accept_fixed_length=not args.reject_fixed_length, spin=args.spin, seed=args.seed,
-                        max_lifetime=args.max_lifetime)
+                        max_lifetime=args.max_lifetime, key_delays=key_delays, key_itl=key_itl)
 
     def ready(port: int) -> None:
         print(f"fake OpenAI-compatible server on http://127.0.0.1:{port} (model 'fake'; exits after "
@@ -448,6 +540,20 @@ def _cmd_fake_server(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UsageError(f"cannot listen on 127.0.0.1:{args.port}: {exc}") from None
     return 0
+
+
+def _key_seconds(flag: str, items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        key, sep, v = item.rpartition("=")
+        try:
+            seconds = float(v)
+        except ValueError:
+            seconds = float("nan")
+        if not sep or not key or not math.isfinite(seconds) or seconds < 0:
+            raise UsageError(f"{flag} wants KEY=SECONDS with SECONDS >= 0, got {item!r}")
+        out[key] = seconds
+    return out
 
 
 # --- the summary table ----------------------------------------------------------------------------------------
@@ -467,6 +573,45 @@ def _pct(entry: dict | None) -> str:
     entry = entry or {}
     text = _ms(entry.get("value"), 2)
     return text + " ⚠" if entry.get("enough_samples") is False else text
+
+
+def class_table(results: dict):
+    """Per traffic class and for the whole: requests, shares, TTFT/ITL/E2E P50/P95/P99, goodput, verdicts."""
+    from rich.table import Table
+
+    cl = results["classes"]
+    how = f"the trace's {cl.get('column')} column" if cl["assignment"] == "column" else "drawn by share"
+    t = Table(title=f"traffic classes ({how})")
+    for c in ("class", "share", "n", "failed"):
+        t.add_column(c, justify="left" if c == "class" else "right")
+    for m in ("TTFT", "ITL", "E2E"):
+        t.add_column(f"{m} P50/P95/P99 ms", justify="right")
+    t.add_column("verdicts (goodput req/s)", justify="left")
+
+    def pcts(metrics: dict, name: str) -> str:
+        pc = ((metrics.get(name) or {}).get("percentiles")) or {}
+        return "/".join(_ms((pc.get(q) or {}).get("value"), 1) for q in ("p50", "p95", "p99"))
+
+    def verdicts(slo: dict) -> str:
+        parts = []
+        for name, v in slo.items():
+            mark = ("[green]PASS[/]" if v["pass"] else "[red]FAIL[/]") if v.get("evaluated") else "[dim]n/a[/]"
+            gp = v.get("goodput_rps")
+            parts.append(f"{name} {mark} ({'n/a' if gp is None else f'{gp:.2f}'})")
+        return ", ".join(parts)
+
+    for name, d in cl["by_class"].items():
+        r = d["requests"]
+        share = f"{(d['share_sent'] or 0) * 100:.1f}%"
+        if d.get("share_planned") is not None:
+            share += f" of {d['share_planned'] * 100:.3g}%"
+        t.add_row(name, share, str(r["measured"]), str(r["failed"]), *(pcts(d["metrics"], m) for m in
+                                                                         ("ttft", "itl", "e2e")),
+                  verdicts(d["slo"]))
+    s = results["summary"]["requests"]
+    t.add_row("[bold]all[/]", "100%", str(s["measured"]), str(s["failed"]),
+              *(pcts(results["metrics"], m) for m in ("ttft", "itl", "e2e")), verdicts(results.get("slo") or {}))
+    return t
 
 
 def print_summary(results: dict, console=None) -> None:
@@ -528,6 +673,8 @@ def print_summary(results: dict, console=None) -> None:
         gp = res.get("goodput_rps")
         v.add_row(name, verdict, "n/a" if gp is None else f"{gp:.2f}", failed or "none")
     console.print(v)
+    if results.get("classes"):
+        console.print(class_table(results))
     for a in results.get("advisories") or []:
         if a.get("fired"):
             console.print(f"[yellow]advisory[/] {a['metric'].upper()} {a['rule']} (ratio {a['ratio']:.2f}, "

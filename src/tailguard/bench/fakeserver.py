@@ -54,6 +54,10 @@ class FakeScript:
     max_lifetime: float = 300.0  # the server exits by itself after this many seconds
     spin: float = 0.0  # last seconds of each wait spent polling the loop instead of sleeping (sharper timing)
     keep_records: int = 100_000
+    # per API key (the bearer token of ``Authorization``): seconds added to the TTFT, and the gap between chunks
+    # instead of ``itl``, so that traffic classes with different keys see different, known latencies
+    key_delays: dict[str, float] = field(default_factory=dict)
+    key_itl: dict[str, float] = field(default_factory=dict)
 
 
 def _script_rng(script: FakeScript, request_id: str) -> random.Random:
@@ -61,10 +65,11 @@ def _script_rng(script: FakeScript, request_id: str) -> random.Random:
 
 
 def plan(script: FakeScript, request_id: str, max_tokens: int, prompt_tokens: int = 0,
-         ignore_eos: bool = False) -> tuple[float, list[tuple[float, int]], str]:
+         ignore_eos: bool = False, api_key: str | None = None) -> tuple[float, list[tuple[float, int]], str]:
     """The scripted response: (ttft, [(gap before chunk, tokens in chunk), ...], finish reason).
 
-    The first chunk's gap is 0 (it is sent at TTFT). Deterministic in (seed, request id), so tests can recompute it.
+    The first chunk's gap is 0 (it is sent at TTFT). Deterministic in (seed, request id, API key), so tests can
+    recompute it.
     """
     rng = _script_rng(script, request_id)
     j = script.jitter
@@ -77,14 +82,16 @@ def plan(script: FakeScript, request_id: str, max_tokens: int, prompt_tokens: in
     finish = "length"
     if script.eos_after is not None and not ignore_eos and script.eos_after < n:
         n, finish = max(1, script.eos_after), "stop"
-    ttft = wait(script.ttft + script.ttft_per_prompt_token * prompt_tokens)
+    extra = script.key_delays.get(api_key, 0.0) if api_key is not None else 0.0
+    itl = script.key_itl.get(api_key, script.itl) if api_key is not None else script.itl
+    ttft = wait(script.ttft + extra + script.ttft_per_prompt_token * prompt_tokens)
     chunks: list[tuple[float, int]] = []
     left = n
     i = 0
     while left > 0:
         size = script.multi_token_size if script.multi_token_every and (i + 1) % script.multi_token_every == 0 else 1
         size = min(size, left)
-        chunks.append((0.0 if i == 0 else wait(script.itl), size))
+        chunks.append((0.0 if i == 0 else wait(itl), size))
         left -= size
         i += 1
     return ttft, chunks, finish
@@ -106,6 +113,7 @@ class _Record:
     status: int = 200
     finish_reason: str | None = None
     output_tokens: int = 0
+    api_key: str | None = None  # the bearer token it came with: shown by /_fake/records only
 
     def stages(self) -> dict[str, float]:
         # A fake split of TTFT into tokenize / queue / prefill (5% / 25% / 70% of the scripted TTFT), then the real
@@ -118,8 +126,8 @@ class _Record:
         return {"tokenize": tok - self.received, "queue": sched - tok, "prefill": first - sched,
                 "decode": last - first, "stream": end - last}
 
-    def to_record(self) -> dict[str, Any]:
-        """The same shape as tailguard.observe.timeline.Timeline.to_record()."""
+    def to_record(self, private: bool = False) -> dict[str, Any]:
+        """The same shape as tailguard.observe.timeline.Timeline.to_record(); ``private`` adds the API key."""
         r0 = self.received
         st = self.stages()
         end = self.last_byte if self.last_byte is not None else time.perf_counter()
@@ -146,6 +154,7 @@ class _Record:
             # Only the fake has this: absolute perf_counter times, for same-machine timing-error checks.
             "_clock": {"received": self.received, "chunk_sent": self.chunk_sent, "chunk_tokens": self.chunk_tokens,
                        "last_byte": end},
+            **({"_api_key": self.api_key} if private else {}),
         }
 
 
@@ -264,7 +273,7 @@ class _Conn(asyncio.Protocol):
             else:
                 self._respond(200, json.dumps(rec.to_record()).encode())
         elif path == "/_fake/records":
-            recs = [srv.records[i].to_record() for i in srv.order if i in srv.records]
+            recs = [srv.records[i].to_record(private=True) for i in srv.order if i in srv.records]
             self._respond(200, json.dumps(recs).encode())
         elif path == "/_fake/shutdown" and method == "POST":
             self._respond(200, b"{}")
@@ -306,8 +315,10 @@ class _Conn(asyncio.Protocol):
             text = str(req.get("prompt", ""))
         prompt_tokens = max(1, len(text.split()))
         max_tokens = int(req.get("max_tokens") or req.get("max_completion_tokens") or 16)
-        ttft, chunks, finish = plan(script, rid, max_tokens, prompt_tokens, bool(req.get("ignore_eos")))
-        rec = _Record(rid, path, stream, at, time.time(), ttft, prompt_tokens)
+        auth = headers.get("authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+        ttft, chunks, finish = plan(script, rid, max_tokens, prompt_tokens, bool(req.get("ignore_eos")), key)
+        rec = _Record(rid, path, stream, at, time.time(), ttft, prompt_tokens, api_key=key)
         model = req.get("model", "fake")
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"

@@ -60,6 +60,8 @@ class RequestOptions:
     headers: dict[str, str] = field(default_factory=dict)
     business_type_header: str = "X-Business-Type"
     user_header: str = "X-User-ID"
+    # traffic class -> the headers its requests carry on top of ``headers`` (its API key as a bearer token)
+    class_headers: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def body(self, spec, chat: bool) -> dict:
         b: dict[str, Any] = {"model": self.model, "max_tokens": spec.max_tokens, "stream": self.stream}
@@ -84,6 +86,11 @@ class RequestOptions:
 
     def request_headers(self, spec, request_id: str) -> dict[str, str]:
         h = {"Content-Type": "application/json", "X-Request-ID": request_id, **self.headers}
+        extra = self.class_headers.get(getattr(spec, "traffic_class", None)) if self.class_headers else None
+        if extra:
+            if any(k.lower() == "authorization" for k in extra):  # the class's key replaces the run's
+                h = {k: v for k, v in h.items() if k.lower() != "authorization"}
+            h.update(extra)
         if spec.business_type:
             h[self.business_type_header] = str(spec.business_type)
         if spec.user:

@@ -59,6 +59,7 @@ class RequestMetrics:
     stage_source: str = "none"
     slow_stage: str | None = None
     chunk_times: list[float] = field(default_factory=list)  # seconds from the run's start (for the timeline chart)
+    traffic_class: str | None = None  # the request's traffic class, None in a run without classes
 
 
 def _distribute(total: int, weights: list[int], n: int) -> list[int]:
@@ -91,6 +92,7 @@ def request_metrics(res: RequestResult, t0: float, tokenizer, local_output_token
         ttft=None, e2e=None, tpot=None, decode=None, tail=None, max_tokens=getattr(spec, "max_tokens", 0),
         prompt_tokens_local=getattr(spec, "local_prompt_tokens", None),
         prompt_tokens_target=getattr(spec, "input_tokens", None), finish_reason=res.finish_reason,
+        traffic_class=getattr(spec, "traffic_class", None),
     )
     if res.ok and res.first_token_at is None and res.error is None:
         m.error = "no content tokens in the response"
@@ -176,11 +178,12 @@ def local_output_counts(results: list[RequestResult], tokenizer, batch: int = 51
 
 
 def aggregate(all_metrics: list[RequestMetrics], reps: int = 1000, seed: int = 0,
-              failures_at: float | None = None) -> Aggregates:
+              failures_at: float | None = None, rate_window: float | None = None) -> Aggregates:
     """Run-wide figures. Percentiles are of completed requests only (as GuideLLM and AIPerf report them); every
     table says how many failed requests it leaves out (``excluded``). With ``failures_at`` (the request timeout,
     ``--failures-as-timeout``), each failed request enters TTFT and E2E at that value instead, in the tail where
-    it belongs; ITL and TPOT have no value for a request that never finished, so they stay success-only."""
+    it belongs; ITL and TPOT have no value for a request that never finished, so they stay success-only.
+    ``rate_window``: the span that rates are taken over (for one class of a run: the whole run's window)."""
     measured = [m for m in all_metrics if not m.warmup]
     ok = [m for m in measured if m.ok]
     errors = [m for m in measured if not m.ok]
@@ -191,6 +194,8 @@ def aggregate(all_metrics: list[RequestMetrics], reps: int = 1000, seed: int = 0
         window = max(max(ends) - start, 1e-9)
     else:
         window = float("nan")
+    if rate_window is not None and measured:
+        window = rate_window
     out_tok = sum(m.output_tokens or 0 for m in ok)
     in_tok = sum((m.prompt_tokens if m.prompt_tokens is not None else (m.prompt_tokens_local or 0)) for m in ok)
     summary = {

@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 MASK = "***"
 SECRET_FLAGS = ("--api-key",)
 HEADER_FLAGS = ("--header",)
+CLASS_FLAGS = ("--class",)  # name=vip,key=sk-...,header=X-Api-Key:...: the key and credential headers masked
 _SECRET_PARAM_WORDS = ("key", "token", "secret", "password", "passwd", "auth", "sig", "credential")
 
 
@@ -49,16 +50,37 @@ def _mask_header(value: str) -> str:
     return f"{name}:{MASK}" if secret_header(name) else value
 
 
+def _mask_class(value: str) -> str:
+    parts = []
+    for part in value.split(","):
+        k, eq, v = part.partition("=")
+        name = k.strip().lower().replace("_", "-")
+        if eq and name in ("key", "api-key"):
+            part = f"{k}={MASK}"
+        elif eq and name in ("header", "headers"):
+            part = f"{k}={_mask_header(v)}"
+        parts.append(part)
+    return ",".join(parts)
+
+
 def redact_argv(argv: Iterable[str]) -> list[str]:
     """A command line with the API key and header values masked and URLs redacted."""
     out: list[str] = []
     mask_next: str | None = None
     for a in argv:
         if mask_next is not None:
-            out.append(_mask_header(a) if mask_next in HEADER_FLAGS else MASK)
+            out.append(_mask_header(a) if mask_next in HEADER_FLAGS else _mask_class(a) if mask_next in CLASS_FLAGS
+                       else MASK)
             mask_next = None
             continue
         flag, eq, value = a.partition("=")
+        if flag in CLASS_FLAGS:
+            if eq:
+                out.append(f"{flag}={_mask_class(value)}")
+            else:
+                out.append(a)
+                mask_next = flag
+            continue
         if flag in SECRET_FLAGS or flag in HEADER_FLAGS:
             if eq:
                 out.append(f"{flag}={_mask_header(value) if flag in HEADER_FLAGS else MASK}")

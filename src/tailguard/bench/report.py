@@ -394,6 +394,110 @@ def sweep_figure(sweep: dict):
     return fig
 
 
+CLASS_FIGURE_METRICS = ("ttft", "itl", "e2e")
+CLASS_PERCENTILES = (("p50", "P50"), ("p95", "P95"), ("p99", "P99"))
+
+
+def class_figure(results: dict):
+    """TTFT, ITL and E2E at P50/P95/P99 per traffic class and for all requests, with each bar's 95% CI."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    by_class = (results.get("classes") or {}).get("by_class") or {}
+    groups = [(name, d.get("metrics") or {}, (d.get("requests") or {}).get("completed")) for name, d in
+              by_class.items()]
+    groups.append(("all", results.get("metrics") or {}, ((results.get("summary") or {}).get("requests") or {})
+                   .get("completed")))
+    x = [f"{name} (n = {fmt_int(n)})" for name, _, n in groups]
+    fig = make_subplots(rows=1, cols=3, subplot_titles=[METRIC_NAMES[k] for k in CLASS_FIGURE_METRICS],
+                        horizontal_spacing=0.07)
+    colors = {"p50": "#1f77b4", "p95": "#ff7f0e", "p99": "#d62728"}
+    for col, k in enumerate(CLASS_FIGURE_METRICS, 1):
+        for key, label in CLASS_PERCENTILES:
+            vals, hi, lo = [], [], []
+            for _, metrics, _ in groups:
+                p = (((metrics.get(k) or {}).get("percentiles")) or {}).get(key) or {}
+                v = p.get("value")
+                ci = p.get("ci") or [None, None]
+                vals.append(None if v is None else v * 1e3)
+                hi.append(0 if v is None or ci[1] is None else (ci[1] - v) * 1e3)
+                lo.append(0 if v is None or ci[0] is None else (v - ci[0]) * 1e3)
+            fig.add_trace(go.Bar(x=x, y=vals, name=label, legendgroup=label, showlegend=col == 1,
+                                 marker={"color": colors[key]},
+                                 error_y={"type": "data", "symmetric": False, "array": hi, "arrayminus": lo},
+                                 hovertemplate="%{x}: %{y:.1f} ms<extra>" + label + "</extra>"), row=1, col=col)
+        fig.update_yaxes(title_text="ms", row=1, col=col)
+    fig.update_layout(barmode="group", height=460, margin={"t": SUBPLOT_TOP_MARGIN, "b": 40},
+                      title=_title("Percentiles by traffic class (with 95% CI)"))
+    return fig
+
+
+def class_section(results: dict) -> str:
+    """The traffic classes: shares, sample sizes, percentiles, goodput and verdicts per class and for the whole."""
+    cl = results.get("classes") or {}
+    by_class = cl.get("by_class") or {}
+    if not by_class:
+        return ""
+    head = "".join(f"<th>{METRIC_NAMES[k]} {label}</th>" for k in CLASS_FIGURE_METRICS
+                   for _, label in CLASS_PERCENTILES)
+
+    def cells(metrics: dict, n: int | None) -> str:
+        out = []
+        for k in CLASS_FIGURE_METRICS:
+            for key, _ in CLASS_PERCENTILES:
+                p = (((metrics.get(k) or {}).get("percentiles")) or {}).get(key) or {}
+                few = _few_mark((metrics.get(k) or {}).get("count") if k == "itl" else n, float(key[1:]))
+                out.append(f"<td>{_nb(fmt_s(p.get('value')))}{few}</td>")
+        return "".join(out)
+
+    def verdicts(slo: dict) -> str:
+        parts = []
+        for name, v in slo.items():
+            head_ = "pass" if v.get("pass") else ("fail" if v.get("evaluated") else "na")
+            gp = fmt_rate(v.get("goodput_rps"))
+            parts.append(f"{_e(name)} <span class={head_}>{'n/a' if head_ == 'na' else head_.upper()}</span> "
+                         f"<span class=muted>(goodput {_nb(gp)})</span>")
+        return "<br>".join(parts) or NA
+
+    rows = []
+    for name, d in by_class.items():
+        r = d.get("requests") or {}
+        planned = d.get("share_planned")
+        share = fmt_pct(d.get("share_sent")) + (f" <span class=muted>(planned {fmt_pct(planned)})</span>"
+                                                if planned is not None else "")
+        rows.append(f"<tr><td class=l><b>{_e(name)}</b></td><td>{share}</td><td>{fmt_int(r.get('measured'))}</td>"
+                    f"<td>{fmt_int(r.get('failed'))}</td>{cells(d.get('metrics') or {}, r.get('completed'))}"
+                    f"<td class=l>{verdicts(d.get('slo') or {})}</td></tr>")
+    req = (results.get("summary") or {}).get("requests") or {}
+    rows.append(f"<tr><td class=l><b>all</b></td><td>100%</td><td>{fmt_int(req.get('measured'))}</td>"
+                f"<td>{fmt_int(req.get('failed'))}</td>{cells(results.get('metrics') or {}, req.get('completed'))}"
+                f"<td class=l>{verdicts(results.get('slo') or {})}</td></tr>")
+    how = (f"Each request's class is the trace's {_e(cl.get('column'))} column." if cl.get("assignment") == "column"
+           else "Each arrival's class is drawn from its index and the random seed (--seed), with the classes' "
+                "shares as probabilities, so runs of one schedule send the same class to the same arrival.")
+    defs = []
+    for c in cl.get("definitions") or []:
+        wl = ", ".join(f"{k.replace('_', ' ')} {v if not isinstance(v, list) else '+'.join(v)}"
+                       for k, v in (c.get("workload") or {}).items())
+        profiles = ", ".join(c.get("profiles") or []) or "the run's profiles"
+        key = "yes" if c.get("key") else "no (the run's)"
+        wl = wl or "the run's workload"
+        defs.append(f"<tr><td class=l>{_e(c['name'])}</td><td>{fmt_pct(c.get('share'))}</td>"
+                    f"<td class=l>{_e(profiles)}</td><td class=l>{_e(key)}</td>"
+                    f"<td class=l>{_e(wl)}</td></tr>")
+    out = ("<table><tr><th class=l>class</th><th>share sent</th><th>n</th><th>failed</th>" + head
+           + "<th class=l>verdicts (goodput)</th></tr>" + "".join(rows) + "</table>"
+           + f"<p class=muted>{how} Percentiles are of each class's completed requests; failed ones are counted "
+           "beside them and are SLO misses. Each class is judged by its own profiles, the whole by the run's.</p>"
+           + _fig_html(class_figure(results), "fig-classes")
+           + "<table><tr><th class=l>class</th><th>share</th><th class=l>SLO profiles</th><th class=l>own API key</th>"
+           "<th class=l>workload</th></tr>" + "".join(defs) + "</table>")
+    for name, d in by_class.items():
+        if d.get("slo"):
+            out += f"<h3>Verdicts of class {_e(name)}</h3>" + verdict_table(d["slo"])
+    return out
+
+
 # --- tables ---------------------------------------------------------------------------------------------------
 
 def _check_n(c: dict) -> int | None:
@@ -653,6 +757,8 @@ def write_report(results: dict, path: str | Path) -> Path:
                  "<p class=muted>Measured at the client from each request's intended send time (no coordinated "
                  "omission). ITL counts every gap; a chunk of k tokens adds k-1 zero gaps. CIs: bootstrap over "
                  "requests; a verdict that judges the same requests shows the same CI.</p>")
+    if results.get("classes"):
+        parts.append("<h2>Traffic classes</h2>" + class_section(results))
     adv = [a for a in results.get("advisories") or [] if a["fired"]]
     parts.append("<h2>Golden rules</h2>")
     if not adv:

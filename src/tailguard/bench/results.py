@@ -8,8 +8,10 @@ the percentiles leave out, or put at the timeout), ``metrics`` (ttft, itl, tpot,
 std, min, max, ``excluded_failures``, ``failures_at_timeout`` and ``percentiles`` p50/p90/p95/p99/p99.9 each with
 ``value``, ``ci`` [lo, hi] and ``samples_beyond``), ``tokens``,
 ``stages``, ``timing_error``, ``slo`` (one verdict per profile, with goodput), ``advisories`` (golden rules),
-``slowest``, ``by_language``, ``tokenization_cost`` (L1), ``bench_health``, ``warnings``, ``sweep`` (when swept) and
-``samples`` (raw per-request values that ``tailguard bench compare`` resamples).
+``slowest``, ``by_language``, ``tokenization_cost`` (L1), ``bench_health``, ``warnings``, ``sweep`` (when swept),
+``samples`` (raw per-request values that ``tailguard bench compare`` resamples; with traffic classes, ``class`` and
+``failed_class`` name each one's class) and, in a run with traffic classes, ``classes`` (the definitions, and per
+class its requests, percentiles, goodput and SLO verdicts).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def _r(x: float | None, nd: int = 6) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(float(x), nd)
 
 
-def samples(measured: list[RequestMetrics], seed: int = 0) -> dict:
+def samples(measured: list[RequestMetrics], seed: int = 0, classes: bool = False) -> dict:
     ok = [m for m in measured if m.ok]
     itl_vals, itl_req = [], []
     rows = ok
@@ -52,7 +54,7 @@ def samples(measured: list[RequestMetrics], seed: int = 0) -> dict:
     for m in rows:
         itl_vals.extend(_r(v) for v in m.itl)
         itl_req.extend([m.index] * len(m.itl))
-    return {
+    out = {
         "index": [m.index for m in ok],
         "intended_s": [_r(m.intended) for m in ok],
         "ttft": [_r(m.ttft) for m in ok],
@@ -62,6 +64,10 @@ def samples(measured: list[RequestMetrics], seed: int = 0) -> dict:
         "itl": {"values": itl_vals, "request": itl_req, "subsampled": subsampled},
         "failed_intended_s": [_r(m.intended) for m in measured if not m.ok],
     }
+    if classes:  # aligned with ``index`` and ``failed_intended_s``: compare filters each class's values by these
+        out["class"] = [m.traffic_class for m in ok]
+        out["failed_class"] = [m.traffic_class for m in measured if not m.ok]
+    return out
 
 
 CSV_COLUMNS = [
@@ -71,6 +77,7 @@ CSV_COLUMNS = [
     "prompt_tokens_local", "prompt_tokens_target", "output_tokens", "output_tokens_source", "output_tokens_local",
     "max_tokens", "finish_reason", "stage_source", "slow_stage",
     *[f"stage_{s}_s" for s in FULL_STAGES], "stage_before_first_token_s", "stage_tail_s", "stage_unsplit_s",
+    "class",  # last, so that readers by position keep working
 ]
 
 
@@ -95,6 +102,7 @@ def write_csv(path: Path, metrics: list[RequestMetrics]) -> None:
                 m.finish_reason or "", m.stage_source, m.slow_stage or "",
                 *[_r(st.get(s)) if s in st else "" for s in FULL_STAGES],
                 *[_r(st.get(s)) if s in st else "" for s in ("before_first_token", "tail", "unsplit")],
+                m.traffic_class or "",
             ])
 
 

@@ -80,12 +80,57 @@ class BenchConfig:
     progress: bool = True
     label: str | None = None
     failures_as_timeout: bool = False  # failed requests enter TTFT/E2E percentiles at ``timeout``
+    # traffic classes (bench/classes.py: TrafficClass); none: one class, as before
+    classes: tuple[Any, ...] = ()
+    class_column: str | None = None  # a trace column naming each request's class (instead of shares)
 
     def path(self) -> str:
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
 
 
 def build_workload(cfg: BenchConfig, tokenizer):
+    base = _build_base_workload(cfg, tokenizer)
+    if not cfg.classes:
+        return base
+    from tailguard.bench.classes import ClassedWorkload
+
+    by_column = bool(cfg.class_column)
+    if by_column:
+        if not isinstance(base, TraceWorkload):
+            raise ValueError("a class column is read from a replayed trace (--workload trace)")
+        names = {c.name for c in cfg.classes}
+        unknown = sorted({r.cls for r in base.rows if r.cls not in names}, key=str)
+        if unknown:
+            raise ValueError(f"the trace's {cfg.class_column!r} column names classes that no class defines: "
+                             f"{', '.join(map(str, unknown[:5]))} (defined: {', '.join(sorted(names))})")
+    own = {}
+    for c in cfg.classes:
+        if c.own_prompts:  # synthetic prompts of the class's own lengths and languages
+            own[c.name] = SyntheticWorkload(
+                tokenizer, input_tokens=c.prompt_tokens or cfg.input_tokens,
+                output_tokens=c.output_tokens or cfg.output_tokens, langs=tuple(c.langs or cfg.langs),
+                input_spread=cfg.input_spread if c.input_spread is None else c.input_spread,
+                output_spread=cfg.output_spread if c.output_spread is None else c.output_spread,
+                long_context=cfg.workload == "long", seed=cfg.seed, business_type=c.business_type or cfg.business_type)
+    return ClassedWorkload(base, list(cfg.classes), seed=cfg.seed, by_column=by_column, own=own)
+
+
+def _base(workload):
+    """The workload under the traffic classes, if any (what decides the arrival schedule)."""
+    return getattr(workload, "base", workload)
+
+
+def run_secrets(cfg: BenchConfig) -> list[str]:
+    """Every value that must appear in no output: the run's key and credentials, and each class's."""
+    hidden = secret_values(cfg.api_key, cfg.headers, cfg.url)
+    if cfg.classes:
+        from tailguard.bench.classes import class_secrets
+
+        hidden = sorted(set(hidden) | set(class_secrets(cfg.classes)), key=len, reverse=True)
+    return hidden
+
+
+def _build_base_workload(cfg: BenchConfig, tokenizer):
     if cfg.workload == "jsonl" or cfg.jsonl:
         if not cfg.jsonl:
             raise ValueError("--workload jsonl needs --jsonl PATH")
@@ -94,7 +139,7 @@ def build_workload(cfg: BenchConfig, tokenizer):
         return TraceWorkload(tokenizer, source=cfg.trace or "conv", speedup=cfg.trace_speedup,
                              length_scale=cfg.length_scale, start=cfg.trace_start, duration=cfg.trace_duration,
                              max_input_tokens=cfg.max_input_tokens, max_output_tokens=cfg.max_output_tokens,
-                             lang=cfg.langs[0], seed=cfg.seed)
+                             lang=cfg.langs[0], seed=cfg.seed, class_column=cfg.class_column if cfg.classes else None)
     return SyntheticWorkload(tokenizer, input_tokens=cfg.input_tokens, output_tokens=cfg.output_tokens,
                              langs=tuple(cfg.langs), input_spread=cfg.input_spread, output_spread=cfg.output_spread,
                              long_context=cfg.workload == "long", seed=cfg.seed, business_type=cfg.business_type)
@@ -104,6 +149,7 @@ def build_plan(cfg: BenchConfig, workload) -> LoadPlan:
     plan = LoadPlan(num_requests=cfg.num_requests, duration=cfg.duration, warmup_requests=cfg.warmup_requests,
                     warmup_seconds=cfg.warmup_seconds, max_inflight=cfg.max_inflight,
                     drain_timeout=cfg.drain_timeout)
+    workload = _base(workload)
     if isinstance(workload, TraceWorkload):
         plan.mode = "open"
         offsets = np.asarray(workload.offsets())
@@ -184,7 +230,8 @@ async def execute(cfg: BenchConfig, workload=None, tokenizer=None, plan: LoadPla
         headers["Authorization"] = f"Bearer {cfg.api_key}"
     ep = Endpoint(cfg.url, cfg.path(), headers, cfg.timeout)
     opts = RequestOptions(model=cfg.model, stream=cfg.stream, fixed_output=cfg.fixed_output,
-                          continuous_usage=cfg.continuous_usage, temperature=cfg.temperature, headers=headers)
+                          continuous_usage=cfg.continuous_usage, temperature=cfg.temperature, headers=headers,
+                          class_headers=workload.headers_by_class() if hasattr(workload, "headers_by_class") else {})
     transport = transport or make_transport(cfg.http_client)
     max_conn = plan.concurrency if plan.mode == "closed" else plan.max_inflight
     await transport.start(max(1, max_conn) + 8, cfg.timeout)
@@ -193,10 +240,10 @@ async def execute(cfg: BenchConfig, workload=None, tokenizer=None, plan: LoadPla
         if cfg.probe:
             s0 = workload.spec(0)
             probe_spec = RequestSpec(prompt=s0.prompt, messages=s0.messages, max_tokens=min(4, s0.max_tokens),
-                                     lang=s0.lang)
+                                     lang=s0.lang, traffic_class=s0.traffic_class)
             caps = await probe(transport, ep, opts, probe_spec)
             if not caps.get("ok"):
-                hidden = secret_values(cfg.api_key, cfg.headers, cfg.url)
+                hidden = run_secrets(cfg)
                 raise ConnectionError(f"the server at {redact_url(ep.full_url)} did not answer the probe request: "
                                       f"{scrub(str(caps.get('error')), hidden)}")
         total = plan.num_requests if plan.mode == "closed" else (
@@ -395,6 +442,15 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
     # the verdicts reuse the percentile table's CIs where they judge the same sample: one figure, one CI
     slo = {p.name: evaluate(p, agg.measured, agg.window, cfg.bootstrap, cfg.seed, shared=agg.metrics)
            for p in profiles}
+    classes = None
+    if cfg.classes:
+        from tailguard.bench.classes import analyse_classes
+
+        cw = workload if hasattr(workload, "classes") else None
+        classes = analyse_classes(cw.classes if cw is not None else cfg.classes, agg.measured, profiles, slo,
+                                  agg.window, cfg.bootstrap, cfg.seed,
+                                  cfg.timeout if cfg.failures_as_timeout else None,
+                                  by_column=bool(cw is not None and cw.by_column), column=cfg.class_column)
     health, warnings = _health(outcome, plan, agg.metrics)
     s = agg.summary
     if s["requests"]["failed"]:
@@ -403,6 +459,8 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
                         + ("they are left out of the percentiles (--failures-as-timeout puts them in the tail) "
                            if not cfg.failures_as_timeout else "they enter TTFT/E2E at the request timeout ")
                         + "and count as SLO misses")
+    if classes is not None:
+        warnings.extend(_class_warnings(classes, cfg))
     if plan.mode == "open" and plan.offsets is not None and len(plan.offsets) > 1 and s["throughput"]["requests_per_s"]:
         offered = arrivals.achieved_rate(np.asarray(plan.offsets[: s["requests"]["sent"]]))
         s["throughput"]["offered_requests_per_s"] = offered
@@ -442,7 +500,7 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
     tcost = tokenization_cost(tokenizer, texts)
     load = plan.describe()
     if plan.mode == "open":
-        load.update(arrival=cfg.arrival if not isinstance(workload, TraceWorkload) else "trace",
+        load.update(arrival=cfg.arrival if not isinstance(_base(workload), TraceWorkload) else "trace",
                     rate=cfg.rate, burstiness=cfg.burstiness if cfg.arrival == "gamma" else None)
     results = {
         "schema": SCHEMA,
@@ -453,7 +511,7 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
             "target": {"url": redact_url(cfg.url), "model": cfg.model, "endpoint": cfg.path(), "stream": cfg.stream},
             "load": load, "workload": workload.describe(), "seed": cfg.seed,
             "options": {k: (redact_url(v) if k == "url" else v) for k, v in asdict(cfg).items()
-                        if k not in ("api_key", "headers")},
+                        if k not in ("api_key", "headers", "classes")},
             "capabilities": caps, "join": join_info, "command": command_line(sys.argv),
         },
         "summary": s,
@@ -468,18 +526,33 @@ def analyse(cfg: BenchConfig, workload, plan: LoadPlan, outcome: LoadOutcome, ms
         "tokenization_cost": tcost,
         "bench_health": health,
         "warnings": warnings,
-        "samples": samples(agg.measured, cfg.seed),
+        "samples": samples(agg.measured, cfg.seed, classes=classes is not None),
     }
+    if classes is not None:
+        results["classes"] = classes
     # no secret in any output, even one a server echoed back in an error message
-    hidden = secret_values(cfg.api_key, cfg.headers, cfg.url)
+    hidden = run_secrets(cfg)
     if hidden:
         results = scrub(results, hidden)
         for m in ms:
             m.error = scrub(m.error, hidden)
-    if isinstance(workload, TraceWorkload):
+    if isinstance(_base(workload), TraceWorkload):
         results["run"]["workload"]["attribution"] = ("Azure LLM inference trace 2023, CC-BY 4.0, Patel et al., "
                                                      "Splitwise (ISCA 2024)")
     return results
+
+
+def _class_warnings(classes: dict, cfg: BenchConfig) -> list[str]:
+    """Classes that got no request, and shares that the trace's column overrode."""
+    out = []
+    for name, d in classes["by_class"].items():
+        if not d["requests"]["measured"]:
+            out.append(f"class {name} got no measured request: its figures and verdicts are empty (raise its share "
+                       "or the number of requests)")
+    if classes["assignment"] == "column" and any(c.share is not None for c in cfg.classes):
+        out.append(f"the trace's {cfg.class_column!r} column names each request's class: the classes' shares are "
+                   "not used")
+    return out
 
 
 def write_outputs(results: dict, ms, out_dir: str | Path) -> dict[str, Path]:

@@ -43,6 +43,7 @@ class RequestSpec:
     local_prompt_tokens: int | None = None  # what the bench's tokenizer counts
     trace_time: float | None = None  # seconds from the trace's start (trace replay)
     extra: dict[str, Any] | None = None
+    traffic_class: str | None = None  # the request's traffic class (bench/classes.py), None without classes
 
     def text(self) -> str:
         if self.prompt is not None:
@@ -267,6 +268,7 @@ class TraceRow:
     t: float  # seconds since the trace's first request
     input_tokens: int
     output_tokens: int
+    cls: str | None = None  # the traffic class named by the trace's class column, when one is read
 
 
 def _parse_ts(s: str) -> float:
@@ -281,15 +283,26 @@ def _parse_ts(s: str) -> float:
     return day * 86400.0 + int(h) * 3600.0 + int(mi) * 60.0 + float(sec)
 
 
-def load_trace(source: str | Path) -> list[TraceRow]:
+def trace_path(source: str | Path) -> Path:
+    return Path(BUILTIN_TRACES.get(str(source), Path(source)))
+
+
+def trace_columns(source: str | Path) -> list[str]:
+    """The header of a trace's CSV (to find a class column before the run)."""
+    with trace_path(source).open(newline="", encoding="utf-8") as f:
+        return next(csv.reader(f), [])
+
+
+def load_trace(source: str | Path, class_column: str | None = None) -> list[TraceRow]:
     """A trace by built-in name (``conv``, ``code``) or CSV path: TIMESTAMP, ContextTokens, GeneratedTokens.
 
     The timestamp may be a date-time or a number of seconds. Rows are sorted by time; offsets start at 0.
+    ``class_column`` (matched without regard to case) names each row's traffic class.
     """
-    path = BUILTIN_TRACES.get(str(source), Path(source))
+    path = trace_path(source)
     if not Path(path).is_file():
         raise FileNotFoundError(f"trace not found: {source} (built in: {', '.join(BUILTIN_TRACES)})")
-    rows: list[tuple[float, int, int]] = []
+    rows: list[tuple[float, int, int, str | None]] = []
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         cols = {c.lower(): c for c in reader.fieldnames or ()}
@@ -298,16 +311,25 @@ def load_trace(source: str | Path) -> list[TraceRow]:
         ocol = cols.get("generatedtokens") or cols.get("output_tokens") or cols.get("completion_tokens")
         if not (tcol and icol and ocol):
             raise ValueError(f"{path}: needs TIMESTAMP, ContextTokens and GeneratedTokens columns")
-        for r in reader:
+        ccol = cols.get(class_column.lower()) if class_column else None
+        if class_column and not ccol:
+            raise ValueError(f"{path}: no column {class_column!r} to take the traffic class from (columns: "
+                             f"{', '.join(reader.fieldnames or ())})")
+        for lineno, r in enumerate(reader, 2):
             raw = r[tcol]
             try:
                 t = float(raw)
             except ValueError:
                 t = _parse_ts(raw)
-            rows.append((t, int(float(r[icol])), int(float(r[ocol]))))
+            cls = None
+            if ccol:
+                cls = (r.get(ccol) or "").strip()
+                if not cls:
+                    raise ValueError(f"{path}:{lineno}: the {ccol} column is empty: every row needs its class")
+            rows.append((t, int(float(r[icol])), int(float(r[ocol])), cls))
     rows.sort(key=lambda x: x[0])
     t0 = rows[0][0] if rows else 0.0
-    return [TraceRow(t - t0, i, o) for t, i, o in rows]
+    return [TraceRow(t - t0, i, o, c) for t, i, o, c in rows]
 
 
 @dataclass
@@ -329,18 +351,19 @@ class TraceWorkload:
     max_output_tokens: int | None = None
     lang: str = "en"
     seed: int = 0
+    class_column: str | None = None  # a column naming each row's traffic class
     rows: list[TraceRow] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.speedup <= 0 or self.length_scale <= 0:
             raise ValueError("speedup and length scale must be positive")
-        rows = load_trace(self.source)
+        rows = load_trace(self.source, self.class_column)
         end = self.start + self.duration if self.duration is not None else float("inf")
         rows = [r for r in rows if self.start <= r.t < end]
         if not rows:
             raise ValueError("the trace window holds no requests")
         t0 = rows[0].t
-        self.rows = [TraceRow(r.t - t0, r.input_tokens, r.output_tokens) for r in rows]
+        self.rows = [TraceRow(r.t - t0, r.input_tokens, r.output_tokens, r.cls) for r in rows]
         longest = max(self._in(r) for r in self.rows)
         self._corpus = Corpus(self.tokenizer, self.lang, max(2 * longest, 8192), self.seed)
 
@@ -359,6 +382,10 @@ class TraceWorkload:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def class_of(self, i: int) -> str | None:
+        """The traffic class the trace names for request ``i`` (None without a class column)."""
+        return self.rows[i % len(self.rows)].cls
+
     def offsets(self) -> list[float]:
         """Intended send offsets (seconds from the start of the replay): trace offsets / speedup."""
         return [r.t / self.speedup for r in self.rows]
@@ -368,6 +395,12 @@ class TraceWorkload:
         return (len(self.rows) - 1) / span if span > 0 else float("inf")
 
     def describe(self) -> dict:
+        d = self._describe()
+        if self.class_column:
+            d["class_column"] = self.class_column
+        return d
+
+    def _describe(self) -> dict:
         return {"kind": "trace", "source": str(self.source), "requests": len(self.rows), "speedup": self.speedup,
                 "length_scale": self.length_scale, "window_start_s": self.start, "window_duration_s": self.duration,
                 "trace_rate_rps": self.trace_rate(), "replay_rate_rps": self.trace_rate() * self.speedup,
@@ -380,4 +413,4 @@ class TraceWorkload:
         n_in = self._in(r)
         text, count = self._corpus.take(n_in, rng)
         return RequestSpec(prompt=text, max_tokens=self._out(r), lang=self.lang, input_tokens=n_in,
-                           local_prompt_tokens=count, trace_time=r.t)
+                           local_prompt_tokens=count, trace_time=r.t, traffic_class=r.cls)
