@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import random
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -63,6 +64,48 @@ class FakeTiming:
     # Scripted speculative decoding counts on the final event: guesses per output token, and the accepted share.
     spec_proposed_per_token: float = 0.0
     spec_acceptance: float = 0.0
+    # A batch's cost, as a real engine's step time grows with it: each decode gap is ``itl`` plus this much per other
+    # running sequence (a replica that serves more streams serves each one slower).
+    itl_per_running: float = 0.0
+    # Waiting requests take a free slot highest priority first (FIFO within a priority), as an engine with priority
+    # scheduling does; False: first come, first served.
+    priority_scheduling: bool = False
+
+
+class _Slots:
+    """Concurrency slots handed out highest priority first, then in arrival order (a semaphore with a queue)."""
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self._queue: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._order = 0
+
+    async def acquire(self, priority: int = 0) -> bool:
+        if self.free > 0 and not self._queue:
+            self.free -= 1
+            return True
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._order += 1
+        entry = (-priority, self._order, fut)
+        heapq.heappush(self._queue, entry)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # the slot came just as the wait was cancelled: hand it on
+                self.release()
+            else:
+                self._queue.remove(entry)
+                heapq.heapify(self._queue)
+            raise
+        return True
+
+    def release(self) -> None:
+        while self._queue:
+            _, _, fut = heapq.heappop(self._queue)
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.free += 1
 
 
 class FakeEngine:
@@ -71,7 +114,7 @@ class FakeEngine:
         self.tokenizer = ByteTokenizer()
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self._slots: asyncio.Semaphore | None = None
+        self._slots: _Slots | None = None
         self._rng = random.Random(self.timing.seed)
         self.running = 0
         self.waiting = 0
@@ -103,7 +146,7 @@ class FakeEngine:
     ) -> AsyncGenerator[TokenEvent, None]:
         self.check_request(len(prompt_token_ids), sampling)
         if self._slots is None:
-            self._slots = asyncio.Semaphore(self.timing.max_num_seqs)
+            self._slots = _Slots(self.timing.max_num_seqs)
         arrival = arrival_time if arrival_time is not None else time.perf_counter()
         text = self.timing.output_text.encode("utf-8")
         finished = False
@@ -120,7 +163,8 @@ class FakeEngine:
 
         self.waiting += 1
         try:
-            if not await self._until_abort(self._slots.acquire(), flag):
+            if not await self._until_abort(self._slots.acquire(priority if self.timing.priority_scheduling else 0),
+                                           flag):
                 self._abort_flags.pop(request_id, None)
                 self.aborted.append(request_id)
                 yield aborted_event()
@@ -136,7 +180,8 @@ class FakeEngine:
                 return
             emitted = 0  # characters of the decoded output already sent
             for i in range(sampling.max_tokens):
-                if i and not await self._until_abort(asyncio.sleep(self._wait(self.timing.itl)), flag):
+                gap = self.timing.itl + self.timing.itl_per_running * (self.running - 1)
+                if i and not await self._until_abort(asyncio.sleep(self._wait(gap)), flag):
                     yield aborted_event()
                     return
                 tok = text[i % len(text)] + ByteTokenizer._OFFSET
