@@ -27,7 +27,8 @@ def build_backend(config: ServerConfig, engine_args: EngineArgs | None = None) -
 
         f = config.fake
         timing = FakeTiming(ttft=f.ttft, itl=f.itl, jitter=f.jitter, prefill_per_token=f.prefill_per_token,
-                            max_num_seqs=f.max_num_seqs, output_text=f.output_text)
+                            max_num_seqs=f.max_num_seqs, output_text=f.output_text, itl_per_running=f.itl_per_running,
+                            priority_scheduling=f.priority_scheduling)
         return LocalBackend(FakeEngine(timing, max_model_len=f.max_model_len, model_name="fake"))
     from tailguard.engine.engine import AsyncLLMEngine, EngineArgs
 

@@ -59,6 +59,8 @@ class FakeEngineConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1)
     max_model_len: int = Field(8192, ge=2)
     output_text: str = "The quick brown fox jumps over the lazy dog. "
+    itl_per_running: float = Field(0.0, ge=0, description="added to each decode gap per other running sequence")
+    priority_scheduling: bool = Field(False, description="waiting requests take free slots highest priority first")
 
 
 class BatchCapConfig(BaseModel):
@@ -108,6 +110,8 @@ class ServerConfig(BaseModel):
     store_path: str = Field(default_factory=default_store_path, validation_alias=AliasChoices("store_path", "store"),
                             description="request store: a SQLite file path, or a postgresql:// URL ('store' too)")
     store_text: bool = False
+    seal_key_file: str | None = Field(None, description="keep each request's token ids, sampling and seed encrypted "
+                                      "under this key, for `tailguard rebuild` (else TAILGUARD_SEAL_KEY)")
     retention_days: float = Field(15.0, gt=0)
     sample_interval: float = Field(0.25, gt=0, le=0.5, description="gauge sampling period (<= 500 ms)")
     business_types: list[str] | None = None
@@ -118,6 +122,20 @@ class ServerConfig(BaseModel):
     access_log: bool = True
     log_level: str = "info"
     tokenize_in_thread_chars: int = Field(4096, ge=0, description="longer prompts are tokenized off the event loop")
+    # --- the tokenize pipeline (serving/tokenize_pipeline.py) ---
+    tokenize_batching: bool = Field(True, description="prompts that arrive together are encoded as one batch on a "
+                                                      "worker thread (off: each on the event loop)")
+    tokenize_batch_window_s: float = Field(0.0, ge=0, le=0.05,
+                                           description="how long a batch waits for more prompts; 0: only for those "
+                                                       "that arrive in the same turn of the event loop")
+    tokenize_inline_chars: int = Field(256, ge=0, description="a prompt of at most this many characters is encoded "
+                                                              "on the event loop at once (cheaper than the thread "
+                                                              "hop)")
+    tokenizer_glossary: str | None = Field(None, description="a file of domain terms, one a line, kept "
+                                                             "pre-tokenized in the tokenize cache; reloaded when it "
+                                                             "changes or on POST /admin/tokenizer/glossary")
+    tokenizer_glossary_poll_s: float = Field(2.0, gt=0, description="how often the glossary file is checked for "
+                                                                    "changes")
     graceful_shutdown_s: float = Field(
         30.0, ge=0, validation_alias=AliasChoices("graceful_shutdown_s", "drain_timeout_s"),
         description="the drain on SIGTERM (serving/drain.py): how long running requests get to finish before their "
@@ -157,6 +175,14 @@ class ServerConfig(BaseModel):
     direct_relay: bool = Field(True, description="write an upstream's plain tokens to the client from the upstream "
                                                  "read callback (docs/gateway.md, 'The direct relay'); off: every "
                                                  "token through the server's stream")
+    # --- the client's network and region (serving/network.py; docs/observability.md, docs/slo.md) ---
+    network_sampling: bool = Field(True, description="sample the client connection's TCP state (RTT, retransmits, "
+                                                     "send backlog) while an answer is written; Linux only")
+    region_header: str | None = Field("x-region", description="the request header that names the client's region "
+                                                              "(empty: none)")
+    region_cidrs: dict[str, str] = Field(default_factory=dict,
+                                         description="client networks -> region ({'10.1.0.0/16': 'eu-west'}), for "
+                                                     "requests without the region header; the longest prefix wins")
 
     @field_validator("store_path")
     @classmethod
@@ -165,6 +191,21 @@ class ServerConfig(BaseModel):
 
         return check_store_target(v)
     tracing: TracingConfig = Field(default_factory=TracingConfig, description="OpenTelemetry traces over OTLP/HTTP")
+
+    @field_validator("region_cidrs")
+    @classmethod
+    def _region_cidrs(cls, v: dict[str, str]) -> dict[str, str]:
+        import ipaddress
+
+        for cidr, name in v.items():
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"region_cidrs: {cidr!r} is not a network (e.g. 10.1.0.0/16 or 2001:db8::/32)") \
+                    from None
+            if not str(name).strip():
+                raise ValueError(f"region_cidrs: {cidr!r} names no region")
+        return v
 
     @field_validator("redis_url")
     @classmethod

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from tailguard.backends.base import Backend
 from tailguard.backends.local import LocalBackend, LocalEngine, as_backend
 from tailguard.backends.upstream.pool import UpstreamPool
+from tailguard.backends.upstream.provider import ProcessProvider, ProviderScaler, ReplicaLedger
 from tailguard.backends.upstream.proxy import UpstreamBackend
 from tailguard.observe.gateway_metrics import GatewayMetrics
 from tailguard.observe.metrics import ServerMetrics
@@ -73,6 +74,8 @@ class ServerState:
     closing: NextTurn[Timeline] = field(init=False)  # finished requests whose records close a turn later
     batch_cap: BatchCapDriver | None = None  # batch_cap mode 'forecast': sets the engine's caps ahead of load
     policy: TrafficPolicy = field(init=False)  # lanes, rate limits, the SLO monitor's verdicts (rebuilt on attach)
+    ledger: ReplicaLedger | None = None  # a gateway's replica-seconds (every replica, configured or started)
+    provider: ProcessProvider | None = None  # starts and stops replicas for the SLO monitor (scale_out.provider)
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config.max_queue)
@@ -119,6 +122,11 @@ class ServerState:
         if pool is not None and self.slo is not None:
             # The scale-out hook is told the replica set it would grow (or shrink).
             self.slo.actions.context = lambda: {"replicas": pool.describe()}
+        if pool is not None:
+            self._replicas(pool)
+        elif self.config.slo.actions.scale_out.provider is not None:
+            log.warning("slo.actions.scale_out.provider is set, but this server has no upstream replicas: a replica "
+                        "provider works on a gateway (upstreams) only, so no replica will be started")
         if self.config.batch_cap.mode == "forecast" and self.batch_cap is None:
             from tailguard.serving.batch_cap import BatchCapDriver
 
@@ -128,6 +136,25 @@ class ServerState:
             if self.slo is not None:  # the scale-out hook learns the fleet the forecast load needs
                 self.slo.actions.context = lambda: {"capacity": driver.capacity_estimate()}
         self.policy = self._policy()
+
+    def _replicas(self, pool: UpstreamPool) -> None:
+        """A gateway's replica-seconds, and the replica provider where the SLO monitor's scale-out has one: its steps
+        run on this event loop (attach is called on it), the monitor reaches it through a scaler."""
+        if self.ledger is not None and self.ledger.pool is pool:
+            return
+        cfg = self.config.slo.actions.scale_out.provider
+        provider = None
+        if cfg is not None and self.slo is None:
+            log.warning("slo.actions.scale_out.provider is set, but the SLO monitor is off: no replica will be started")
+        elif cfg is not None and self.slo is not None:
+            provider = self.provider = ProcessProvider(cfg, pool, on_change=self.capacity_changed)
+            slo = self.slo
+            slo.actions.scaler = ProviderScaler(provider, asyncio.get_running_loop(), fires=lambda: slo.fires)
+            provider.keep_minimum()
+        self.ledger = ReplicaLedger(pool, provider)
+        if self.metrics is not None:
+            metrics = self.metrics
+            self.ledger.register(metrics.registry, lambda: metrics.model)
 
     def _emit_audit(self, rec: SLORecord) -> None:
         if self.slo is not None:
@@ -175,6 +202,10 @@ class ServerState:
             self.metrics.sample(s.running, s.waiting, s.kv_blocks_total, s.kv_blocks_used, s.num_preemptions,
                                 adm.depth, adm.in_flight, adm.capacity)
         pool = self.upstream.pool if self.upstream is not None else None
+        if self.provider is not None:
+            self.provider.reap()  # a started replica that exited on its own leaves the pool
+        if self.ledger is not None:
+            self.ledger.sync()
         if pool is not None:  # upstream replicas: their model names as their health checks find them
             names = self.config.model_names(eng.model_name) + [r.model for r in pool.replicas if r.model]
             self.model_names = list(dict.fromkeys(names))

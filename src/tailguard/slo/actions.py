@@ -2,7 +2,10 @@
 
 - **yellow** (and above) -> scale out: a webhook POST and/or a command with the JSON request on stdin, asking for
   ``replicas_pct`` (10%) more replicas; once per escalation (green -> yellow), and a matching scale-in request
-  (``replicas_delta_pct`` negative) when the monitor is back to green.
+  (``replicas_delta_pct`` negative) when the monitor is back to green. A gateway with a replica provider
+  (``scale_out.provider``) also starts and stops replicas itself: the server hands the engine a :class:`Scaler`
+  (this floor never imports what starts replicas), called with the same request, and each replica it starts or
+  stops becomes a ``hook`` record with ``target: provider``.
 - **orange** (and above) -> shed: :meth:`ActionEngine.shed_for` answers with the refusal (status, ``Retry-After``)
   for non-core business types, lanes and tenants (protected lanes and tenants never); the server answers 429 or 503.
 - **red** -> degrade: :meth:`ActionEngine.degradation_for` returns a :class:`Degradation` for traffic of the red
@@ -30,7 +33,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -39,7 +42,8 @@ from tailguard.slo.profiles import Selector
 
 log = logging.getLogger("tailguard.slo")
 
-__all__ = ["ActionEngine", "Degradation", "HookRunner", "RecordLog", "RecordSink", "SLOMetrics", "SLORecord", "new_id"]
+__all__ = ["ActionEngine", "Degradation", "HookRunner", "RecordLog", "RecordSink", "SLOMetrics", "SLORecord", "Scaler",
+           "new_id"]
 
 RecordSink = Callable[[dict[str, Any]], None]
 
@@ -212,6 +216,19 @@ class Degradation:
         return asdict(self)
 
 
+class Scaler(Protocol):
+    """What scales in this process (a gateway's replica provider), handed to :class:`ActionEngine` by the server.
+
+    ``submit`` gets the scale request the hooks get (``action``, ``replicas_delta_pct``, ...) and must not block (it
+    is called on the evaluation thread); ``done`` is called with one result per step (a replica started or stopped,
+    a failure, a bound that left nothing to do), each a dict with ``ok`` and, optionally, ``event`` (the record's
+    event: ``ok``, ``failed`` or ``skipped``) and ``target``. ``close`` stops what it started (the server's end)."""
+
+    def submit(self, payload: dict[str, Any], done: Callable[[dict[str, Any]], None]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class HookRunner:
     """Calls the scale-out webhook and/or command. Inline (in the caller) or on one background thread, FIFO, so a
     slow autoscaler never stalls evaluation. ``done(result)`` is called with each call's outcome."""
@@ -331,6 +348,8 @@ class ActionEngine:
         self.dry_run = cfg.dry_run
         # What the scale-out hook is told about the deployment (a gateway: its replica set), set by the server.
         self.context: Callable[[], dict[str, Any]] | None = None
+        # What starts and stops replicas in this process (a gateway's replica provider), set by the server.
+        self.scaler: Scaler | None = None
         self.scale_out: SLORecord | None = None  # the "started" record while in effect
         self.shed: SLORecord | None = None
         self.degrade: dict[str, SLORecord] = {}  # scope -> "started" record
@@ -394,11 +413,7 @@ class ActionEngine:
                 1 if rec.event == "started" and not self.dry_run else 0)
         return rec
 
-    def _hook(self, action_rec: SLORecord, delta_pct: float, now: float) -> str:
-        if self.dry_run:
-            return "dry_run"
-        if not self.hooks.configured:
-            return "no_hook_configured"
+    def _payload(self, action_rec: SLORecord, delta_pct: float, now: float) -> dict[str, Any]:
         payload = {
             "source": "tailguard", "action": "scale_out" if delta_pct > 0 else "scale_in",
             "replicas_delta_pct": delta_pct, "reason": f"tier {action_rec.tier} in scope {action_rec.scope}",
@@ -410,17 +425,40 @@ class ActionEngine:
                 payload.update(self.context())
             except Exception:  # noqa: BLE001 - the hook goes out without the context rather than not at all
                 log.exception("scale-out hook: could not describe the deployment")
+        return payload
 
+    def _done(self, action_rec: SLORecord, action: str, now: float) -> Callable[[dict[str, Any]], None]:
+        """Each outcome of a hook call or a provider step becomes one ``hook`` record, and a count."""
         def done(res: dict[str, Any]) -> None:
             t = self.clock()
+            event = res.get("event") or ("ok" if res.get("ok") else "failed")
             self.records.emit(SLORecord(
-                new_id(), "hook", payload["action"], "ok" if res.get("ok") else "failed", action_rec.scope,
+                new_id(), "hook", action, event, action_rec.scope,
                 action_rec.tier, t, now, t, {}, {**res, "ref": action_rec.id}, False, action_rec.alert_id))
             if self.metrics is not None:
-                self.metrics.hook_calls.labels(res.get("target", "?"), "ok" if res.get("ok") else "failed").inc()
+                self.metrics.hook_calls.labels(res.get("target", "?"), event).inc()
+        return done
 
-        self.hooks.submit(payload, done)
-        return "submitted"
+    def _scale(self, action_rec: SLORecord, delta_pct: float, now: float) -> None:
+        """Ask for the replicas: the hooks (webhook, command) and the replica provider, each told the same. What was
+        done goes into the action's details (``hook``, and ``provider`` where there is one)."""
+        details = action_rec.details
+        payload: dict[str, Any] | None = None
+        if self.dry_run:
+            details["hook"] = "dry_run"
+        elif not self.hooks.configured:
+            details["hook"] = "no_hook_configured"
+        else:
+            payload = self._payload(action_rec, delta_pct, now)
+            self.hooks.submit(payload, self._done(action_rec, payload["action"], now))
+            details["hook"] = "submitted"
+        if self.scaler is not None:
+            if self.dry_run:
+                details["provider"] = "dry_run"
+                return
+            payload = payload or self._payload(action_rec, delta_pct, now)
+            self.scaler.submit(payload, self._done(action_rec, payload["action"], now))
+            details["provider"] = "submitted"
 
     # --- tiers -> actions --------------------------------------------------------------------------------------------
     def reconcile(self, tiers: Mapping[str, int], figures: Mapping[str, dict[str, Any]],
@@ -437,14 +475,19 @@ class ActionEngine:
                               alert_ids.get((top_scope, 1)))
             self.scale_out = self._emit(rec)
             # After the record, so that it precedes the hook's own record; its details dict is shared, not copied.
-            rec.details["hook"] = self._hook(rec, so.replicas_pct, now)
+            self._scale(rec, so.replicas_pct, now)
             out.append(rec)
         elif top == 0 and self.scale_out is not None:
             rec = self.scale_out.end("undone", now, tier=TIERS[0], figures=figs_top,
                                      details={"replicas_delta_pct": -so.replicas_pct if so.undo else 0})
             self.scale_out = None
             out.append(self._emit(rec))
-            rec.details["hook"] = self._hook(rec, -so.replicas_pct, now) if so.undo else "undo_disabled"
+            if so.undo:
+                self._scale(rec, -so.replicas_pct, now)
+            else:
+                rec.details["hook"] = "undo_disabled"
+                if self.scaler is not None:
+                    rec.details["provider"] = "undo_disabled"
         # orange and above: shed non-core traffic
         if self.cfg.shed.enabled:
             if top >= 2 and self.shed is None:
@@ -516,6 +559,8 @@ class ActionEngine:
 
     def close(self) -> None:
         self.hooks.close()
+        if self.scaler is not None:
+            self.scaler.close()
 
 
 def _fmt(v: Any) -> str:

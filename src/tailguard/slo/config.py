@@ -16,6 +16,9 @@ Every figure the requirements give is a default here; all are configurable. Exam
       actions:
         dry_run: false
         scale_out: {webhook_url: http://autoscaler:8080/scale, replicas_pct: 10}
+        # or, on a gateway, replicas it starts itself (docs/gateway.md, "Scale-out that acts"):
+        # scale_out: {replicas_pct: 10, provider: {kind: process, command: "vllm serve m --port {port}",
+        #                                           min_replicas: 0, max_replicas: 4}}
         shed: {non_core_business_types: [batch], non_core_lanes: [batch], status: 429, retry_after_s: 30}
         degrade: {mode: truncate, max_tokens: 64}
 """
@@ -36,6 +39,7 @@ __all__ = [
     "HotspotConfig",
     "MonitorConfig",
     "PeakConfig",
+    "ProcessProviderConfig",
     "ScaleOutConfig",
     "ScopeConfig",
     "ShedConfig",
@@ -237,8 +241,66 @@ class HotspotConfig(_M):
     max_reported: int = Field(default=20, ge=0)
 
 
+def _split_command(v: Any) -> Any:
+    if isinstance(v, str):
+        import shlex
+
+        return shlex.split(v)
+    return v
+
+
+
+class ProcessProviderConfig(_M):
+    """Replicas started as processes on the gateway's machine (a gateway over ``upstreams`` only).
+
+    ``command`` is a template: ``{port}`` becomes a free port on 127.0.0.1, ``{name}`` the replica's name and
+    ``{host}`` 127.0.0.1 (nothing else in it is touched, so JSON arguments keep their braces). A replica takes traffic
+    once ``health_path`` answers 200 and the gateway's own health check of its engine passes, within
+    ``start_timeout_s``; otherwise its process is stopped and the attempt recorded as failed. On scale-in it drains
+    (no new requests; those in flight finish, for up to ``drain_timeout_s``), leaves the pool, and its process group
+    gets SIGTERM, then SIGKILL after ``stop_grace_s``. ``min_replicas`` and ``max_replicas`` bound the replicas this
+    provider runs (the configured upstreams are not counted).
+    """
+
+    kind: Literal["process"] = "process"
+    command: list[str] = Field(min_length=1)
+    name_prefix: str = Field(default="scaled", pattern=r"^[A-Za-z0-9_.\-]+$")
+    min_replicas: int = Field(default=0, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    start_timeout_s: float = Field(default=60.0, gt=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    stop_grace_s: float = Field(default=10.0, gt=0)
+    health_path: str = Field(default="/v1/models", pattern=r"^/")
+    env: dict[str, str] = Field(default_factory=dict)  # added to the gateway's environment
+    cwd: str | None = None
+    log_dir: str | None = None  # each replica's stdout and stderr; None: a temporary directory
+    # How the gateway treats each replica (as an entry of ``upstreams`` would say).
+    max_concurrent: int = Field(default=64, ge=1)
+    engine: Literal["auto", "tailguard", "vllm", "sglang", "llamacpp", "openai"] = "auto"
+    send_priority: bool = False
+    preempts: bool = False
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        return _split_command(v)
+
+    @model_validator(mode="after")
+    def _check(self) -> ProcessProviderConfig:
+        if not any("{port}" in arg for arg in self.command):
+            raise ValueError("the replica command needs {port} (the port the replica must listen on), e.g. "
+                             "'python -m tailguard.cli serve --model fake --port {port}'")
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
+        if self.preempts and not self.send_priority:
+            raise ValueError("preempts: true needs send_priority: true (the replica preempts by the priority it is "
+                             "sent)")
+        return self
+
+
 class ScaleOutConfig(_M):
-    """Yellow: ask for ``replicas_pct`` more replicas through a webhook POST and/or a command (JSON on stdin)."""
+    """Yellow: ask for ``replicas_pct`` more replicas through a webhook POST and/or a command (JSON on stdin), and/or
+    start them in-process through a replica ``provider`` (a gateway over upstream replicas)."""
 
     webhook_url: str | None = None
     headers: dict[str, str] = Field(default_factory=dict)
@@ -246,15 +308,12 @@ class ScaleOutConfig(_M):
     replicas_pct: float = Field(default=10.0, gt=0)
     timeout_s: float = Field(default=5.0, gt=0)
     undo: bool = True  # ask for the replicas back when yellow clears
+    provider: ProcessProviderConfig | None = None
 
     @field_validator("command", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            import shlex
-
-            return shlex.split(v)
-        return v
+        return _split_command(v)
 
 
 class ShedConfig(_M):

@@ -206,6 +206,7 @@ class Replica:
     name: str = ""
     model: str | None = None
     healthy: bool = True  # optimistic until the first check says otherwise
+    draining: bool = False  # scale-in: no new requests; those in flight finish before it leaves the pool
     kind: str | None = None  # the engine (``HEALTH_PATHS``): configured, or told by its /v1/models
     in_flight: int = 0
     outstanding_tokens: int = 0
@@ -231,7 +232,13 @@ class Replica:
 
     @property
     def available(self) -> bool:
-        return self.healthy and self.breaker.allows()
+        return self.healthy and not self.draining and self.breaker.allows()
+
+    @property
+    def busy(self) -> int:
+        """Requests at this replica now: attempts in flight, plus any written ahead that no attempt has taken up
+        yet (``ConnectionPool.send_now``) and answers whose end is still being read. Drained when 0."""
+        return max(self.in_flight, self.conns.in_use)
 
     def queue_estimate(self) -> float:
         """Its waiting queue now: the last read, plus the requests sent there since, less those finished since
@@ -259,6 +266,12 @@ class Replica:
         if self.cfg.api_key is None:
             return {}
         return {"Authorization": f"Bearer {self.cfg.api_key.get_secret_value()}"}
+
+
+def _why_not(r: Replica) -> str:
+    if not r.healthy:
+        return "unhealthy"
+    return "draining" if r.draining else "breaker " + r.breaker.state
 
 
 class NoReplica(Exception):
@@ -356,6 +369,20 @@ class UpstreamPool:
             await self.check(rep)
         return rep
 
+    async def drain(self, name: str, timeout_s: float, poll_s: float = 0.05) -> tuple[int, int]:
+        """Scale-in, first step: route nothing new to replica ``name`` and wait, up to ``timeout_s``, until the
+        requests at it have finished. Returns (requests at it when the drain began, requests left: 0 unless the
+        timeout cut the wait short). The replica stays in the pool (``remove`` takes it out)."""
+        r = next((x for x in self.replicas if x.name == name), None)
+        if r is None:
+            raise KeyError(name)
+        r.draining = True
+        began = r.busy
+        deadline = time.monotonic() + timeout_s
+        while r.busy > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        return began, r.busy
+
     def remove(self, name: str) -> Replica:
         """Take a replica out of routing (scale-in); its requests in flight finish."""
         for i, r in enumerate(self.replicas):
@@ -368,7 +395,7 @@ class UpstreamPool:
 
     def describe(self) -> list[dict]:
         return [{"name": r.name, "url": r.shown_url, "model": r.model, "kind": r.kind, "healthy": r.healthy,
-                 "breaker": r.breaker.state,
+                 "draining": r.draining, "breaker": r.breaker.state,
                  "in_flight": r.in_flight, "outstanding_tokens": r.outstanding_tokens,
                  "upstream_waiting": r.upstream_waiting, "max_concurrent": r.cfg.max_concurrent,
                  "requests": r.requests, "errors": r.errors, "last_error": r.last_error} for r in self.replicas]
@@ -534,8 +561,7 @@ class UpstreamPool:
     def pick(self, affinity_key: str | None = None, exclude: set[str] | None = None) -> Replica:
         pool = [r for r in self.replicas if r.available and (not exclude or r.name not in exclude)]
         if not pool:
-            down = "; ".join(f"{r.name}: {'breaker ' + r.breaker.state if r.healthy else 'unhealthy'}"
-                             for r in self.replicas)
+            down = "; ".join(f"{r.name}: {_why_not(r)}" for r in self.replicas)
             raise NoReplica(f"no upstream replica is available ({down})")
         if len(pool) == 1:
             return pool[0]
