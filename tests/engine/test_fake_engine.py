@@ -1,4 +1,4 @@
-"""The scripted engine's cost model: slots taken highest priority first when asked to (first come, first served
+"""The scripted engine's cost model: slots taken most important first (the lowest priority value) when asked to (first come, first served
 otherwise), and decode gaps that grow with the batch, as a real engine's steps do."""
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ def _admission_order(priority_scheduling: bool) -> list[str]:
     async def main() -> list[str]:
         engine = FakeEngine(FakeTiming(ttft=0.02, itl=0.002, max_num_seqs=1, priority_scheduling=priority_scheduling))
         order: list[str] = []
-        first = asyncio.create_task(_run(engine, "holder", 0, order))
+        first = asyncio.create_task(_run(engine, "holder", 2, order))
         await asyncio.sleep(0.005)  # the one slot is taken; the rest queue in this order
         rest = [asyncio.create_task(_run(engine, rid, prio, order))
-                for rid, prio in (("low-1", 0), ("low-2", 0), ("high", 5), ("mid", 2))]
+                for rid, prio in (("batch-1", 2), ("batch-2", 2), ("vip", 0), ("standard", 1))]
         await asyncio.gather(first, *rest)
         return order
     return asyncio.run(main())
 
 
-def test_slots_go_highest_priority_first_when_asked():
-    assert _admission_order(True) == ["holder", "high", "mid", "low-1", "low-2"]
-    assert _admission_order(False) == ["holder", "low-1", "low-2", "high", "mid"]
+def test_slots_go_most_important_first_when_asked():
+    assert _admission_order(True) == ["holder", "vip", "standard", "batch-1", "batch-2"]
+    assert _admission_order(False) == ["holder", "batch-1", "batch-2", "vip", "standard"]
 
 
 def test_an_aborted_waiter_gives_its_place_up():
@@ -44,8 +44,8 @@ def test_an_aborted_waiter_gives_its_place_up():
         order: list[str] = []
         first = asyncio.create_task(_run(engine, "holder", 0, order))
         await asyncio.sleep(0.005)
-        gone = asyncio.create_task(_run(engine, "gone", 9, order))
-        after = asyncio.create_task(_run(engine, "after", 0, order))
+        gone = asyncio.create_task(_run(engine, "gone", 0, order))
+        after = asyncio.create_task(_run(engine, "after", 1, order))
         await asyncio.sleep(0.005)
         engine.abort("gone")
         await asyncio.gather(first, gone, after)

@@ -67,13 +67,14 @@ class FakeTiming:
     # A batch's cost, as a real engine's step time grows with it: each decode gap is ``itl`` plus this much per other
     # running sequence (a replica that serves more streams serves each one slower).
     itl_per_running: float = 0.0
-    # Waiting requests take a free slot highest priority first (FIFO within a priority), as an engine with priority
-    # scheduling does; False: first come, first served.
+    # Waiting requests take a free slot most important first (the lowest priority value, as the real engine and
+    # vLLM order them; FIFO within a priority), as an engine with priority scheduling does; False: first come,
+    # first served.
     priority_scheduling: bool = False
 
 
 class _Slots:
-    """Concurrency slots handed out highest priority first, then in arrival order (a semaphore with a queue)."""
+    """Concurrency slots handed out lowest priority value first, then in arrival order (a semaphore with a queue)."""
 
     def __init__(self, n: int) -> None:
         self.free = n
@@ -86,7 +87,7 @@ class _Slots:
             return True
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._order += 1
-        entry = (-priority, self._order, fut)
+        entry = (priority, self._order, fut)
         heapq.heappush(self._queue, entry)
         try:
             await fut
