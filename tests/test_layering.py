@@ -23,7 +23,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("tailguard.policy",),  # who may send what, and in which lane
     ("tailguard.backends",),  # where a prepared request goes: the embedded engine, upstream replicas
     ("tailguard.serving",),  # the HTTP server
-    ("tailguard.bench", "tailguard.cli", "tailguard.demo", "tailguard.demo_report", "tailguard.engine_options"),
+    ("tailguard.bench", "tailguard.cli", "tailguard.demo", "tailguard.demo_report", "tailguard.engine_options",
+     "tailguard.rebuild"),
 ]
 
 

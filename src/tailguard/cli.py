@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "~/.local/share/tailguard)")
     serve.add_argument("--store-text", action="store_true", default=None,
                        help="also store prompts and outputs, redacted (e-mails, phones, IDs, IPs, cards)")
+    serve.add_argument("--seal-key-file", default=None, metavar="PATH",
+                       help="keep each request's token ids, sampling and seed encrypted under this key (or set "
+                            "TAILGUARD_SEAL_KEY), so that `tailguard rebuild ID` can run it again")
     serve.add_argument("--retention-days", type=float, default=None, help="request store retention (default 15)")
     serve.add_argument("--max-queue", type=int, default=None,
                        help="requests admitted but without a first token yet; beyond it: 429 (default 512)")
@@ -135,9 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--keys", dest="keys_file", default=None, metavar="FILE",
                        help="API key file: hashed keys -> tenant -> lane (`tailguard keys add` writes it; default: "
                             "none)")
+    serve.add_argument("--tokenizer-glossary", dest="tokenizer_glossary", default=None, metavar="PATH",
+                       help="a file of domain terms, one a line (a medical glossary): pre-tokenized into the tokenize "
+                            "cache at start, and again when the file changes or on POST /admin/tokenizer/glossary "
+                            "(admin key); token ids are the same with it and without it (default: none)")
     serve.add_argument("--redis", dest="redis_url", default=None, metavar="URL",
                        help="redis://HOST:PORT: share rate limits, lane budgets and SLO windows with other gateways "
                             "(default: none, this gateway alone)")
+    serve.add_argument("--region-header", default=None, metavar="NAME",
+                       help="the request header that names the client's region (default: X-Region; '' for none)")
+    serve.add_argument("--region-cidr", action="append", dest="region_cidrs", default=None, metavar="CIDR=REGION",
+                       type=_region_cidr,
+                       help="requests without the region header from this client network are of REGION, e.g. "
+                            "10.1.0.0/16=eu-west (repeatable; the longest prefix wins; default: none)")
+    serve.add_argument("--no-network-sampling", dest="network_sampling", action="store_false", default=None,
+                       help="do not sample the client connection's TCP state (RTT, retransmits, send backlog) while "
+                            "answers are written (default: sampled, on Linux)")
 
     rp = sub.add_parser(
         "replay", help="send a stored request again to any endpoint; compare outputs and stage times",
@@ -155,6 +171,27 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--api-key", dest="replay_api_key", default=None, help="the target's API key (default: none)")
     rp.add_argument("--model", dest="replay_model", default=None, help="model name at the target (default: its first)")
     rp.add_argument("--json", dest="replay_json", action="store_true", help="print the result as JSON")
+
+    rb = sub.add_parser(
+        "rebuild", help="run a stored request's computation again on the embedded engine, by its ID",
+        description="Run a request recorded by `tailguard serve --seal-key-file KEY` again on the embedded engine, "
+                    "with its own token ids, sampling parameters and seed (kept encrypted under the key): its step "
+                    "timeline beside the original's token times, the requests it shared its batch with, sampled "
+                    "internals (--internals) and every output token that differs. Give the engine the server's "
+                    "flags (--weight-format, --kv-cache-dtype, --runner).")
+    rb.add_argument("request_id", nargs="?", default=None,
+                    help="the request's ID (its X-Request-ID, as in GET /v1/requests/{id})")
+    rb.add_argument("--store", dest="rebuild_store", default=None, metavar="PATH_OR_URL",
+                    help="the request store (path or URL; default: the server's default store)")
+    rb.add_argument("--seal-key-file", dest="rebuild_key_file", default=None, metavar="PATH",
+                    help="the server's sealing key (default: TAILGUARD_SEAL_KEY)")
+    rb.add_argument("--new-key", action="store_true", help="print a new sealing key and exit")
+    rb.add_argument("--internals", action="store_true",
+                    help="sample per-layer timings and activation statistics at every step (the torch runner)")
+    rb.add_argument("--json", dest="rebuild_json", action="store_true", help="print the result as JSON")
+    rb.add_argument("--html", dest="rebuild_html", default=None, metavar="PATH",
+                    help="also write the step timeline and token times as an HTML page")
+    add_engine_args(rb)
 
     keys = sub.add_parser("keys", help="manage the gateway's API keys (tenants and lanes)")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
@@ -208,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(args)
     if args.command == "replay":
         return _replay(args)
+    if args.command == "rebuild":
+        return _rebuild(args)
     if args.command == "keys":
         return _keys(args)
     if args.command == "serve":
@@ -234,6 +273,27 @@ def main(argv: list[str] | None = None) -> int:
         print(engine.tokenizer.decode(out))
         return 0
     return 2
+
+
+def _rebuild(args: argparse.Namespace) -> int:
+    from tailguard.observe.sealing import SealError, new_key
+    from tailguard.rebuild import RebuildError
+    from tailguard.rebuild import main as rebuild
+    from tailguard.serving.config import default_store_path
+
+    if args.new_key:
+        print(new_key())
+        return 0
+    if not args.request_id:
+        print("error: give the request's ID (or --new-key)", file=sys.stderr)
+        return 2
+    try:
+        return rebuild(args.request_id, args.rebuild_store or default_store_path(), args.rebuild_key_file,
+                       engine_args_from(args), internals=args.internals, as_json=args.rebuild_json,
+                       html=args.rebuild_html)
+    except (RebuildError, SealError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -277,6 +337,20 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _region_cidr(text: str) -> tuple[str, str]:
+    """``--region-cidr 10.1.0.0/16=eu-west``: a network and its region."""
+    import ipaddress
+
+    cidr, sep, region = text.partition("=")
+    try:
+        if not sep or not region.strip():
+            raise ValueError
+        ipaddress.ip_network(cidr.strip(), strict=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected CIDR=REGION, e.g. 10.1.0.0/16=eu-west") from None
+    return cidr.strip(), region.strip()
+
+
 def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     from pydantic import ValidationError
 
@@ -290,10 +364,17 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
                                                 "max_queue", "served_model_names", "api_key", "admin_key", "access_log",
                                                 "log_level", "model", "keys_file", "redis_url", "max_connections",
                                                 "max_header_bytes", "header_timeout_s", "body_timeout_s",
-                                                "body_min_rate", "keepalive_timeout_s", "graceful_shutdown_s")
+                                                "body_min_rate", "keepalive_timeout_s", "graceful_shutdown_s",
+                                                "tokenizer_glossary", "seal_key_file")
                  if getattr(args, k) is not None}
     if args.upstream:
         overrides["upstreams"] = [{"url": u} for u in args.upstream]
+    if args.region_header is not None:
+        overrides["region_header"] = args.region_header or None
+    if args.region_cidrs:
+        overrides["region_cidrs"] = dict(args.region_cidrs)  # replaces the config file's map
+    if args.network_sampling is False:
+        overrides["network_sampling"] = False
     # Engine flags set on the command line override the config file's ``engine:`` section; their defaults do not.
     engine_flags = {"--weight-format": "weight_format", "--device": "device", "--kv-cache-tokens": "kv_cache_tokens",
                     "--kv-cache-memory": "kv_cache_memory", "--kv-cache-dtype": "kv_cache_dtype", "--runner": "runner",

@@ -197,6 +197,16 @@ def test_replica_killed_mid_stream_gives_a_clean_error_event(tmp_path):
         metrics = httpx.get(gw.url + "/metrics").text
         assert metric_value(metrics, "tailguard_stream_interrupted_requests_total") == 1.0
         assert metric_value(metrics, "tailguard_streams_started_total") == 1.0  # the rate's denominator
+        assert rec["interrupted"] is True  # the record says so, and the SLO monitor's window counts it
+        mon = gw.state.slo
+        if mon is not None:
+            view = mon.evaluate().to_dict()
+            scope = next(iter(view["scopes"].values()))
+            assert scope["streams"] == 1 and scope["interrupted"] == 1 and scope["interruption_rate"] == 1.0
+            metrics = httpx.get(gw.url + "/metrics").text
+            assert metric_value(metrics, "tailguard_slo_window_stream_interruption_ratio") == 1.0
+        before = chat(gw.url, stream=True)  # the replica is gone: this one fails before its first token
+        assert before.status_code == 502 and "interrupted" not in record(gw, before)
 
 
 def test_stalled_replica_degrades_after_three_misses(tmp_path):

@@ -67,3 +67,32 @@ def test_long_context_and_key_cap():
         w.record(RequestSample(e2e=1.0, region=r), now=5)
     assert w.query(Selector(regions=("other",)), 60, now=5).total == 3
     assert w.dropped_keys == 3
+
+
+def test_the_interruption_rate_counts_streams_that_began():
+    from tailguard.slo.profiles import Metric, Objective, SLOProfile
+
+    t = [1000.0]
+    w = SlidingWindows(slot_s=1, max_window_s=30, clock=lambda: t[0])
+    for i in range(200):
+        w.record(RequestSample(e2e=0.5, ttft=0.1, streamed=i < 100, interrupted=i in (3, 7)))
+    w.record(RequestSample(e2e=None, outcome="error", streamed=False, interrupted=False))
+    t[0] += 1.5
+    w.advance()
+    st = w.query(window_s=30)
+    assert (st.streams, st.interrupted) == (100, 2) and st.interruption_rate == 0.02
+    assert st.rate_samples("interruption_rate") == 100 and st.rate_samples("error_rate") == 201
+    assert st.summary()["interruption_rate"] == 0.02
+    # A fleet's slot carries the counts (and one from an earlier release, without them, still decodes).
+    raw = next(iter(w.export_slots().values()))
+    again = w.decode_slot(raw)
+    assert sum(c.streams for c in again.cells.values()) == 100
+    import json
+
+    old = json.loads(raw)
+    for cell in old["cells"]:
+        cell["counts"] = cell["counts"][:10]
+    assert sum(c.streams for c in w.decode_slot(json.dumps(old).encode()).cells.values()) == 0
+    obj = Objective(metric=Metric.INTERRUPTION_RATE, threshold="0.1%", comparison="<")
+    assert obj.describe().startswith("interruption_rate < 0.100%")
+    SLOProfile(name="streams", objectives=(obj,))  # a rate: no percentile, a share below 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from threading import Lock
@@ -62,6 +62,17 @@ def _byte_level_text(token: str) -> str:
 
 # Texts longer than this are encoded through encode_batch, which releases the GIL (same ids, same speed).
 _RELEASE_GIL_CHARS = 1024
+# A glossary is encoded this many terms a batch: the Rust encodings of a whole big list at once would hold far more
+# than its ids (offsets, masks, token strings) for every term together.
+_GLOSSARY_CHUNK = 4096
+
+
+@dataclass(frozen=True)
+class GlossaryStats:
+    terms: int  # pinned now
+    bytes: int  # what their entries hold (approximately)
+    dropped: int  # left out: past the byte budget
+    tokens: int  # their ids, all together
 
 
 class GGUFTokenizer:
@@ -70,6 +81,9 @@ class GGUFTokenizer:
     The cache is bounded by entries (``cache_size``) and by the bytes its keys and ids hold (``cache_bytes``): prompts
     reach 16 MB, so an entry count alone would let a few thousand of them hold gigabytes. An encoding larger than the
     whole budget is not cached. ``cache_size=0`` or ``cache_bytes=0`` turns the cache off.
+
+    A glossary (``set_glossary``: a domain's terms) is pinned in front of the LRU, outside its bounds: traffic never
+    evicts it. It only spares work: every id it holds is what ``encode`` gives for that text.
     """
 
     def __init__(self, path: str | Path, cache_size: int = 4096, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
@@ -121,7 +135,13 @@ class GGUFTokenizer:
         self._cache_budget = cache_bytes
         self.cache_bytes = 0  # what the cache holds now
         self._lock = Lock()
-        self.cache_hits = 0
+        self.cache_hits = 0  # every hit, the glossary's included
+        self.cache_misses = 0
+        # A domain glossary's terms, pinned in front of the LRU (traffic never evicts them) and replaced as a whole
+        # on reload: one dict swapped in, so a lookup needs no lock.
+        self._glossary: dict[str, tuple[int, ...]] = {}
+        self.glossary_bytes = 0
+        self.glossary_hits = 0
 
     # --- encoding -------------------------------------------------------------------------------------------------
     def min_tokens(self, text: str) -> int:
@@ -131,13 +151,26 @@ class GGUFTokenizer:
         digits = sum(map(text.count, "0123456789")) if self.max_token_digits == 1 else 0
         return max(-(-len(text) // self.max_token_chars), -(-non_ascii // self.max_token_non_ascii), digits)
 
-    def encode(self, text: str) -> list[int]:
+    def lookup(self, text: str) -> list[int] | None:
+        """The ids of ``text`` when the glossary or the LRU cache holds them (a hit is counted), else None."""
+        pinned = self._glossary.get(text)
+        if pinned is not None:
+            with self._lock:
+                self.cache_hits += 1
+                self.glossary_hits += 1
+            return list(pinned)
         with self._lock:
             hit = self._cache.get(text)
             if hit is not None:
                 self._cache.move_to_end(text)
                 self.cache_hits += 1
                 return list(hit[0])
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        hit = self.lookup(text)
+        if hit is not None:
+            return hit
         if len(text) > _RELEASE_GIL_CHARS:
             # encode_batch lets go of the GIL while Rust works (encode holds it: ~1 ms per 2,500 characters), so a
             # long prompt tokenized on a worker thread never stalls the event loop or the engine's thread.
@@ -146,26 +179,85 @@ class GGUFTokenizer:
             ids = self._tok.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
-        if self._cache_size and self._cache_budget:
-            entry = tuple(ids)
-            cost = _cache_cost(text, entry)
-            if cost <= self._cache_budget:
-                with self._lock:
-                    old = self._cache.pop(text, None)
-                    if old is not None:
-                        self.cache_bytes -= old[1]
-                    self._cache[text] = (entry, cost)
-                    self.cache_bytes += cost
-                    while len(self._cache) > self._cache_size or self.cache_bytes > self._cache_budget:
-                        _, (_, dropped) = self._cache.popitem(last=False)
-                        self.cache_bytes -= dropped
+        self._store(text, ids)
         return ids
 
+    def _store(self, text: str, ids: list[int]) -> None:
+        with self._lock:
+            self.cache_misses += 1
+        if not (self._cache_size and self._cache_budget):
+            return
+        entry = tuple(ids)
+        cost = _cache_cost(text, entry)
+        if cost > self._cache_budget:
+            return
+        with self._lock:
+            old = self._cache.pop(text, None)
+            if old is not None:
+                self.cache_bytes -= old[1]
+            self._cache[text] = (entry, cost)
+            self.cache_bytes += cost
+            while len(self._cache) > self._cache_size or self.cache_bytes > self._cache_budget:
+                _, (_, dropped) = self._cache.popitem(last=False)
+                self.cache_bytes -= dropped
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode many texts at once; the Rust side runs them in parallel."""
+        """Encode many texts at once, past the cache; the Rust side runs them in parallel."""
         encodings = self._tok.encode_batch(texts, add_special_tokens=False)
         prefix = [self.bos_token_id] if self.add_bos and self.bos_token_id is not None else []
         return [prefix + e.ids for e in encodings]
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, with the cache's misses encoded together as one batch: Rust encodes them in
+        parallel and without the GIL, so on a worker thread this never stalls the event loop. Same ids as ``encode``
+        (the same tokenizer either way); a text that cannot be encoded raises for the whole call."""
+        out: list[list[int] | None] = [self.lookup(t) for t in texts]
+        misses = [i for i, ids in enumerate(out) if ids is None]
+        if misses:
+            # A text repeated within the batch is encoded once.
+            unique = list(dict.fromkeys(texts[i] for i in misses))
+            encoded = dict(zip(unique, self.encode_batch(unique)))
+            for text, ids in encoded.items():
+                self._store(text, ids)
+            for i in misses:
+                out[i] = list(encoded[texts[i]])
+        return [ids for ids in out if ids is not None]
+
+    # --- the glossary ---------------------------------------------------------------------------------------------
+    def set_glossary(self, terms: Iterable[str], max_bytes: int = DEFAULT_CACHE_BYTES) -> GlossaryStats:
+        """Pin ``terms`` (a domain's vocabulary: one term each) in front of the cache, pre-tokenized, in place of the
+        glossary before. Tokenization does not change: a pinned entry holds exactly what ``encode`` gives. Terms past
+        ``max_bytes`` of entries are left out (and counted). Slow for big lists: call it off the event loop."""
+        unique = [t for t in dict.fromkeys(terms) if t]
+        table: dict[str, tuple[int, ...]] = {}
+        size = dropped = 0
+        for start in range(0, len(unique), _GLOSSARY_CHUNK):
+            chunk = unique[start:start + _GLOSSARY_CHUNK]
+            for text, ids in zip(chunk, self.encode_batch(chunk)):
+                entry = tuple(ids)
+                cost = _cache_cost(text, entry)
+                if size + cost > max_bytes:
+                    dropped += 1
+                    continue
+                table[text] = entry
+                size += cost
+        # Terms now pinned would otherwise sit in the LRU twice.
+        with self._lock:
+            for text in table:
+                old = self._cache.pop(text, None)
+                if old is not None:
+                    self.cache_bytes -= old[1]
+            self._glossary = table
+            self.glossary_bytes = size
+        return GlossaryStats(terms=len(table), bytes=size, dropped=dropped,
+                             tokens=sum(len(ids) for ids in table.values()))
+
+    def cache_stats(self) -> dict[str, int]:
+        """What the cache and the glossary hold and how often they answered."""
+        with self._lock:
+            return {"entries": len(self._cache), "bytes": self.cache_bytes, "hits": self.cache_hits,
+                    "misses": self.cache_misses, "glossary_terms": len(self._glossary),
+                    "glossary_bytes": self.glossary_bytes, "glossary_hits": self.glossary_hits}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

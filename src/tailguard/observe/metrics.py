@@ -23,6 +23,11 @@ LATENCY_BUCKETS = (
     0.45, 0.5, 0.6, 0.75, 1.0, 1.2, 1.5, 1.8, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
 )
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+# The client's round-trip time: loopback and a rack (well under 1 ms) to another continent and mobile links (seconds).
+RTT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2,
+               0.3, 0.5, 1.0, 2.0, 5.0)
+# Bytes written for a client but not yet on the wire: none, a few chunks, a full socket buffer, a stalled reader.
+BACKLOG_BUCKETS = (0, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _LABEL_RE = re.compile(r"[^A-Za-z0-9_.\-]")
@@ -101,13 +106,17 @@ class _ConnectionCollector:
 class ServerMetrics:
     """All series of one server. A private registry per instance, so tests can run several apps in one process."""
 
-    def __init__(self, model: str, business_types: Iterable[str] | None = None, max_business_types: int = 32) -> None:
+    def __init__(self, model: str, business_types: Iterable[str] | None = None, max_business_types: int = 32,
+                 max_regions: int = 32) -> None:
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
         # Business type comes from a client header: cap the label set so a client cannot explode cardinality.
         self._allowed = {clean_label(b) for b in business_types} if business_types else None
         self._seen: set[str] = set()
         self._max_business_types = max_business_types
+        # Regions come from a client header too (or the configured networks): the same cap, the rest as "other".
+        self._regions: dict[str, Any] = {}
+        self._max_regions = max_regions
         r = self.registry
         req = ["model", "business_type"]
 
@@ -159,6 +168,18 @@ class ServerMetrics:
                                [*req, "finished_reason"], registry=r)
         self.prompt_tokens = Counter("tailguard_prompt_tokens", "Prompt tokens of admitted requests.", req, registry=r)
         self.generation_tokens = Counter("tailguard_generation_tokens", "Output tokens produced.", req, registry=r)
+        # The client connection's quality per request (serving/network.py: the kernel's TCP_INFO, sampled while
+        # the answer is written), by region.
+        net = ["model", "region"]
+        self.client_rtt = Histogram("tailguard_client_rtt_seconds", "Per request: the kernel's smoothed round-trip "
+                                    "time to the client at the end of the answer (TCP_INFO).", net,
+                                    buckets=RTT_BUCKETS, registry=r)
+        self.client_retransmits = Counter("tailguard_client_retransmits", "TCP segments retransmitted to clients "
+                                          "while answers were written.", net, registry=r)
+        self.client_backlog = Histogram("tailguard_client_send_backlog_bytes", "Per request: the most bytes written "
+                                        "for the client but not yet sent (the server's write buffer plus the "
+                                        "kernel's unsent bytes) at any sample.", net, buckets=BACKLOG_BUCKETS,
+                                        registry=r)
         m = ["model"]
         # The process's cycle collector stops the event loop while it runs (tailguard serve runs it on a timer:
         # serving/gc_schedule.py); each full collection's pause, so that a tail it causes can be seen.
@@ -203,6 +224,27 @@ class ServerMetrics:
             self._seen.add(bt)
         return bt
 
+    def region(self, raw: str | None) -> str:
+        """The region's label value: the first ``max_regions`` seen keep their name, later ones are "other"."""
+        rg = clean_label(raw)
+        if rg in self._regions or len(self._regions) < self._max_regions or rg == "default":
+            return rg
+        return "other"
+
+    def _network(self, tl: Timeline, net: dict[str, Any]) -> None:
+        region = self.region(tl.region)
+        children = self._regions.get(region)
+        if children is None:
+            m = self.model
+            children = self._regions[region] = (self.client_rtt.labels(m, region),
+                                                self.client_retransmits.labels(m, region),
+                                                self.client_backlog.labels(m, region))
+        rtt, retrans, backlog = children
+        rtt.observe(net["rtt_ms"]["last"] / 1000.0)
+        if net.get("retransmits"):
+            retrans.inc(net["retransmits"])
+        backlog.observe(net.get("max_backlog_bytes", 0))
+
     def _series_of(self, business_type: str) -> _Series:
         """The children of one (model, business type): ``labels()`` validates and locks at every call, and a request
         makes about 15 of them (business types are capped, so this cache is too)."""
@@ -219,6 +261,8 @@ class ServerMetrics:
         ser["requests", outcome, str(tl.status)].inc()
         if tl.outcome is Outcome.SUCCESS:
             ser["success", tl.finish_reason or "unknown"].inc()
+        if tl.network:  # whatever the outcome: the connection is the client's, not the answer's
+            self._network(tl, tl.network)
         if tl.outcome in (Outcome.INVALID, Outcome.REJECTED) or tl.synthetic:
             # Never reached the engine (refused, or a degradation template): their latencies would dilute the
             # served distribution.

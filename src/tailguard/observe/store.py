@@ -540,10 +540,16 @@ class RequestStore:
             body["cached_prompt_tokens"] = rec["cached_prompt_tokens"]
         if self.store_text and tl.prompt_text is not None:
             body["prompt_redacted"] = prompt_text != tl.prompt_text  # a replay says it sends the redacted text
-        for extra in ("gateway", "speculation"):  # tenant, lane wait, replica...; speculative guesses and acceptance
+        # Tenant, lane wait, replica...; speculative guesses and acceptance; the client connection's quality.
+        for extra in ("gateway", "speculation", "network", "interrupted"):
             if rec.get(extra):
                 body[extra] = rec[extra]
         body["sampling"] = self._sampling(rec["sampling"])
+        if tl.sealed is not None:  # encrypted token ids for a rebuild (observe/sealing.py)
+            try:
+                body["sealed"] = tl.sealed()
+            except Exception:  # noqa: BLE001 - a seal that fails loses the rebuild, never the record
+                log.exception("sealing request %s failed", tl.request_id)
         action = json.dumps(tl.slo_action, separators=(",", ":")) if tl.slo_action else None
         internals = json.dumps(tl.internals, separators=(",", ":")) if tl.internals is not None else None
         return tuple(self._clean(v) for v in (
@@ -713,8 +719,13 @@ def row_to_record(row: Any) -> dict[str, Any]:
         "slo_action": json.loads(row["slo_action"]) if row["slo_action"] else None,
         "gateway": body.get("gateway"),
         "speculation": body.get("speculation"),
+        "network": body.get("network"),
         "cached_prompt_tokens": body.get("cached_prompt_tokens", 0),
     }
+    if body.get("sealed"):
+        rec["sealed"] = body["sealed"]
+    if body.get("interrupted"):
+        rec["interrupted"] = True
     internals = row["internals"]
     if internals:
         rec["internals"] = json.loads(internals)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,9 @@ class Timeline:
     slo_action: dict[str, Any] | None = None
     # True for an answer the engine never produced (a degradation template): not a latency sample.
     synthetic: bool = False
+    # A stream the server ended without [DONE] (an upstream or the engine failed mid-answer, a drain cut it) while
+    # the client was still there: the stream interruption rate's numerator.
+    interrupted: bool = False
     # The gateway's part (tenant, lane wait, replica, attempts, stalls, an ignored lane claim); None without one.
     gateway: dict[str, Any] | None = None
     # Speculative decoding (the engine's counts for this request): guesses verified, and accepted.
@@ -86,12 +90,18 @@ class Timeline:
     upstream_usage: dict[str, Any] | None = None
     # Sampled internals: per-layer step timings and activation statistics, for a sampled share of requests.
     internals: dict[str, Any] | None = None
+    # The client connection's quality while the answer was written (RTT, retransmits, send backlog: the kernel's
+    # TCP_INFO, sampled by serving/network.py); None off Linux, without uvicorn, or with sampling off.
+    network: dict[str, Any] | None = None
     # Text audit (input provenance, output and candidates); filled only when text storage is on, redacted by the
     # store before it is written.
     prompt_text: str | None = None
     output_text: str | None = None
     prompt_token_ids: list[int] | None = None
     logprobs: list[dict] | None = None
+    # With a sealing key: makes the sealed rebuild payload (token ids, sampling, seed; observe/sealing.py), called by
+    # the store on its writer thread so that the encryption costs the request path nothing.
+    sealed: Callable[[], str] | None = field(default=None, repr=False)
     _summary: Summary | None = field(default=None, repr=False)
     _finalized: bool = field(default=False, repr=False)
 
@@ -232,7 +242,9 @@ class Timeline:
             "degraded": self.degraded,
             "slo_action": self.slo_action,
             **({"gateway": self.gateway} if self.gateway else {}),
+            **({"interrupted": True} if self.interrupted else {}),
             **({"speculation": {"proposed": self.spec_proposed, "accepted": self.spec_accepted}}
                if self.spec_proposed else {}),
             **({"internals": self.internals} if self.internals is not None else {}),
+            **({"network": self.network} if self.network else {}),
         }

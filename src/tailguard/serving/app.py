@@ -22,8 +22,9 @@ from tailguard.serving.endpoint import CompletionEndpoint
 from tailguard.serving.errors import APIError, on_api_error, on_http_error, on_server_error
 from tailguard.serving.forward import ForwardEndpoint
 from tailguard.serving.lifespan import Lifespan
-from tailguard.serving.routes import health, models, openapi, records, slo, upstreams
+from tailguard.serving.routes import health, models, openapi, records, slo, tokenizer, upstreams
 from tailguard.serving.state import ServerState
+from tailguard.serving.tokenize_pipeline import with_pipeline
 
 if TYPE_CHECKING:
     from tailguard.slo.monitor import SLOMonitor
@@ -67,9 +68,13 @@ def create_app(
         Route("/v1/alerts", slo.alerts, methods=["GET"]),
         Route("/slo", slo.slo_page, methods=["GET"]),
         Route("/slo/data", slo.slo_data, methods=["GET"]),
+        Route("/slo/heatmap", slo.slo_heatmap, methods=["GET"]),
+        Route("/slo/plotly.js", slo.plotly_js, methods=["GET"]),
         Route("/admin/upstreams", upstreams.list_upstreams, methods=["GET"]),
         Route("/admin/upstreams", upstreams.add_upstream, methods=["POST"]),
         Route("/admin/upstreams/{name:path}", upstreams.remove_upstream, methods=["DELETE"]),
+        Route("/admin/tokenizer/glossary", tokenizer.glossary, methods=["GET"]),
+        Route("/admin/tokenizer/glossary", tokenizer.reload_glossary, methods=["POST"]),
     ]
     middleware = []
     if config.tracing.enabled:  # W3C trace context in and out; without tracing, nothing is in the request's path
@@ -85,7 +90,8 @@ def create_app(
     app = _App(
         routes=routes,
         middleware=middleware,
-        lifespan=Lifespan(state, engine, engine_factory, redactor, own, own_process),
+        # The tokenize pipeline's glossary loads once the backend is attached, and stops before it closes.
+        lifespan=with_pipeline(Lifespan(state, engine, engine_factory, redactor, own, own_process), state),
         exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Exception: on_server_error},
     )
     app.state.tailguard = state

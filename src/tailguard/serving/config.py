@@ -60,7 +60,8 @@ class FakeEngineConfig(BaseModel):
     max_model_len: int = Field(8192, ge=2)
     output_text: str = "The quick brown fox jumps over the lazy dog. "
     itl_per_running: float = Field(0.0, ge=0, description="added to each decode gap per other running sequence")
-    priority_scheduling: bool = Field(False, description="waiting requests take free slots highest priority first")
+    priority_scheduling: bool = Field(False, description="waiting requests take free slots most important (lowest "
+                                                             "priority value) first")
 
 
 class BatchCapConfig(BaseModel):

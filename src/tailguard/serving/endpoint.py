@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from contextlib import aclosing
@@ -34,6 +35,7 @@ from tailguard.backends.stall_watch import watch
 from tailguard.backends.upstream.events import UpstreamError
 from tailguard.engine.sequence import EngineClosed, RequestError, SamplingParams, SequenceFailed
 from tailguard.observe.metrics import clean_label
+from tailguard.observe.sealing import TokenSeal, load_key, sampling_to_json
 from tailguard.observe.timeline import Outcome, Timeline
 from tailguard.policy.decision import clean_text
 from tailguard.policy.lanes import LaneConfig
@@ -157,6 +159,9 @@ class Endpoint:
             await ex.fail(APIError(500, f"internal server error; request id {tl.request_id}"))
             tl.finalize(500, Outcome.ERROR)
         finally:
+            # Begun and not ended by its [DONE] (an upstream or the engine failed, a drain cut it), the client there.
+            tl.interrupted = bool(tl.stream and tl.token_sent and tl.outcome is not Outcome.SUCCESS
+                                  and tl.status != 499)
             st.admission.live.pop(me, None)
             ex.move(Phase.CLOSED)  # gives the queue slot back if the request still held one
             st.policy.release(ex.decision, tl.num_output_tokens)  # its lane slot, the tokens it never produced
@@ -177,6 +182,8 @@ class CompletionEndpoint(Endpoint):
         self._seq = 0
         self.prompts = PromptReader(state, chat)
         self.answers = Responder(state, chat)
+        key = load_key(state.config.seal_key_file)
+        self.seal = TokenSeal(key) if key else None  # a bad key stops the server at its start, not a request
 
     # --- the exchange -------------------------------------------------------------------------------------------------
     async def _exchange(self, ex: Exchange, request: Incoming) -> None:
@@ -209,6 +216,8 @@ class CompletionEndpoint(Endpoint):
             tl.prompt_token_ids = ids
             if p.logprobs is not None:
                 tl.logprobs = []
+        if self.seal is not None and backend.tokenizer is not None:
+            self._seal(ex, prep)
         engine_id = tl.request_id
         if engine_id in st.active_ids:  # a client reused its X-Request-ID while the first is still running
             self._seq += 1
@@ -250,6 +259,20 @@ class CompletionEndpoint(Endpoint):
         elif ex.audit_ids is not None and tl.spec_proposed and tl.outcome is Outcome.SUCCESS and not tl.degraded:
             assert st.audit is not None
             st.audit.submit(backend, tl.request_id, ids, prep.sampling, ex.audit_ids)
+
+    def _seal(self, ex: Exchange, prep: Prepared) -> None:
+        """Keep what a rebuild needs, sealed by the store: the token ids in and out, the sampling and its seed."""
+        sampling = prep.sampling
+        seed_given = sampling.seed is not None
+        if not seed_given and not sampling.greedy:
+            # A seed of its own, drawn at random: the answer is as random as the shared generator's, and repeatable.
+            sampling.seed = secrets.randbits(63)
+        out = ex.output_ids = []
+        payload = {"prompt_ids": prep.ids, "output_ids": out, "sampling": sampling_to_json(sampling),
+                   "seed_given": seed_given, "chat": self.chat}
+        seal = self.seal
+        assert seal is not None
+        ex.tl.sealed = lambda: seal.seal(payload)
 
     async def _answer(self, ex: Exchange, request: Incoming, backend: Backend, engine_id: str, p: Parsed,
                       events: EventStream) -> None:

@@ -9,6 +9,10 @@ any other way), or ABANDONED (the client left first). ``Exchange.move`` is the o
 whatever ends the wait. The headers may leave before RESPONDING (``Exchange.started``): a stream's status and
 headers go out when an upstream replica accepts the request (its 200 head, before its first token, as the replica
 sent them) or with a keep-alive; the request keeps its queue slot until the backend's first event all the same.
+
+While the answer is written, ``Exchange.net`` samples the client connection (``serving/network.py``: the kernel's
+TCP_INFO and the write backpressure) at the first body write, at most every 100 ms of later writes and at the end
+(the last write, the client leaving, or the exchange closing any other way); its summary is the record's ``network``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from tailguard.observe.timeline import Timeline
 from tailguard.policy.decision import Decision, clean_text
 from tailguard.serving.client_relay import ClientRelay
 from tailguard.serving.ids import request_id_from
+from tailguard.serving.network import NetworkSampler, region_map
 from tailguard.serving.responses import sse_error
 from tailguard.serving.state import ServerState
 
@@ -74,10 +79,11 @@ class Incoming:
     """What a completion handler reads of its HTTP request: the ASGI ``receive`` and the headers, decoded once into a
     dict (Starlette's ``Request.headers`` scans the raw list again at each lookup, and a request looks up a dozen)."""
 
-    __slots__ = ("receive", "headers")
+    __slots__ = ("receive", "headers", "client")
 
     def __init__(self, scope: Scope, receive: Receive) -> None:
         self.receive = receive
+        self.client = scope.get("client")  # (host, port) of the peer, when the server knows it
         headers: dict[str, str] = {}
         for name, value in scope["headers"]:  # lower-case names (ASGI); the first of repeated ones, as Starlette's
             key = name.decode("latin-1")
@@ -104,8 +110,10 @@ class Exchange:
     output: list[str] = field(default_factory=list)
     decision: Decision = field(default_factory=Decision)  # the traffic policy's, and what the request holds
     audit_ids: list[int] | None = None  # the output token ids, kept when the speculation audit will rerun it
+    output_ids: list[int] | None = None  # the output token ids, kept when they are sealed for a rebuild
     relay: ClientRelay | None = None  # the gateway's direct relay of plain tokens, when the request has one
     started: bool = False  # the status and headers are out: the status cannot change any more
+    net: NetworkSampler | None = None  # the client connection's TCP state, sampled while the answer is written
 
     def move(self, to: Phase) -> None:
         """Go forward to ``to``. Leaving QUEUED gives the queue slot back: here and nowhere else."""
@@ -114,6 +122,13 @@ class Exchange:
         if self.phase is Phase.QUEUED and to is not Phase.QUEUED:
             self.state.admission.leave()
         self.phase = to
+        if to is Phase.CLOSED and self.net is not None:  # however the exchange ended, before its record closes
+            self._network_done()
+
+    def _network_done(self) -> None:
+        net, self.net = self.net, None
+        if net is not None:
+            self.tl.network = net.finish()
 
     def enqueue(self) -> None:
         adm = self.state.admission
@@ -132,23 +147,42 @@ class Exchange:
         if self.relay is not None:
             self.relay.armed = False
             self.relay.opening = None
+        self._network_done()
         return True
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Send the status and headers. Still waiting for the engine (an upstream's head, a keep-alive), the request
         stays QUEUED and keeps its slot until the engine's first event (``_take``)."""
         self.started = True
+        if self.net is None and self.phase < Phase.ABANDONED and self.state.config.network_sampling:
+            self.net = NetworkSampler.for_send(self.send)
         if self.phase is not Phase.QUEUED:
             self.move(Phase.RESPONDING)
         await self.send({"type": "http.response.start", "status": status,
                          "headers": [*headers, (b"x-request-id", self.tl.request_id.encode())]})
 
     async def chunk(self, body: bytes) -> None:
+        net = self.net
+        if net is None or body[:1] == b":":  # a keep-alive comment is no token: not sampled
+            await self.send({"type": "http.response.body", "body": body, "more_body": True})
+            return
+        flow = net.flow
+        if flow is not None and flow.write_paused:
+            net.waits += 1  # this write waits for the client to read
         await self.send({"type": "http.response.body", "body": body, "more_body": True})
+        net.on_write()
 
     async def last(self, body: bytes) -> None:
+        net, self.net = self.net, None  # sampled after the last write, not when the phase closes just before it
         self.move(Phase.CLOSED)  # before the send: a disconnect reported after the last byte is not an abort
-        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        if net is not None and net.flow is not None and net.flow.write_paused:
+            net.waits += 1
+        try:
+            await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        finally:
+            if net is not None:
+                self.net = net
+                self._network_done()
 
     async def fail(self, err: APIError) -> None:
         """Tell the client: an OpenAI error body, or, once a stream's status is out, an error event that ends it."""
@@ -222,7 +256,8 @@ def open_timeline(state: ServerState, request: Incoming, endpoint: str, received
     # operator says the header is set by a trusted proxy in front.
     tl.lane = clean_label(hdrs.get("x-lane")) if state.config.trust_lane_header else "default"
     tl.client = clean_label(hdrs.get("x-client"))
-    tl.region = clean_label(hdrs.get("x-region"))
+    # The configured region header, else the client's network in ``region_cidrs`` (serving/network.py).
+    tl.region = region_map(state.config).region(hdrs, request.client)
     return tl
 
 

@@ -14,6 +14,7 @@ from tailguard.serving.chat_prompt import render_chat_prompt
 from tailguard.serving.exchange import Incoming
 from tailguard.serving.protocol import Parsed
 from tailguard.serving.state import ServerState
+from tailguard.serving.tokenize_pipeline import encode_error, pipeline_of
 
 # Room in a body for what is not the prompt (the other fields, the messages' JSON framing).
 _BODY_OVERHEAD_BYTES = 64 * 1024
@@ -114,9 +115,7 @@ class PromptReader:
         tok = engine.tokenizer
         assert tok is not None, "only a backend that takes token ids has its prompts tokenized here"
 
-        def run() -> tuple[list[int], str | None]:
-            if p.prompt_token_ids is not None:
-                return p.prompt_token_ids, None
+        def render() -> str:
             if p.messages is None:
                 text = p.prompt or ""
             else:
@@ -127,15 +126,27 @@ class PromptReader:
                                     f"{_HEAD_CHARS_PER_TOKEN * engine.max_model_len:,} characters alone; this "
                                     f"model's context window is {engine.max_model_len:,} tokens",
                                param="messages" if self.chat else "prompt", code="context_length_exceeded")
-            return tok.encode(text), text
+            return text
 
+        def run() -> tuple[list[int], str]:
+            text = render()
+            try:
+                return tok.encode(text), text
+            except Exception as exc:  # noqa: BLE001 - reworded below
+                raise encode_error(text, exc) from None
+
+        if p.prompt_token_ids is not None:
+            return p.prompt_token_ids, None
         try:
             if _prompt_chars(p) > self.state.config.tokenize_in_thread_chars:
                 # Off the event loop (the tokenizer lets go of the GIL for long texts), one long prompt at a time:
                 # however many huge prompts arrive, they queue for one core and leave the rest to everybody else.
                 async with self.state.long_tokenize:
                     return await asyncio.to_thread(run)
-            return run()
+            # The template on the loop (short); the encode through the cache, then batched with the prompts that
+            # arrive with this one, on the batcher's thread (serving/tokenize_pipeline.py).
+            text = render()
+            return await pipeline_of(self.state).encode(tok, text), text
         except APIError:
             raise
         except UnicodeEncodeError as exc:  # a lone surrogate: a legal JSON escape, but not Unicode text

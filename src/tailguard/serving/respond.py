@@ -125,6 +125,8 @@ class Responder:
         tl.token_times.append(ev.time)
         if ex.audit_ids is not None:
             ex.audit_ids.append(ev.token_id)
+        if ex.output_ids is not None:
+            ex.output_ids.append(ev.token_id)
         if lp_items is not None:
             lp_items.append((ev.token_id, ev.logprob, ev.top_logprobs))
             if tl.logprobs is not None:

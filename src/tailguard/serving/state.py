@@ -318,6 +318,7 @@ def sample_gateway(gm: GatewayMetrics, lanes: Lanes | None, pool: UpstreamPool |
             gm.up_outstanding.labels(m, rep.name).set(rep.outstanding_tokens)
             gm.up_in_flight.labels(m, rep.name).set(rep.in_flight)
             gm.up_waiting.labels(m, rep.name).set(rep.upstream_waiting)
+            gm.engine_state(rep.name, rep.upstream_running, rep.kv_usage)
             gm.up_healthy.labels(m, rep.name).set(1 if rep.available else 0)
             gm.catch_up(gm.up_breaker_open, (m, rep.name), rep.breaker.opened_total)
             c = rep.conns

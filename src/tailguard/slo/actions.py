@@ -158,6 +158,10 @@ class SLOMetrics:
                              ["scope", "metric", "percentile"], registry=r)
         self.requests = Gauge("tailguard_slo_window_requests", "Requests finished in the live window.", ["scope"],
                               registry=r)
+        self.interruption_ratio = Gauge(
+            "tailguard_slo_window_stream_interruption_ratio",
+            "Streams the server ended without [DONE] (the client still there) / streams that began, in the window.",
+            ["scope"], registry=r)
         self.error_ratio = Gauge("tailguard_slo_window_error_ratio", "Errors / served requests in the window.",
                                  ["scope"], registry=r)
         self.peak = Gauge("tailguard_slo_peak", "1 at peak (5-minute window), 0 otherwise (15-minute).", registry=r)

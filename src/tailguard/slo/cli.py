@@ -50,6 +50,9 @@ def add_slo_parser(subparsers: Any) -> argparse.ArgumentParser:
     rp.add_argument("--file", help="a YAML file of custom profiles (default: the built-in ones only)")
     rp.add_argument("--min-samples", type=int, default=20, help="fewest requests for an hour or week to be judged")
     rp.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    rp.add_argument("--html", default=None, metavar="FILE",
+                    help="also write the report as one HTML file with the region heatmap (region x hour: P99 E2E, "
+                         "median RTT, retransmit rate; opens offline) (default: none)")
 
     hs = sub.add_parser("hotspots", help="layers (sampled internals) and stages slower than mean + 2 sigma, from the "
                                          "request store")
@@ -191,6 +194,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
         print(json.dumps(rep, indent=2, default=str))
     else:
         render_report(rep)
+    if args.html:
+        from tailguard.slo.report import render_report_html
+
+        Path(args.html).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.html).write_text(render_report_html(rep), encoding="utf-8")
+        print(f"wrote {args.html}", file=sys.stderr)
     return 0
 
 

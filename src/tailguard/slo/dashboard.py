@@ -1,6 +1,11 @@
 """The live SLO page (``GET /slo``): one self-contained HTML file that polls ``GET /slo/data`` (the monitor's
 snapshot) and draws it. No external scripts, fonts or styles, so it works on an air-gapped host; every value is put in
 the page with ``textContent`` (never as HTML), so a business type or request id from a client cannot inject markup.
+
+The region heatmap (region x minute: P99 latency, median RTT, retransmit rate; ``slo/region_heatmap.py``) comes from
+``GET /slo/heatmap`` every 30 s as a plotly figure, drawn with the plotly.js that the same server serves
+(``GET /slo/plotly.js``, from the installed plotly package). Its labels are region names, which are label-cleaned
+(letters, digits, ``_.-``) before they are recorded, so they cannot carry plotly's few text tags either.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ DASHBOARD_HTML = r"""<!doctype html>
   th:first-child, td:first-child { text-align: left; }
   .breach { color: #d93b3b; font-weight: 600; } .ok { color: #2e9d5b; } .muted { color: #888; }
   #error { color: #ffb3b3; } svg { width: 100%; height: 220px; }
+  #heatmap svg { height: auto; }  /* plotly sizes its own figure */
   .wide { grid-column: 1 / -1; }
 </style>
 </head>
@@ -63,6 +69,9 @@ DASHBOARD_HTML = r"""<!doctype html>
   <section><h2>Golden-rule advisories</h2><table id="advisories"></table>
     <p class="muted">Advisories, not pages: healthy lognormal latency exceeds these ratios too.</p></section>
   <section><h2>Hotspots (slower than mean + 2σ of log E2E)</h2><table id="hotspots"></table></section>
+  <section class="wide"><h2>Regions: P99 E2E and the clients' network, per minute</h2>
+    <div id="heatmap" data-drawn="0"></div><table id="regions"></table>
+    <p id="heatmap-note" class="muted"></p></section>
 </main>
 <script>
 "use strict";
@@ -195,6 +204,45 @@ async function poll() {
   }
 }
 poll();
+
+// The region heatmap: a plotly figure built by the server (go.Heatmap), drawn with the server's own plotly.js.
+const HEAT_URL = params.get("heatmap") || location.pathname.replace(/\/?$/, "/heatmap");
+const PLOTLY_URL = location.pathname.replace(/\/?$/, "/plotly.js");
+const HEAT_INTERVAL = Math.max(INTERVAL, 30000);
+let plotlyLoaded = null;
+function loadPlotly() {
+  if (window.Plotly) return Promise.resolve();
+  if (!plotlyLoaded) plotlyLoaded = new Promise((ok, fail) => {
+    const el = document.createElement("script");
+    el.src = PLOTLY_URL; el.onload = ok;
+    el.onerror = () => { plotlyLoaded = null; fail(new Error("plotly.js is not available on the server")); };
+    document.head.appendChild(el);
+  });
+  return plotlyLoaded;
+}
+const fmtMs = (v) => v == null ? "–" : v.toFixed(v < 10 ? 3 : 1) + " ms";
+async function heat() {
+  try {
+    const r = await fetch(HEAT_URL, {cache: "no-store", headers: AUTH});
+    if (!r.ok) throw new Error("HTTP " + r.status);
+    const h = await r.json(), d = h.data;
+    table("regions", ["region", "requests", "P" + d.percentile + " " + d.metric.toUpperCase(), "median RTT",
+                      "retransmit rate", "with network figures"],
+          d.regions.map((name) => { const t = d.totals[name];
+            return [name, t.requests, fmtS(t.latency), fmtMs(t.rtt_ms_median), fmtP(t.retransmit_rate), t.network_n]; }));
+    $("heatmap-note").textContent = d.regions.length + " regions · " + d.buckets.length + " buckets of " +
+      Math.round(d.bucket_s) + " s · from the request store, " + fmtT(h.computed_at);
+    if (!h.figure) { $("heatmap-note").textContent += " · plotly is not installed on the server: figures only"; return; }
+    await loadPlotly();
+    await window.Plotly.react("heatmap", h.figure.data, h.figure.layout, {displaylogo: false, responsive: true});
+    $("heatmap").dataset.drawn = "1";
+  } catch (e) {
+    $("heatmap-note").textContent = "region heatmap: " + e.message;
+  } finally {
+    setTimeout(heat, HEAT_INTERVAL);
+  }
+}
+heat();
 </script>
 </body>
 </html>

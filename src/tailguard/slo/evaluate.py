@@ -360,8 +360,8 @@ class Evaluator:
                 res["value"] = res["long"]["value"] / res["short"]["value"] - 1.0
         elif o.metric in RATE_METRICS:
             st = q(sel)
-            res["samples"] = st.served
-            if st.served >= min_n:
+            res["samples"] = n = st.rate_samples(o.metric.value)
+            if n >= min_n:
                 res["value"] = st.rate(o.metric.value)
         else:
             st = q(sel)

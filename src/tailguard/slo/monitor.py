@@ -260,6 +260,8 @@ class SLOMonitor:
             m.tier.labels(name).set(v["tier_level"])
             m.requests.labels(name).set(v["total"])
             m.error_ratio.labels(name).set(v["error_rate"] if v["error_rate"] is not None else math.nan)
+            ir = v.get("interruption_rate")
+            m.interruption_ratio.labels(name).set(ir if ir is not None else math.nan)
             for metric in CORE_METRICS:
                 for q in ("p50", "p95", "p99"):
                     val = v[metric][q]

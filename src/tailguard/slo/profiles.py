@@ -67,6 +67,7 @@ class Metric(StrEnum):
     ERROR_RATE = "error_rate"  # failed / all requests in the window
     DEGRADATION_RATE = "degradation_rate"  # degraded answers / all requests in the window
     SHED_RATE = "shed_rate"  # refused (429/503) / all requests in the window
+    INTERRUPTION_RATE = "interruption_rate"  # streams ended without [DONE] / streams that began, in the window
     LONG_CONTEXT_DECAY = "long_context_decay"  # P(long) / P(short) - 1, e2e by default
 
 
@@ -74,7 +75,8 @@ LATENCY_METRICS: frozenset[Metric] = frozenset(
     {Metric.TTFT, Metric.ITL, Metric.TPOT, Metric.E2E, Metric.E2E_PER_TOKEN, Metric.QUEUE_WAIT, Metric.TOKENIZE,
      Metric.PREFILL}
 )
-RATE_METRICS: frozenset[Metric] = frozenset({Metric.ERROR_RATE, Metric.DEGRADATION_RATE, Metric.SHED_RATE})
+RATE_METRICS: frozenset[Metric] = frozenset(
+    {Metric.ERROR_RATE, Metric.DEGRADATION_RATE, Metric.SHED_RATE, Metric.INTERRUPTION_RATE})
 
 
 class ProfileError(ValueError):

@@ -10,11 +10,16 @@ share (P99 <= 2 s means 99% of requests within 2 s).
 Percentiles come from t-digests (``fastdigest``), built per hour and merged per week: within about 1% of exact.
 Definitions follow the live monitor: E2E percentiles over successful requests, error rate = errors / served
 (success + error + aborted), invalid and rejected requests excluded.
+
+``regions`` is the region heatmap over the same weeks in 1-hour buckets (1-day buckets past 12 weeks;
+``slo/region_heatmap.py``): per region and hour the P99 E2E, the clients' median RTT and the retransmit rate; ``render_report_html`` draws it with plotly
+(``tailguard slo report --html FILE``), and the terminal report lists its per-region totals.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import html
 import json
 import math
 import sqlite3
@@ -26,8 +31,12 @@ from typing import Any
 from fastdigest import TDigest
 
 from tailguard.slo.profiles import RATE_METRICS, Metric, Objective, SLOProfile
+from tailguard.slo.region_heatmap import heatmap_html, region_heatmap, sqlite_rows
 
-__all__ = ["ReportError", "build_report", "render_report"]
+__all__ = ["ReportError", "build_report", "render_report", "render_report_html"]
+
+REGION_BUCKET_S = 3600.0
+REGION_HOURLY_WEEKS = 12  # longer reports have a column per day instead (2,016 hourly columns at most)
 
 _SERVED = ("success", "error", "aborted")
 
@@ -133,7 +142,7 @@ def _supported(o: Objective) -> str | None:
 
 
 def build_report(db: str | Path, profiles: Iterable[SLOProfile], weeks: int = 4, now: float | None = None,
-                 min_samples: int = 20) -> dict[str, Any]:
+                 min_samples: int = 20, regions: bool = True) -> dict[str, Any]:
     """Read the store and compute the report (JSON-ready). Raises :class:`ReportError` on an unusable store."""
     path = Path(db)
     if not path.exists():
@@ -228,6 +237,13 @@ def build_report(db: str | Path, profiles: Iterable[SLOProfile], weeks: int = 4,
                         acc.long_vals.append(e2e)
         alerts = _alert_counts(conn, tables, start, notes)
         audit = _audit_summary(conn, tables, start)
+        heat = None
+        if regions:
+            if "region" not in cols:
+                notes.append("column 'region' absent: every request is in region 'default'")
+            bucket = REGION_BUCKET_S if weeks <= REGION_HOURLY_WEEKS else 86400.0
+            heat = region_heatmap(sqlite_rows(conn, start, now, cols), start=start, end=max(now, start),
+                                  bucket_s=bucket, metric="e2e")
     finally:
         conn.close()
 
@@ -293,7 +309,7 @@ def build_report(db: str | Path, profiles: Iterable[SLOProfile], weeks: int = 4,
                     row["weeks"][w] = cell
             attainment.append(row)
     return {"db": str(path), "weeks": week_labels, "rows_read": rows, "trend": trend, "attainment": attainment,
-            "audit": audit, "notes": notes, "min_samples": min_samples}
+            "audit": audit, "regions": heat, "notes": notes, "min_samples": min_samples}
 
 
 def _audit_summary(conn: sqlite3.Connection, tables: set[str], start: float) -> dict[str, dict]:
@@ -346,6 +362,10 @@ def _sec(v: float | None) -> str:
 
 def _r(v: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g} ms"
 
 
 def render_report(rep: dict[str, Any], console: Any | None = None) -> None:
@@ -405,7 +425,63 @@ def render_report(rep: dict[str, Any], console: Any | None = None) -> None:
         con.print(au)
         con.print("[dim]greedy output must be identical (distance 0): a mismatch is a bug; sampled output is rerun "
                   "with the same seed and judged against the bound of 3 tokens (edit distance).[/]")
+    heat = rep.get("regions")
+    if heat and heat["regions"]:
+        rg = Table(title="Regions (all weeks; per hour or day: tailguard slo report --html)", title_justify="left")
+        for c in ("region", "reqs", "P99 E2E", "median RTT", "retransmits", "with network"):
+            rg.add_column(c, justify="left" if c == "region" else "right")
+        for name in heat["regions"]:
+            t = heat["totals"][name]
+            rg.add_row(escape(name), f"{t['requests']:,}", _sec(t["latency"]), _ms(t["rtt_ms_median"]),
+                       _r(t["retransmit_rate"], "{:.2%}"), f"{t['network_n']:,}")
+        con.print(rg)
     for n in rep["notes"]:
         con.print(f"[dim]note: {escape(n)}[/]")
     con.print(f"[dim]{rep['rows_read']:,} records read; hours and weeks with fewer than {rep['min_samples']} "
               "requests are not judged; percentiles from t-digests (within about 1%).[/]")
+
+
+_HTML_CSS = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em auto; max-width: 1400px; color: #1d2430; }
+table { border-collapse: collapse; margin: .5em 0 1.5em; font-variant-numeric: tabular-nums; }
+th, td { text-align: right; padding: .2em .7em; border-bottom: 1px solid #e4e6ea; white-space: nowrap; }
+th:first-child, td:first-child { text-align: left; }
+.muted { color: #777; }
+"""
+
+
+def _html_table(head: list[str], rows: list[list[str]]) -> str:
+    cells = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{cells}</tr>{body}</table>"
+
+
+def render_report_html(rep: dict[str, Any]) -> str:
+    """The report as one self-contained HTML file (plotly.js inline: it opens offline): the weekly trend, the
+    per-region totals and the region heatmap (region x hour: P99 E2E, median RTT, retransmit rate)."""
+    weeks = rep["weeks"]
+    parts = [f"<h1>SLO report</h1><p class='muted'>{html.escape(rep['db'])}: weeks {html.escape(weeks[0])} .. "
+             f"{html.escape(weeks[-1])} (UTC); {rep['rows_read']:,} records read</p>",
+             "<h2>Weekly tail trend: E2E of successful requests</h2>"]
+    parts.append(_html_table(
+        ["week", "requests", "errors", "P50", "P95", "P99", "P99/P95", "P99/P50"],
+        [[w["week"], f"{w['requests']:,}", _r(w["error_rate"], "{:.2%}"), _sec(w["p50"]), _sec(w["p95"]),
+          _sec(w["p99"]), _r(w["p99_over_p95"]), _r(w["p99_over_p50"])] for w in rep["trend"]]))
+    heat = rep.get("regions")
+    parts.append("<h2>Regions</h2>")
+    if heat and heat["regions"]:
+        parts.append(_html_table(
+            ["region", "requests", "P99 E2E", "median RTT", "retransmit rate", "with network figures"],
+            [[name, f"{t['requests']:,}", _sec(t["latency"]), _ms(t["rtt_ms_median"]),
+              _r(t["retransmit_rate"], "{:.2%}"), f"{t['network_n']:,}"]
+             for name, t in ((n, heat["totals"][n]) for n in heat["regions"])]))
+        parts.append(heatmap_html(heat, include_plotlyjs=True))
+        unit = "hour" if heat["bucket_s"] == REGION_BUCKET_S else "day"
+        parts.append(f"<p class='muted'>Per {unit} (UTC): the P99 of E2E over successful answers; the median of the "
+                     "clients' RTT (the kernel's smoothed RTT at each answer's end); retransmitted segments over "
+                     "segments sent while answers were written. Empty cells: no request, or no network figures.</p>")
+    else:
+        parts.append("<p class='muted'>No requests in these weeks.</p>")
+    parts += [f"<p class='muted'>note: {html.escape(n)}</p>" for n in rep["notes"]]
+    return ("<!doctype html><html lang='en'><head><meta charset='utf-8'><title>tailguard SLO report</title>"
+            f"<style>{_HTML_CSS}</style></head><body>{''.join(parts)}</body></html>")

@@ -91,6 +91,8 @@ class RequestSample:
     stages: Mapping[str, float] | None = None
     synthetic: bool = False  # answered without the engine (a degradation template): counted, never timed
     output_tokens: int = 0
+    streamed: bool = False  # a stream that sent its first token (the interruption rate's denominator)
+    interrupted: bool = False  # a stream the server ended without [DONE] while the client was still there
 
 
 def _s(v: Any, default: str = "default") -> str:
@@ -108,6 +110,7 @@ def sample_from(obj: Any) -> RequestSample:
             s.e2e, s.ttft, s.stages["queue"], s.itl, s.tpot, o.value if o is not None else SUCCESS,
             obj.business_type, obj.lane, obj.client, obj.region, obj.num_prompt_tokens, obj.degraded,
             obj.request_id, s.stages, obj.synthetic, obj.num_output_tokens,
+            obj.stream and bool(obj.token_sent), obj.interrupted,
         )
     if isinstance(obj, RequestSample):
         return obj
@@ -128,6 +131,8 @@ def sample_from(obj: Any) -> RequestSample:
             input_tokens=int(obj.get("prompt_tokens") or obj.get("input_tokens") or 0),
             degraded=bool(obj.get("degraded")), request_id=str(obj.get("request_id") or ""), stages=stages,
             synthetic=bool(obj.get("synthetic")), output_tokens=int(obj.get("output_tokens") or 0),
+            streamed=bool(obj.get("stream") and (obj.get("token_sent") or obj.get("streamed"))),
+            interrupted=bool(obj.get("interrupted")),
         )
     # Anything else with summary() (duck-typed).
     s = obj.summary()
@@ -141,6 +146,8 @@ def sample_from(obj: Any) -> RequestSample:
         request_id=str(getattr(obj, "request_id", "")), stages=s.stages,
         synthetic=bool(getattr(obj, "synthetic", False)),
         output_tokens=int(getattr(obj, "num_output_tokens", 0) or 0),
+        streamed=bool(getattr(obj, "stream", False) and getattr(obj, "token_sent", None)),
+        interrupted=bool(getattr(obj, "interrupted", False)),
     )
 
 
@@ -148,12 +155,13 @@ class _Cell:
     """One key in one slot."""
 
     __slots__ = ("bufs", "digests", "total", "served", "errors", "rejected", "aborted", "degraded",
-                 "log_n", "log_sum", "log_sq", "stage_n", "stage_sum", "stage_sq")
+                 "log_n", "log_sum", "log_sq", "stage_n", "stage_sum", "stage_sq", "streams", "interrupted")
 
     def __init__(self, n_metrics: int) -> None:
         self.bufs: list[list[float]] = [[] for _ in range(n_metrics)]
         self.digests: list[TDigest | None] = [None] * n_metrics
         self.total = self.served = self.errors = self.rejected = self.aborted = self.degraded = 0
+        self.streams = self.interrupted = 0
         self.log_n = 0
         self.log_sum = self.log_sq = 0.0
         self.stage_n = 0
@@ -187,6 +195,8 @@ def _add_counts(dst: _Cell, c: _Cell) -> None:
     dst.rejected += c.rejected
     dst.aborted += c.aborted
     dst.degraded += c.degraded
+    dst.streams += c.streams
+    dst.interrupted += c.interrupted
     dst.log_n += c.log_n
     dst.log_sum += c.log_sum
     dst.log_sq += c.log_sq
@@ -227,7 +237,8 @@ class WindowStats:
     Counts: ``total`` every finished request; ``served`` those that reached the engine (success, error, aborted);
     ``rejected`` refused at admission (429/503, shed); ``invalid`` requests are counted in ``total`` only.
     ``error_rate`` = errors / served; ``shed_rate`` = rejected / (served + rejected);
-    ``degradation_rate`` = degraded answers / served.
+    ``degradation_rate`` = degraded answers / served; ``interruption_rate`` = streams the server ended without
+    ``[DONE]`` (the client still there) / streams that sent their first token.
     """
 
     window_s: float
@@ -239,6 +250,8 @@ class WindowStats:
     rejected: int = 0
     aborted: int = 0
     degraded: int = 0
+    streams: int = 0
+    interrupted: int = 0
     metrics: dict[str, MetricStats] = field(default_factory=dict)
     log_n: int = 0
     log_sum: float = 0.0
@@ -260,9 +273,17 @@ class WindowStats:
     def degradation_rate(self) -> float | None:
         return self.degraded / self.served if self.served else None
 
+    @property
+    def interruption_rate(self) -> float | None:
+        return self.interrupted / self.streams if self.streams else None
+
     def rate(self, name: str) -> float | None:
         return {"error_rate": self.error_rate, "shed_rate": self.shed_rate,
-                "degradation_rate": self.degradation_rate}[name]
+                "degradation_rate": self.degradation_rate, "interruption_rate": self.interruption_rate}[name]
+
+    def rate_samples(self, name: str) -> int:
+        """What a rate is a share of: streams for the interruption rate, served requests for the others."""
+        return self.streams if name == "interruption_rate" else self.served
 
     def n(self, metric: str) -> int:
         m = self.metrics.get(metric)
@@ -304,7 +325,8 @@ class WindowStats:
             "window_s": self.window_s, "start": self.start, "end": self.end, "total": self.total,
             "served": self.served, "errors": self.errors, "rejected": self.rejected, "aborted": self.aborted,
             "degraded": self.degraded, "error_rate": self.error_rate, "shed_rate": self.shed_rate,
-            "degradation_rate": self.degradation_rate,
+            "degradation_rate": self.degradation_rate, "streams": self.streams, "interrupted": self.interrupted,
+            "interruption_rate": self.interruption_rate,
         }
         for m in metrics:
             st = self.metrics.get(m)
@@ -621,6 +643,10 @@ class SlidingWindows:
             if cell is None:
                 cell = slot.cells[key] = _Cell(len(self.metrics))
         cell.total += 1
+        if s.streamed:
+            cell.streams += 1
+            if s.interrupted:
+                cell.interrupted += 1
         outcome = s.outcome
         if outcome == SUCCESS:
             cell.served += 1
@@ -774,8 +800,8 @@ class SlidingWindows:
             _add_counts(total, a)
         if snap is not None:
             _add_counts(total, snap)
-        for name in ("total", "served", "errors", "rejected", "aborted", "degraded", "log_n", "log_sum", "log_sq",
-                     "stage_n", "stage_sum", "stage_sq"):
+        for name in ("total", "served", "errors", "rejected", "aborted", "degraded", "streams", "interrupted", "log_n",
+                     "log_sum", "log_sq", "stage_n", "stage_sum", "stage_sq"):
             setattr(stats, name, getattr(total, name))
         mc = self.max_centroids
         turn = (idx, n_slots)
@@ -859,7 +885,7 @@ class SlidingWindows:
         return {
             "key": list(key),
             "counts": [c.total, c.served, c.errors, c.rejected, c.aborted, c.degraded, c.log_n, c.log_sum, c.log_sq,
-                       c.stage_n],
+                       c.stage_n, c.streams, c.interrupted],
             "stage_sum": c.stage_sum, "stage_sq": c.stage_sq,
             "digests": {m: base64.b64encode(d.to_bytes()).decode() for m, d in zip(self.metrics, digests, strict=True)
                         if d is not None},
@@ -880,8 +906,11 @@ class SlidingWindows:
         slot.compacted = True
         for cd in data["cells"]:
             cell = slot.cells[_key(cd["key"])] = _Cell(len(self.metrics))
+            counts = cd["counts"]
             (cell.total, cell.served, cell.errors, cell.rejected, cell.aborted, cell.degraded, cell.log_n,
-             cell.log_sum, cell.log_sq, cell.stage_n) = cd["counts"]
+             cell.log_sum, cell.log_sq, cell.stage_n) = counts[:10]
+            if len(counts) >= 12:  # a gateway of an earlier release sends no stream counts
+                cell.streams, cell.interrupted = counts[10], counts[11]
             cell.stage_sum, cell.stage_sq = list(cd["stage_sum"]), list(cd["stage_sq"])
             for m, b64 in cd["digests"].items():
                 mi = self._mi.get(m)
