@@ -83,8 +83,13 @@ class LaneConfig(BaseModel):
     sheddable: bool = Field(True, description="the SLO monitor's shed and degrade actions may apply to this lane")
     max_queue: int = Field(256, ge=0, description="requests waiting for admission in this lane; beyond: 429")
     max_queue_wait_s: float = Field(30.0, gt=0, description="deadline to be admitted; beyond: 429 + Retry-After")
-    pace_itl_s: float | None = Field(None, gt=0, description="after the first token, at most one chunk per this many "
-                                                             "seconds (tokens in between are sent together)")
+    pace_itl_s: float | None = Field(None, gt=0, description="the inter-token budget: after the first token, tokens "
+                                                             "held back leave one at a time at most this long after "
+                                                             "the last chunk, whether or not more come")
+    pace_reserve: int = Field(1, ge=0, le=64, description="with pace_itl_s: tokens of a burst held back to fill the "
+                                                          "silence after it (one per budget), so that a bursty "
+                                                          "engine's gaps stay within the budget; the rest of a burst "
+                                                          "leaves at once")
     flush_every: int = Field(1, ge=1, description="send a chunk once this many tokens are pending")
     ttft_deadline_s: float | None = Field(None, gt=0, description="stall watch: the first token's deadline (unset: "
                                                                   "15 s over upstreams, none on the embedded engine; "

@@ -214,12 +214,15 @@ class Responder:
         flush_every = lane.flush_every if lane is not None and not want_lp else 1
         pending = 0  # tokens produced but not yet sent (a token may carry no visible text yet)
         held: list[str] = []  # text held back by pacing
+        held_n: list[int] = []  # with pacing: the tokens each held text carries
+        reserve = lane.pace_reserve if pace is not None and lane is not None else 0
         last_sent = 0.0
         lp_items: list = []
         offset = 0
         final = None
         stalled: str | None = None
         role_sent = False
+        sending: int | None = None  # the tokens the chunk being written carries (None: every pending one)
 
         async def start() -> None:
             if not ex.started:
@@ -262,11 +265,15 @@ class Responder:
                     if left > 0:
                         await asyncio.wait((waiting,), timeout=left)
                     if not waiting.done():
-                        await ex.chunk(fmt.content("".join(held)))
-                        held.clear()
+                        if pace is not None:  # the budget is up: one held token fills the silence
+                            text, n = held.pop(0), held_n.pop(0)
+                        else:
+                            text, n = "".join(held), pending
+                            held.clear()
+                        await ex.chunk(fmt.content(text))
                         last_sent = perf_counter()
-                        tl.add_tokens_sent(pending, last_sent)
-                        pending = 0
+                        tl.add_tokens_sent(n, last_sent)
+                        pending -= n
                         continue
                 if relay is not None:
                     # Armed only while waiting here, so that a token relayed directly never overtakes one this
@@ -324,14 +331,26 @@ class Responder:
                     if held:
                         chunk = fmt.content("".join(held)) + chunk
                         held.clear()
+                        held_n.clear()
                 elif want_lp:
                     chunk = fmt.content_logprobs(text, self._logprobs(lp_items, offset))
                     offset += len(text)
                     lp_items = []
                 else:
-                    if (pace is not None or flush_every > 1) and last_sent:
+                    if pace is not None and last_sent:
+                        # Smoothing: up to ``reserve`` tokens stay held to fill the next silence; the rest of a
+                        # burst leaves now, and so does the oldest once the budget is up.
                         held.append(text)
-                        if pending < flush_every and (pace is None or perf_counter() - last_sent < pace):
+                        held_n.append(pending - sum(held_n))
+                        over = len(held) - reserve
+                        if over <= 0 and perf_counter() - last_sent < pace:
+                            continue
+                        k = max(over, 1)
+                        text, sending = "".join(held[:k]), sum(held_n[:k])
+                        del held[:k], held_n[:k]
+                    elif flush_every > 1 and last_sent:
+                        held.append(text)
+                        if pending < flush_every:
                             continue
                         text = "".join(held)
                         held.clear()
@@ -352,8 +371,11 @@ class Responder:
                     chunk = await begin() + chunk
                 await ex.chunk(chunk)
                 last_sent = perf_counter()
-                tl.add_tokens_sent(pending, last_sent)
-                pending = 0
+                if sending is None:
+                    sending = pending
+                tl.add_tokens_sent(sending, last_sent)
+                pending -= sending
+                sending = None
         except Stalled as exc:
             stalled = self.stalled(ex, exc)
         finally:
