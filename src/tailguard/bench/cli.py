@@ -29,10 +29,12 @@ class UsageError(ValueError):
 
 # --- parser ---------------------------------------------------------------------------------------------------
 
-def _add_run_args(p: argparse.ArgumentParser) -> None:
+def _add_run_args(p: argparse.ArgumentParser, target: bool = True) -> None:
+    """The flags of one load run; ``target=False`` leaves out --url (``bench ab`` takes its targets as --arm)."""
     t = p.add_argument_group("target")
-    t.add_argument("--url",
-                   help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (required for a run)")
+    if target:
+        t.add_argument("--url",
+                       help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (required for a run)")
     t.add_argument("--model", help="model name to request (default: the first one /v1/models lists)")
     t.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
                    help="/v1/chat/completions (default) or /v1/completions")
@@ -75,12 +77,17 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--langs", default="en", help="comma list of en, zh, mixed (requests cycle through them)")
     w.add_argument("--jsonl", metavar="FILE",
                    help="JSONL workload: prompt or messages, optional max_tokens, business_type, user (default: none)")
-    w.add_argument("--trace", help="trace to replay: conv, code (Azure 2023, shipped) or a CSV path (default: none; "
-                                   "--workload trace alone: conv)")
-    w.add_argument("--trace-speedup", type=float, default=1.0, help="replay the trace this many times faster")
+    w.add_argument("--trace", help="trace to replay: conv, code (Azure 2023, shipped; also azure-conv, azure-code) or "
+                                   "a CSV path (default: none; --workload trace alone: conv)")
+    w.add_argument("--trace-speedup", "--time-scale", dest="trace_speedup", type=float, default=1.0,
+                   help="replay the trace this many times faster (2: twice its arrival rate, every gap halved)")
     w.add_argument("--length-scale", type=float, default=1.0, help="multiply the trace's token lengths")
     w.add_argument("--trace-start", type=float, default=0.0, help="start this many trace seconds in")
     w.add_argument("--trace-duration", type=float, help="replay only this many trace seconds (default: all of it)")
+    w.add_argument("--window", metavar="busiest:S|START:S|all",
+                   help="the part of the trace to replay, in trace seconds: busiest:600 (the 600 s with the most "
+                        "arrivals, its peak), 120:600 (600 s from 120 s in) or all (default: all of it, or "
+                        "--trace-start/--trace-duration)")
     w.add_argument("--max-input-tokens", type=int, help="clip trace prompt lengths (default: no clipping)")
     w.add_argument("--max-output-tokens", type=int, help="clip trace output lengths (default: no clipping)")
     w.add_argument("--business-type",
@@ -121,7 +128,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--no-probe", dest="probe", action="store_false",
                    help="skip the unmeasured probe request that finds which options the server accepts")
     a.add_argument("--output-dir", help="where results.json, requests.csv and report.html go "
-                                        "(default runs/bench-YYYYmmdd-HHMMSS)")
+                                        "(default runs/bench-YYYYmmdd-HHMMSS)" if target else
+                   "where results.json, report.html and each arm's runs go (default runs/ab-YYYYmmdd-HHMMSS)")
     a.add_argument("--label", help="a name for this run, shown by compare (default: none)")
     a.add_argument("--seed", type=int, default=0, help="seeds arrivals, prompts and the bootstrap")
     a.add_argument("--fail-on-slo", action="store_true",
@@ -129,16 +137,80 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary table")
 
 
+def _add_gate_rules(p: argparse.ArgumentParser | Any) -> None:
+    p.add_argument("--gate-percentiles", default="50", help="comma list of gated percentiles (default 50)")
+    p.add_argument("--gate-metrics", default="ttft,itl,tpot,e2e", help="comma list of gated metrics")
+    p.add_argument("--min-rel", type=float, default=0.05, help="smallest relative regression that fails the gate")
+    p.add_argument("--min-abs-ms", type=float, default=1.0, help="smallest absolute regression (ms) that fails")
+    p.add_argument("--no-slo-gate", dest="slo_gate", action="store_false",
+                   help="do not fail the gate on B's SLO verdicts")
+    p.add_argument("--gate-classes", metavar="NAMES",
+                   help="comma list of the traffic classes whose regressions and SLO verdicts fail the gate "
+                        "(default: every class both runs have; 'none': the whole run only)")
+
+
+def _add_ab_args(ab: argparse.ArgumentParser) -> None:
+    g = ab.add_argument_group("arms")  # first: what an A/B run is about
+    g.add_argument("--arm", action="append", default=[], metavar="NAME=URL|NAME=cmd:COMMAND",
+                   help="an arm (repeatable, at least two; the first is the baseline): NAME=URL of a running "
+                        "OpenAI-compatible server, used as is, or NAME=cmd:COMMAND that starts one, with {port} "
+                        "where a free 127.0.0.1 port goes: started before each of its repeats, waited for until "
+                        "healthy, stopped after (SIGTERM, then SIGKILL after --stop-grace); run without a shell")
+    g.add_argument("--replicas", action="append", default=[], metavar="NAME=N",
+                   help="the replicas an arm runs on, for its cost in replica-seconds (repeatable; default 1 per "
+                        "arm; a tailguard gateway's own figure is read from its /metrics when it exports one)")
+    g.add_argument("--arm-header", action="append", default=[], metavar="NAME=HEADER:VALUE",
+                   help="an extra header of one arm's requests (repeatable), on top of --header")
+    g.add_argument("--arm-key", action="append", default=[], metavar="NAME=KEY",
+                   help="one arm's API key, instead of --api-key (repeatable; a traffic class's key still replaces "
+                        "it for the class's requests)")
+    g.add_argument("--arm-key-env", action="append", default=[], metavar="NAME=VAR",
+                   help="one arm's API key from an environment variable (repeatable)")
+    g.add_argument("--arm-model", action="append", default=[], metavar="NAME=MODEL",
+                   help="one arm's model name, instead of --model (repeatable; default: --model, else the first "
+                        "model the arm's /v1/models lists)")
+    g.add_argument("--admin-key-env", default="TAILGUARD_ADMIN_KEY", metavar="VAR",
+                   help="environment variable with a gateway's admin key, to read its replica-seconds from "
+                        "/admin/upstreams when /metrics has none")
+    g.add_argument("--health-timeout", type=float, default=120.0,
+                   help="seconds a command arm has to become healthy (a URL arm, already running: at most 5)")
+    g.add_argument("--health-path", metavar="PATH",
+                   help="the path whose 200 says a command arm is up (default: /ready, then /health, then "
+                        "/v1/models)")
+    g.add_argument("--stop-grace", type=float, default=10.0,
+                   help="seconds between SIGTERM and SIGKILL when a command arm is stopped")
+    _add_run_args(ab, target=False)
+    r = ab.add_argument_group("repeats and sweep")
+    r.add_argument("--repeats", type=int, default=2, help="runs of the schedule per arm")
+    r.add_argument("--order", choices=["abba", "abab"], default="abba",
+                   help="abba: each round reverses the arms (A B B A A B ...), so slow drift of the machine falls on "
+                        "every arm alike; abab: the same order every round")
+    r.add_argument("--pause", type=float, default=0.0, help="seconds to wait between runs")
+    r.add_argument("--sweep-scales", metavar="LIST",
+                   help="comma list of time scales, e.g. 1,2,4: each arm also runs the schedule at each, and the "
+                        "report gives the highest scale (and its offered rate) at which the arm meets the SLO "
+                        "(default: not swept)")
+    r.add_argument("--sweep-repeats", type=int, default=1, help="runs per arm at each swept scale")
+    r.add_argument("--sweep-profile", metavar="NAME",
+                   help="the SLO profile a swept scale must pass (default: every judged profile, and every traffic "
+                        "class's)")
+    gt = ab.add_argument_group("gate")
+    gt.add_argument("--gate", action="store_true",
+                    help="exit 1 when an arm regressed against the first (the baseline) by the rules of "
+                         "'bench compare --gate', or fails an SLO profile")
+    _add_gate_rules(gt)
+
+
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     bench = subparsers.add_parser(
         "bench", help="load-test an OpenAI-compatible server: latency percentiles, stage split, SLO verdicts",
         description="Run a load test against any OpenAI-compatible server (tailguard bench --url URL ...): latency "
                     "percentiles with confidence intervals, the stage split joined from the server's timeline, SLO "
-                    "verdicts; results.json, requests.csv and report.html in --output-dir. Or: compare, sweep, "
+                    "verdicts; results.json, requests.csv and report.html in --output-dir. Or: compare, sweep, ab, "
                     "fake-server (tailguard bench COMMAND --help).",
         allow_abbrev=False)  # abbreviations would make the sweep's --profile clash with --profiles
     _add_run_args(bench)
-    sub = bench.add_subparsers(dest="bench_command", required=False, metavar="{compare,sweep,fake-server}")
+    sub = bench.add_subparsers(dest="bench_command", required=False, metavar="{compare,sweep,ab,fake-server}")
 
     cmp = sub.add_parser("compare", help="B vs A: deltas with confidence intervals; --gate for CI",
                          description="Compare two bench runs, B against the baseline A: per-metric percentile deltas "
@@ -151,15 +223,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="also write the comparison as JSON here (default: none)")
     cmp.add_argument("--gate", action="store_true",
                      help="exit 1 when a gated percentile regressed significantly or B fails an SLO profile")
-    cmp.add_argument("--gate-percentiles", default="50", help="comma list of gated percentiles (default 50)")
-    cmp.add_argument("--gate-metrics", default="ttft,itl,tpot,e2e", help="comma list of gated metrics")
-    cmp.add_argument("--min-rel", type=float, default=0.05, help="smallest relative regression that fails the gate")
-    cmp.add_argument("--min-abs-ms", type=float, default=1.0, help="smallest absolute regression (ms) that fails")
-    cmp.add_argument("--no-slo-gate", dest="slo_gate", action="store_false",
-                     help="do not fail the gate on B's SLO verdicts")
-    cmp.add_argument("--gate-classes", metavar="NAMES",
-                     help="comma list of the traffic classes whose regressions and SLO verdicts fail the gate "
-                          "(default: every class both runs have; 'none': the whole run only)")
+    _add_gate_rules(cmp)
     cmp.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates for confidence intervals")
     cmp.add_argument("--seed", type=int, default=0, help="seeds the bootstrap")
 
@@ -172,6 +236,17 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     sw.add_argument("--factor", type=float, default=2.0, help="growth factor between steps before bisecting")
     sw.add_argument("--refine", type=int, default=3, help="bisection steps between the last pass and first fail")
     sw.add_argument("--max-steps", type=int, default=20, help="most load runs in all")
+
+    ab = sub.add_parser("ab", help="A/B arms: one replayed schedule against two or more servers, in alternating "
+                                   "repeats, in one report",
+                        description="Run the same schedule (a trace, time-scaled, or seeded arrivals) against two or "
+                                    "more arms, each a server's URL or a command that starts one, in alternating "
+                                    "repeats (A B B A ...), and write one report: per-arm percentiles with "
+                                    "confidence intervals pooled over the repeats and their spread, goodput, SLO "
+                                    "verdicts, the highest passing rate (--sweep-scales), where the time went, cost "
+                                    "in replica-seconds, and each figure's ratio to the first arm.",
+                        allow_abbrev=False)
+    _add_ab_args(ab)
 
     fk = sub.add_parser("fake-server", help="a scripted OpenAI-compatible server on 127.0.0.1 (for trying the bench)")
     fk.add_argument("--port", type=int, default=8011, help="port (0: any free one)")
@@ -188,6 +263,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="requests with this bearer key get SECONDS more TTFT (repeatable: one per traffic class)")
     fk.add_argument("--key-itl", action="append", default=[], metavar="KEY=SECONDS",
                     help="requests with this bearer key get this gap between chunks instead of --itl (repeatable)")
+    fk.add_argument("--received-log", metavar="FILE",
+                    help="append a JSON line per request received (its ID, a digest of its prompt, max_tokens, key) "
+                         "to FILE (default: none)")
+    fk.add_argument("--replicas", type=int, default=0,
+                    help="act as a tailguard gateway of N replicas: export tailguard_gateway_replica_seconds_total "
+                         "(N x seconds alive) on /metrics (0: no /metrics)")
     fk.add_argument("--no-timeline", action="store_true", help="no tailguard stage object or /v1/requests/{id}")
     fk.add_argument("--reject-fixed-length", action="store_true", help="answer 400 to ignore_eos/min_tokens")
     fk.add_argument("--spin", type=float, default=0.001,
@@ -247,13 +328,14 @@ def _discover_model(url: str, headers: dict[str, str], timeout: float = 10.0) ->
     raise UsageError(f"--model not given and {redact_url(url)}/v1/models lists no model; pass --model")
 
 
-def config_from_args(args: argparse.Namespace) -> Any:
-    """A validated BenchConfig from the parsed flags (raises UsageError on any bad value)."""
+def config_from_args(args: argparse.Namespace, target: bool = True) -> Any:
+    """A validated BenchConfig from the parsed flags (raises UsageError on any bad value). ``target=False``
+    (``bench ab``): no --url, and the model is left to each arm (empty unless --model)."""
     from tailguard.bench.profiles import load_profiles
     from tailguard.bench.runner import BenchConfig
     from tailguard.bench.workloads import BUILTIN_TRACES, LANGS
 
-    url = _check_url(args.url)
+    url = _check_url(args.url) if target else ""
     headers = _headers(args.header)
     for name in ("concurrency", "num_requests", "input_tokens", "output_tokens", "max_inflight", "join_max",
                  "max_input_tokens", "max_output_tokens"):
@@ -294,6 +376,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise UsageError(f"--trace goes with --workload trace, not --workload {workload}")
     else:
         trace = None
+    trace_start, trace_duration = _window(args, trace)
     profiles = [x.strip() for x in args.profiles.split(",") if x.strip()] + list(args.profiles_file)
     for f in args.profiles_file:
         if not Path(f).is_file():
@@ -305,20 +388,20 @@ def config_from_args(args: argparse.Namespace) -> Any:
     classes, class_column = _classes(args, run_profiles, workload, trace)
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("TAILGUARD_API_KEY")
     model = args.model
-    if not model:
+    if not model and target:
         # without a key of the run's own, the first class's key may open /v1/models
         key = api_key or next((k for c in classes if (k := c.api_key())), None)
         auth = {"Authorization": f"Bearer {key}"} if key else {}
         model = _discover_model(url, {**headers, **auth})
     return BenchConfig(
-        url=url, model=model, endpoint=args.endpoint, stream=args.stream, api_key=api_key, headers=headers,
+        url=url, model=model or "", endpoint=args.endpoint, stream=args.stream, api_key=api_key, headers=headers,
         concurrency=args.concurrency, rate=args.rate, arrival=args.arrival, burstiness=args.burstiness,
         num_requests=args.num_requests, duration=args.duration, warmup_requests=args.warmup_requests,
         warmup_seconds=args.warmup_seconds, max_inflight=args.max_inflight, timeout=args.timeout,
         workload=workload, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
         input_spread=args.input_spread, output_spread=args.output_spread, langs=langs, jsonl=args.jsonl,
-        trace=trace, trace_speedup=args.trace_speedup, length_scale=args.length_scale, trace_start=args.trace_start,
-        trace_duration=args.trace_duration, max_input_tokens=args.max_input_tokens,
+        trace=trace, trace_speedup=args.trace_speedup, length_scale=args.length_scale, trace_start=trace_start,
+        trace_duration=trace_duration, trace_window=args.window, max_input_tokens=args.max_input_tokens,
         max_output_tokens=args.max_output_tokens, business_type=args.business_type, fixed_output=args.fixed_output,
         continuous_usage=args.continuous_usage, temperature=args.temperature, profiles=tuple(profiles),
         seed=args.seed, bootstrap=args.bootstrap, http_client=args.http_client, join=args.join,
@@ -326,6 +409,26 @@ def config_from_args(args: argparse.Namespace) -> Any:
         progress=not args.quiet, label=args.label, failures_as_timeout=args.failures_as_timeout,
         classes=classes, class_column=class_column,
     )
+
+
+def _window(args: argparse.Namespace, trace: str | None) -> tuple[float, float | None]:
+    """(start, duration) in trace seconds, from --window or from --trace-start/--trace-duration."""
+    from tailguard.bench.workloads import busiest_window, parse_window
+
+    if not args.window:
+        return args.trace_start, args.trace_duration
+    if trace is None:
+        raise UsageError("--window picks a part of a replayed trace: use it with --trace")
+    if args.trace_start or args.trace_duration is not None:
+        raise UsageError("give the part of the trace with --window or with --trace-start/--trace-duration, not both")
+    try:
+        kind, start, length = parse_window(args.window)
+        if kind == "busiest":
+            assert length is not None
+            start, _ = busiest_window(trace, length)
+    except (ValueError, FileNotFoundError) as exc:
+        raise UsageError(str(exc)) from None
+    return (start or 0.0), length
 
 
 def _classes(args: argparse.Namespace, run_profiles: list, workload: str, trace: str | None) -> tuple[tuple, str | None]:
@@ -394,6 +497,8 @@ def run_bench(args: argparse.Namespace) -> int:
             return _cmd_fake_server(args)
         if cmd == "sweep":
             return _cmd_run(args, sweep=True)
+        if cmd == "ab":
+            return _cmd_ab(args)
         return _cmd_run(args, sweep=False)
     except UsageError as exc:
         print(f"tailguard bench: {exc}", file=sys.stderr)
@@ -483,8 +588,8 @@ def _resolve_results(p: str) -> str:
     return str(path)
 
 
-def _cmd_compare(args: argparse.Namespace) -> int:
-    from tailguard.bench.compare import METRICS, GateRules, run_compare
+def _gate_rules(args: argparse.Namespace) -> Any:
+    from tailguard.bench.compare import METRICS, GateRules
 
     try:
         pcts = tuple(float(x) for x in args.gate_percentiles.split(",") if x.strip())
@@ -501,8 +606,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         gate_classes = () if names == ("none",) else names
         if not names:
             raise UsageError("--gate-classes takes a comma list of class names, or none")
-    rules = GateRules(percentiles=pcts, metrics=metrics, min_rel=args.min_rel, min_abs=args.min_abs_ms / 1e3,
-                      slo=args.slo_gate, classes=gate_classes)
+    return GateRules(percentiles=pcts, metrics=metrics, min_rel=args.min_rel, min_abs=args.min_abs_ms / 1e3,
+                     slo=args.slo_gate, classes=gate_classes)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from tailguard.bench.compare import run_compare
+
+    rules = _gate_rules(args)
     a, b = _resolve_results(args.a), _resolve_results(args.b)
     try:
         cmp = run_compare(a, b, rules, html_path=args.html, json_path=args.json_out, reps=args.bootstrap,
@@ -516,6 +627,82 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_GATE if args.gate and not cmp["gate"]["pass"] else 0
 
 
+def _cmd_ab(args: argparse.Namespace) -> int:
+    from tailguard.bench.ab import (
+        ArmError,
+        arms_from_args,
+        default_output_dir,
+        plan_runs,
+        run_ab_sync,
+        scales_from,
+    )
+
+    try:
+        arms = arms_from_args(args.arm, replicas=args.replicas, headers=args.arm_header, keys=args.arm_key,
+                              key_envs=args.arm_key_env, models=args.arm_model)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    for name in ("repeats", "sweep_repeats"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("health_timeout", "stop_grace"):
+        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    _positive("--pause", args.pause, allow_zero=True)
+    if args.health_path is not None and not args.health_path.startswith("/"):
+        raise UsageError(f"--health-path is a path such as /health, got {args.health_path!r}")
+    try:
+        scales = scales_from(args.sweep_scales)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    rules = _gate_rules(args) if args.gate else None
+    cfg = config_from_args(args, target=False)
+    if scales and not (cfg.workload == "trace" or cfg.rate):
+        raise UsageError("--sweep-scales scales an open-loop schedule in time: use it with --trace or --rate")
+    if cfg.workload != "trace" and cfg.trace_speedup != 1:
+        raise UsageError("--time-scale speeds up a replayed trace (--trace); with --rate, --sweep-scales multiplies "
+                         "the rate")
+    if args.sweep_profile:
+        from tailguard.bench.profiles import load_profiles
+
+        try:
+            sweep_profile = load_profiles([args.sweep_profile])[0].name
+        except Exception as exc:  # unknown names, YAML errors alike
+            raise UsageError(f"--sweep-profile: {exc}") from None
+        if args.sweep_profile not in cfg.profiles:
+            cfg.profiles = (*cfg.profiles, args.sweep_profile)
+    else:
+        sweep_profile = None
+    out = Path(args.output_dir) if args.output_dir else default_output_dir()
+    console = _console()
+    plan = plan_runs([a.name for a in arms], args.repeats, args.order, main_scale=cfg.trace_speedup, scales=scales,
+                     sweep_repeats=args.sweep_repeats)
+    try:
+        result = run_ab_sync(cfg, arms, plan, out, rules=rules, sweep_profile=sweep_profile,
+                             health_timeout=args.health_timeout, health_path=args.health_path,
+                             stop_grace=args.stop_grace, pause=args.pause, admin_key_env=args.admin_key_env,
+                             quiet=args.quiet, console=console, order=args.order)
+    except ArmError as exc:
+        raise UsageError(str(exc)) from None
+    except (ValueError, FileNotFoundError, ConnectionError) as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"cannot write to {out}: {exc}") from None
+    results, paths = result
+    if not args.quiet:
+        from tailguard.bench.ab_report import print_ab_summary
+
+        print_ab_summary(results, console)
+        for kind in ("json", "html"):
+            console.print(f"{kind:>4}: {paths[kind]}")
+    else:
+        print(paths["html"])
+    if args.gate and not (results.get("gate") or {}).get("pass", True):
+        return EXIT_GATE
+    if args.fail_on_slo and any((a.get("verdict") or {}).get("pass") is False for a in results["arms"].values()):
+        return EXIT_GATE
+    return 0
+
+
 def _cmd_fake_server(args: argparse.Namespace) -> int:
     from tailguard.bench.fakeserver import FakeScript, run_server
 
@@ -524,12 +711,15 @@ def _cmd_fake_server(args: argparse.Namespace) -> int:
     key_delays, key_itl = _key_seconds("--key-delay", args.key_delay), _key_seconds("--key-itl", args.key_itl)
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be 0..65535, got {args.port}")
+    if args.replicas < 0:
+        raise UsageError(f"--replicas must be 0 or more, got {args.replicas}")
     script = FakeScript(ttft=args.ttft, itl=args.itl, jitter=args.jitter,
                         ttft_per_prompt_token=args.ttft_per_prompt_token, multi_token_every=args.multi_token_every,
                         multi_token_size=args.multi_token_size, eos_after=args.eos_after,
                         error_every=args.error_every, timeline=not args.no_timeline,
                         accept_fixed_length=not args.reject_fixed_length, spin=args.spin, seed=args.seed,
-                        max_lifetime=args.max_lifetime, key_delays=key_delays, key_itl=key_itl)
+                        max_lifetime=args.max_lifetime, key_delays=key_delays, key_itl=key_itl,
+                        received_log=args.received_log, replicas=args.replicas)
 
     def ready(port: int) -> None:
         print(f"fake OpenAI-compatible server on http://127.0.0.1:{port} (model 'fake'; exits after "

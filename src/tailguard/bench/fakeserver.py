@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import random
 import subprocess
@@ -58,6 +59,12 @@ class FakeScript:
     # instead of ``itl``, so that traffic classes with different keys see different, known latencies
     key_delays: dict[str, float] = field(default_factory=dict)
     key_itl: dict[str, float] = field(default_factory=dict)
+    # a JSON line per completion request received (its ID, a digest of its prompt, max_tokens, key), appended to this
+    # file: what a server that the bench starts and stops (bench ab) was sent, kept after it exits
+    received_log: str | None = None
+    # > 0: act like a tailguard gateway of that many replicas and export tailguard_gateway_replica_seconds_total
+    # (replicas x seconds alive) on /metrics, so that replica-seconds can be read as from a gateway
+    replicas: int = 0
 
 
 def _script_rng(script: FakeScript, request_id: str) -> random.Random:
@@ -169,6 +176,16 @@ class _Server:
         self.order: list[str] = []
         self.count = 0
         self.stop_event: asyncio.Event | None = None
+        self.started = time.monotonic()
+        self.received = open(script.received_log, "a", encoding="utf-8") if script.received_log else None  # noqa: SIM115
+
+    def note(self, rid: str, path: str, text: str, max_tokens: int, key: str | None) -> None:
+        if self.received is None:
+            return
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+        self.received.write(json.dumps({"request_id": rid, "path": path, "prompt_sha256": digest,
+                                        "max_tokens": max_tokens, "key": key, "received_unix": time.time()}) + "\n")
+        self.received.flush()  # the bench may stop this process any moment after the answer
 
     def keep(self, rec: _Record) -> None:
         self.records[rec.request_id] = rec
@@ -266,6 +283,12 @@ class _Conn(asyncio.Protocol):
             self._respond(200, json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}).encode())
         elif path in ("/health", "/healthz"):
             self._respond(200, b'{"status":"ok"}')
+        elif path == "/metrics" and srv.script.replicas > 0:
+            alive = time.monotonic() - srv.started
+            body = ("# TYPE tailguard_gateway_replica_seconds counter\n"
+                    f'tailguard_gateway_replica_seconds_total{{model="fake",source="static"}} '
+                    f"{srv.script.replicas * alive:.6f}\n").encode()
+            self._respond(200, body, ctype="text/plain; version=0.0.4")
         elif path.startswith("/v1/requests/") and srv.script.timeline:
             rec = srv.records.get(path.rsplit("/", 1)[1])
             if rec is None:
@@ -317,6 +340,7 @@ class _Conn(asyncio.Protocol):
         max_tokens = int(req.get("max_tokens") or req.get("max_completion_tokens") or 16)
         auth = headers.get("authorization", "")
         key = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+        srv.note(rid, path, text, max_tokens, key)
         ttft, chunks, finish = plan(script, rid, max_tokens, prompt_tokens, bool(req.get("ignore_eos")), key)
         rec = _Record(rid, path, stream, at, time.time(), ttft, prompt_tokens, api_key=key)
         model = req.get("model", "fake")
@@ -423,6 +447,8 @@ async def serve(script: FakeScript, port: int = 0, ready=None, host: str = "127.
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(srv.stop_event.wait(), timeout=script.max_lifetime)
     server.close()
+    if srv.received is not None:
+        srv.received.close()
 
 
 def run_server(script: FakeScript, port: int, ready=None) -> None:
@@ -503,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--multi-token-size", type=int, default=2)
     p.add_argument("--no-timeline", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--received-log", default=None)
+    p.add_argument("--replicas", type=int, default=0)
     p.add_argument("--script-json", default=None, help="a whole FakeScript as JSON (overrides the other flags)")
     a = p.parse_args(argv)
     if a.script_json:
@@ -511,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     script = FakeScript(ttft=a.ttft, itl=a.itl, jitter=a.jitter, max_lifetime=a.max_lifetime, spin=a.spin,
                         multi_token_every=a.multi_token_every, multi_token_size=a.multi_token_size,
-                        timeline=not a.no_timeline, seed=a.seed)
+                        timeline=not a.no_timeline, seed=a.seed, received_log=a.received_log, replicas=a.replicas)
     run_server(script, a.port, lambda port: print(f"fake OpenAI server on http://127.0.0.1:{port} "
                                             f"(exits after {script.max_lifetime:.0f} s)", flush=True))
     return 0

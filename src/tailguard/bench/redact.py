@@ -17,6 +17,10 @@ MASK = "***"
 SECRET_FLAGS = ("--api-key",)
 HEADER_FLAGS = ("--header",)
 CLASS_FLAGS = ("--class",)  # name=vip,key=sk-...,header=X-Api-Key:...: the key and credential headers masked
+# bench ab: NAME=VALUE, the value masked (a key), a header's value masked, or a URL / a command redacted
+ARM_KEY_FLAGS = ("--arm-key",)
+ARM_HEADER_FLAGS = ("--arm-header",)
+ARM_FLAGS = ("--arm",)
 _SECRET_PARAM_WORDS = ("key", "token", "secret", "password", "passwd", "auth", "sig", "credential")
 
 
@@ -63,6 +67,27 @@ def _mask_class(value: str) -> str:
     return ",".join(parts)
 
 
+def _mask_arm(flag: str, value: str) -> str:
+    """``before=sk-1`` (--arm-key) -> ``before=***``; ``b=X-Api-Key:v`` (--arm-header) -> ``b=X-Api-Key:***``;
+    ``b=http://u:pw@h`` or ``b=cmd:serve --api-key k`` (--arm) -> the URL redacted, the command's secrets masked."""
+    name, eq, rest = value.partition("=")
+    if not eq:
+        return MASK if flag in ARM_KEY_FLAGS else value
+    if flag in ARM_KEY_FLAGS:
+        return f"{name}={MASK}"
+    if flag in ARM_HEADER_FLAGS:
+        return f"{name}={_mask_header(rest)}"
+    if rest.startswith("cmd:"):
+        try:
+            return f"{name}=cmd:{shlex.join(redact_argv(shlex.split(rest[4:])))}"
+        except ValueError:  # unbalanced quotes: the bench refuses it anyway
+            return f"{name}=cmd:{MASK}"
+    return f"{name}={redact_url(rest)}"
+
+
+_ARM_ANY = ARM_KEY_FLAGS + ARM_HEADER_FLAGS + ARM_FLAGS
+
+
 def redact_argv(argv: Iterable[str]) -> list[str]:
     """A command line with the API key and header values masked and URLs redacted."""
     out: list[str] = []
@@ -70,10 +95,17 @@ def redact_argv(argv: Iterable[str]) -> list[str]:
     for a in argv:
         if mask_next is not None:
             out.append(_mask_header(a) if mask_next in HEADER_FLAGS else _mask_class(a) if mask_next in CLASS_FLAGS
-                       else MASK)
+                       else _mask_arm(mask_next, a) if mask_next in _ARM_ANY else MASK)
             mask_next = None
             continue
         flag, eq, value = a.partition("=")
+        if flag in _ARM_ANY:
+            if eq:
+                out.append(f"{flag}={_mask_arm(flag, value)}")
+            else:
+                out.append(a)
+                mask_next = flag
+            continue
         if flag in CLASS_FLAGS:
             if eq:
                 out.append(f"{flag}={_mask_class(value)}")

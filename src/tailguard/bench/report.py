@@ -320,49 +320,63 @@ def bands_figure(stages: dict):
     return fig
 
 
+def sankey_parts(stages: dict, key: str) -> tuple[list[str], list[str], list[tuple[str, str, float]]]:
+    """(node labels, node colours, links (from, to, ms)) of one Sankey panel: ``key`` is ``mean_s`` (the mean
+    request) or ``p99_band_mean_s`` (the slowest 1%)."""
+    names = stages.get("stages") or []
+    labels = stages.get("labels") or {}
+    vals = stages.get(key) or {}
+    if stages.get("mode") == "server":
+        nodes = ["E2E", "server", "network/client", "before first token", "generation"] + \
+                [labels[k] for k in ("tokenize", "queue", "prefill", "decode", "stream")]
+        v = {k: (vals.get(k) or 0.0) * 1e3 for k in names}
+        srv = sum(v[k] for k in ("tokenize", "queue", "prefill", "decode", "stream"))
+        links = [("E2E", "server", srv), ("E2E", "network/client", v["network_client"]),
+                 ("server", "before first token", v["tokenize"] + v["queue"] + v["prefill"]),
+                 ("server", "generation", v["decode"] + v["stream"]),
+                 ("before first token", labels["tokenize"], v["tokenize"]),
+                 ("before first token", labels["queue"], v["queue"]),
+                 ("before first token", labels["prefill"], v["prefill"]),
+                 ("generation", labels["decode"], v["decode"]), ("generation", labels["stream"], v["stream"])]
+        ncolor = ["#444", "#666", COLORS["network_client"], "#999", "#999"] + \
+                 [COLORS[k] for k in ("tokenize", "queue", "prefill", "decode", "stream")]
+    else:
+        nodes = ["E2E"] + [labels.get(k, k) for k in names]
+        links = [("E2E", labels.get(k, k), (vals.get(k) or 0.0) * 1e3) for k in names]
+        ncolor = ["#444"] + [COLORS.get(k, "#888") for k in names]
+    return nodes, ncolor, links
+
+
+def sankey_trace(stages: dict, key: str, dom: tuple[float, float], title: str):
+    """One Sankey panel in the horizontal band ``dom`` of its figure, and its total in ms."""
+    import plotly.graph_objects as go
+
+    nodes, ncolor, links = sankey_parts(stages, key)
+    ix = {n: i for i, n in enumerate(nodes)}
+    total = sum(x for a, _, x in links if a == "E2E") or 1.0
+    trace = go.Sankey(
+        domain={"x": list(dom), "y": [0, 1]}, arrangement="snap", valueformat=".3r", valuesuffix=" ms",
+        node={"label": list(nodes), "color": ncolor, "pad": 14, "thickness": 14},
+        link={"source": [ix[a] for a, _, _ in links], "target": [ix[b] for _, b, _ in links],
+              "value": [max(x, 1e-6) for _, _, x in links],
+              "customdata": [f"{sig(x / total * 100)}%" for _, _, x in links],
+              "hovertemplate": "%{source.label} → %{target.label}: %{value} (%{customdata})<extra></extra>"},
+        name=title)
+    return trace, total
+
+
 def sankey_figure(stages: dict):
     """Where the time goes: E2E -> server / network-client -> stages; the mean request and the P99 band."""
     import plotly.graph_objects as go
 
-    names = stages.get("stages") or []
-    labels = stages.get("labels") or {}
-    mode = stages.get("mode")
     n_all = stages.get("requests")
     n_tail = stages.get("p99_band_requests")
     fig = go.Figure()
     panels = (((0, 0.48), "mean_s", "mean request", n_all),
               ((0.52, 1.0), "p99_band_mean_s", "slowest 1% (P99 band)", n_tail))
     for dom, key, title, n in panels:
-        vals = stages.get(key) or {}
-        if mode == "server":
-            nodes = ["E2E", "server", "network/client", "before first token", "generation"] + \
-                    [labels[k] for k in ("tokenize", "queue", "prefill", "decode", "stream")]
-            ix = {n: i for i, n in enumerate(nodes)}
-            v = {k: (vals.get(k) or 0.0) * 1e3 for k in names}
-            srv = sum(v[k] for k in ("tokenize", "queue", "prefill", "decode", "stream"))
-            links = [("E2E", "server", srv), ("E2E", "network/client", v["network_client"]),
-                     ("server", "before first token", v["tokenize"] + v["queue"] + v["prefill"]),
-                     ("server", "generation", v["decode"] + v["stream"]),
-                     ("before first token", labels["tokenize"], v["tokenize"]),
-                     ("before first token", labels["queue"], v["queue"]),
-                     ("before first token", labels["prefill"], v["prefill"]),
-                     ("generation", labels["decode"], v["decode"]), ("generation", labels["stream"], v["stream"])]
-            ncolor = ["#444", "#666", COLORS["network_client"], "#999", "#999"] + \
-                     [COLORS[k] for k in ("tokenize", "queue", "prefill", "decode", "stream")]
-        else:
-            nodes = ["E2E"] + [labels.get(k, k) for k in names]
-            ix = {n: i for i, n in enumerate(nodes)}
-            links = [("E2E", labels.get(k, k), (vals.get(k) or 0.0) * 1e3) for k in names]
-            ncolor = ["#444"] + [COLORS.get(k, "#888") for k in names]
-        total = sum(x for a, _, x in links if a == "E2E") or 1.0
-        fig.add_trace(go.Sankey(
-            domain={"x": list(dom), "y": [0, 1]}, arrangement="snap", valueformat=".3r", valuesuffix=" ms",
-            node={"label": list(nodes), "color": ncolor, "pad": 14, "thickness": 14},
-            link={"source": [ix[a] for a, _, _ in links], "target": [ix[b] for _, b, _ in links],
-                  "value": [max(x, 1e-6) for _, _, x in links],
-                  "customdata": [f"{sig(x / total * 100)}%" for _, _, x in links],
-                  "hovertemplate": "%{source.label} → %{target.label}: %{value} (%{customdata})<extra></extra>"},
-            name=title))
+        trace, total = sankey_trace(stages, key, dom, title)
+        fig.add_trace(trace)
         count = "" if n is None else f", n = {n:,} request{'s' if n != 1 else ''}"
         # each heading starts at its own panel's left edge, on two lines: long headings never run into each other
         fig.add_annotation(x=dom[0], y=1.02, xref="paper", yref="paper", showarrow=False, xanchor="left",

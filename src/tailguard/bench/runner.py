@@ -8,6 +8,7 @@ import platform
 import secrets
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -60,6 +61,7 @@ class BenchConfig:
     length_scale: float = 1.0
     trace_start: float = 0.0
     trace_duration: float | None = None
+    trace_window: str | None = None  # --window as given (busiest:600): trace_start/trace_duration hold what it chose
     max_input_tokens: int | None = None
     max_output_tokens: int | None = None
     business_type: str | None = None
@@ -215,11 +217,14 @@ class _Display:
 
 
 async def execute(cfg: BenchConfig, workload=None, tokenizer=None, plan: LoadPlan | None = None,
-                  display: bool | None = None, transport=None) -> tuple[dict, list]:
+                  display: bool | None = None, transport=None, on_tick=None,
+                  after_load: Callable[[], Awaitable[Any]] | None = None) -> tuple[dict, list]:
     """Run the bench; returns (results dict, per-request metrics).
 
     ``transport`` replaces the HTTP client (an object with the ``client._Transport`` methods): tests replay scripted
-    streams through it without a socket.
+    streams through it without a socket. ``on_tick(progress, elapsed)`` receives the progress instead of the bar
+    (a caller that draws its own); ``after_load`` is awaited once the load and the stage join are over, before the
+    analysis (``bench ab`` reads a gateway's replica-seconds there, so that they cover the load and nothing else).
     """
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
     workload = workload or build_workload(cfg, tokenizer)
@@ -249,8 +254,8 @@ async def execute(cfg: BenchConfig, workload=None, tokenizer=None, plan: LoadPla
         total = plan.num_requests if plan.mode == "closed" else (
             min(len(plan.offsets), plan.num_requests or len(plan.offsets)) if plan.duration is None else None)
         show = display if display is not None else (cfg.progress and sys.stderr.isatty())
-        with _Display(show, total, plan.duration, f"bench {workload.name}") as disp:
-            outcome = await run_load(transport, ep, workload, plan, opts, run_id, on_tick=disp.tick,
+        with _Display(show and on_tick is None, total, plan.duration, f"bench {workload.name}") as disp:
+            outcome = await run_load(transport, ep, workload, plan, opts, run_id, on_tick=on_tick or disp.tick,
                                      capabilities=caps)
         local = local_output_counts(outcome.results, tokenizer)
         ms = [request_metrics(r, outcome.t0, tokenizer, c) for r, c in zip(outcome.results, local)]
@@ -267,6 +272,8 @@ async def execute(cfg: BenchConfig, workload=None, tokenizer=None, plan: LoadPla
                 split_request(m, r)
     finally:
         await transport.close()
+    if after_load is not None:
+        await after_load()
     results = analyse(cfg, workload, plan, outcome, ms, tokenizer, caps, join_info, run_id)
     return results, ms
 

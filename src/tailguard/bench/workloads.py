@@ -25,6 +25,9 @@ DATA_DIR = Path(__file__).parent / "data"
 BUILTIN_TRACES = {
     "conv": DATA_DIR / "AzureLLMInferenceTrace_conv.csv",
     "code": DATA_DIR / "AzureLLMInferenceTrace_code.csv",
+    # the names people know them by (the dataset's own): the same files
+    "azure-conv": DATA_DIR / "AzureLLMInferenceTrace_conv.csv",
+    "azure-code": DATA_DIR / "AzureLLMInferenceTrace_code.csv",
 }
 LANGS = ("en", "zh", "mixed")
 
@@ -330,6 +333,41 @@ def load_trace(source: str | Path, class_column: str | None = None) -> list[Trac
     rows.sort(key=lambda x: x[0])
     t0 = rows[0][0] if rows else 0.0
     return [TraceRow(t - t0, i, o, c) for t, i, o, c in rows]
+
+
+def busiest_window(source: str | Path, seconds: float) -> tuple[float, int]:
+    """(start, arrivals) of the ``seconds``-long stretch of the trace with the most arrivals: its peak.
+
+    Trace seconds (before any time scaling). A trace shorter than ``seconds`` gives its whole length from 0."""
+    if not seconds > 0:
+        raise ValueError("a window needs a positive length in seconds")
+    times = [r.t for r in load_trace(source)]
+    best_start, best_n, j = 0.0, 0, 0
+    # two pointers over the sorted arrivals: the window starting at arrival i holds arrivals i..j-1
+    for i, t in enumerate(times):
+        while j < len(times) and times[j] < t + seconds:
+            j += 1
+        if j - i > best_n:
+            best_start, best_n = t, j - i
+    return best_start, best_n
+
+
+def parse_window(text: str) -> tuple[str, float | None, float | None]:
+    """``busiest:600`` -> ("busiest", None, 600.0); ``120:600`` -> ("range", 120.0, 600.0); ``all`` -> ("all", None,
+    None). A ValueError names the forms accepted."""
+    t = text.strip().lower()
+    if t == "all":
+        return "all", None, None
+    head, sep, tail = t.partition(":")
+    try:
+        length = float(tail) if sep else float("nan")
+        start = None if head == "busiest" else float(head)
+    except ValueError:
+        length = float("nan")
+        start = None
+    if not sep or not length > 0 or length == float("inf") or (start is not None and not start >= 0):
+        raise ValueError(f"--window takes busiest:SECONDS (the trace's peak), START:SECONDS or all; got {text!r}")
+    return ("busiest" if start is None else "range"), start, length
 
 
 @dataclass
