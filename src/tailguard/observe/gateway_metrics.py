@@ -1,5 +1,6 @@
 """The gateway's Prometheus metrics: lanes (queue depth, admitted, refused, lane wait), tenants (rate limited),
-streams (stalls, interruptions, degraded, stall fallbacks) and upstream replicas (requests, errors, outstanding tokens, TTFT, connections)."""
+streams (stalls, interruptions, degraded, stall fallbacks) and upstream replicas (requests, errors, outstanding tokens,
+TTFT, connections, and what their engines report: running requests, queue, KV-cache use)."""
 
 from __future__ import annotations
 
@@ -68,8 +69,16 @@ class GatewayMetrics:
         self.up_in_flight = Gauge("tailguard_upstream_requests_in_flight", "Requests in flight at a replica.", rep,
                                   registry=r)
         self.up_waiting = Gauge("tailguard_upstream_queue_requests",
-                                "The replica's own waiting queue, from its /metrics (vLLM, SGLang, tailguard).", rep,
-                                registry=r)
+                                "The replica's own waiting queue, from its /metrics (vLLM, SGLang, llama.cpp, "
+                                "tailguard).", rep, registry=r)
+        # The replica's engine as its own /metrics says (vLLM, SGLang, llama.cpp, tailguard: read every
+        # routing.engine_scrape_s); absent for a replica without such gauges.
+        self.up_running = Gauge("tailguard_upstream_running_requests",
+                                "Requests the replica's engine is running, from its /metrics (vLLM, SGLang, "
+                                "llama.cpp, tailguard).", rep, registry=r)
+        self.up_kv = Gauge("tailguard_upstream_kv_cache_usage_ratio",
+                           "The replica's KV-cache use (0-1), from its /metrics (vLLM's kv_cache_usage_perc, "
+                           "SGLang's token_usage, llama.cpp's kv_cache_usage_ratio, tailguard's).", rep, registry=r)
         self.up_healthy = Gauge("tailguard_upstream_healthy", "1 when the replica passes its health check and its "
                                                               "breaker is closed.", rep, registry=r)
         self.up_breaker_open = Counter("tailguard_upstream_breaker_opened", "Times a replica's breaker opened.", rep,
@@ -104,6 +113,14 @@ class GatewayMetrics:
         self.child(self.up_requests, replica, outcome).inc()
         if ttft is not None:
             self.child(self.up_ttft, replica).observe(ttft)
+
+    def engine_state(self, replica: str, running: float | None, kv_usage: float | None) -> None:
+        """What a replica's engine reported at the last read of its /metrics. A figure the replica does not report
+        is not exported (no made-up zeros)."""
+        if running is not None:
+            self.child(self.up_running, replica).set(running)
+        if kv_usage is not None:
+            self.child(self.up_kv, replica).set(kv_usage)
 
     def catch_up(self, counter: Counter, labels: tuple[str, ...], total: int) -> None:
         """Bring a counter's child up to a running total kept elsewhere (a replica's breaker, its connection pool)."""

@@ -36,6 +36,7 @@ PERCENTILES = ((0.5, "P50"), (0.95, "P95"), (0.99, "P99"))
 # Names that mark a metric no fixed panel reads but that the dashboard should show (the per-replica load
 # and speculative acceptance), with the row they go in.
 DISCOVERED_SECTIONS = (("replica", "Per-replica load"), ("accept", "Speculative decoding"))
+KV_FULL_RATIO = 0.95  # routing.kv_full_ratio's default (backends/upstream/pool.py): a replica this full is full
 TIER_MAPPINGS = [{"type": "value", "options": {
     "0": {"text": "green", "color": "green", "index": 0}, "1": {"text": "yellow", "color": "yellow", "index": 1},
     "2": {"text": "orange", "color": "orange", "index": 2}, "3": {"text": "red", "color": "red", "index": 3}}}]
@@ -330,6 +331,18 @@ class _Builder:
                 (f"sum by (replica) (tailguard_upstream_requests_in_flight{{{MODEL}}})", "{{replica}} in flight"),
                 (f"sum by (replica) (tailguard_upstream_queue_requests{{{MODEL}}})", "{{replica}} own queue")],
             "short", "The replica's own waiting queue comes from its /metrics (vLLM, SGLang, tailguard)."))
+        self.add(["tailguard_upstream_running_requests", "tailguard_upstream_queue_requests"], _panel(
+            "Engine running and waiting per replica", [
+                (f"sum by (replica) (tailguard_upstream_running_requests{{{MODEL}}})", "{{replica}} running"),
+                (f"sum by (replica) (tailguard_upstream_queue_requests{{{MODEL}}})", "{{replica}} waiting")],
+            "short", "What each replica's engine says it runs and queues (its /metrics: vLLM, SGLang, llama.cpp, "
+            "tailguard), read every routing.engine_scrape_s (0.5 s): the gateway's requests and anyone else's."))
+        self.add(["tailguard_upstream_kv_cache_usage_ratio"], _panel("KV cache in use per replica", [
+            (f"max by (replica) (tailguard_upstream_kv_cache_usage_ratio{{{MODEL}}})", "{{replica}}")],
+            "percentunit", "Each replica's KV-cache use as its engine reports it. At routing.kv_full_ratio (dashed: "
+            "its default, 95%) the replica counts as full: the queue gate counts it over its limit and routing.load: "
+            "engine sends there last (vLLM preempts running requests when its KV cache runs out).",
+            thresholds=[KV_FULL_RATIO], extra_defaults={"min": 0, "max": 1}))
         self.add(["tailguard_upstream_time_to_first_token_seconds"], _panel("Upstream TTFT P99 per replica", [
             ("histogram_quantile(0.99, sum by (le, replica) "
              f"(rate(tailguard_upstream_time_to_first_token_seconds_bucket{{{MODEL}}}[{RATE}])))", "{{replica}}")],

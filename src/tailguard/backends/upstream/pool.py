@@ -12,6 +12,11 @@ estimated) non-zero. Between two reads it is kept current from what the gateway 
 full, so each request the gateway sends it since the read joins its queue and each one that finishes lets one waiting
 request in; a replica that did not queue, but once showed how many sequences it runs when full (its running gauge
 while it queued), queues whatever the gateway sends beyond its free slots (``Replica.queue_estimate``).
+
+Every replica whose ``/metrics`` has gauges we know is also read every ``engine_scrape_s`` (0.5 s), busy or not: its
+engine's running and waiting requests and its KV-cache use (``engine_gauges``), which ``/admin/upstreams`` and the
+gateway's ``/metrics`` show and, with ``routing.load: engine``, the picker weighs (``Replica.engine_load``). A replica
+whose KV cache is at least ``kv_full_ratio`` full counts as full for the queue gate (vLLM preempts there).
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ import asyncio
 import hashlib
 import ipaddress
 import logging
+import math
 import random
-import re
 import socket
 import time
 from collections.abc import Callable
@@ -39,22 +44,80 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tailguard.gateway")
 
-# Queue gauges of the engines we know: vLLM's, SGLang's, llama.cpp's server (with --metrics: requests deferred for
-# want of a free slot, and those in its slots) and tailguard's own.
-_WAITING = re.compile(rb"^(?:vllm:num_requests_waiting|sglang:num_queue_reqs|llamacpp:requests_deferred|"
-                      rb"tailguard_num_requests_waiting)(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
-_RUNNING = re.compile(rb"^(?:vllm:num_requests_running|sglang:num_running_reqs|llamacpp:requests_processing|"
-                      rb"tailguard_num_requests_running)(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+# The engine gauges we know, per engine: (waiting, running, KV-cache use 0-1). vLLM (0.32 calls its KV gauge
+# kv_cache_usage_perc, older versions gpu_cache_usage_perc; both 0-1), SGLang (token_usage: KV tokens in use over its
+# pool), llama.cpp's server started with --metrics (requests deferred for want of a free slot, those in its slots,
+# kv_cache_usage_ratio where the build still has it) and tailguard's own.
+ENGINE_GAUGES: dict[str, tuple[tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...]]] = {
+    "vllm": ((b"vllm:num_requests_waiting",), (b"vllm:num_requests_running",),
+             (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")),
+    "sglang": ((b"sglang:num_queue_reqs",), (b"sglang:num_running_reqs",), (b"sglang:token_usage",)),
+    "llamacpp": ((b"llamacpp:requests_deferred",), (b"llamacpp:requests_processing",),
+                 (b"llamacpp:kv_cache_usage_ratio",)),
+    "tailguard": ((b"tailguard_num_requests_waiting",), (b"tailguard_num_requests_running",),
+                  (b"tailguard_kv_cache_usage_ratio",)),
+}
+_ANY_ENGINE = tuple(tuple(n for e in ENGINE_GAUGES.values() for n in e[i]) for i in range(3))
 
 
-def queue_gauges(metrics_text: bytes) -> tuple[float | None, float | None]:
+@dataclass(frozen=True, slots=True)
+class EngineGauges:
+    """What an upstream's /metrics says of its engine; None where it has no gauge we know."""
+
+    waiting: float | None = None  # summed over its label sets (data-parallel engines)
+    running: float | None = None  # summed likewise
+    kv_usage: float | None = None  # 0-1, the fullest of its label sets (where preemption starts first)
+
+    @property
+    def known(self) -> bool:
+        return self.waiting is not None or self.running is not None or self.kv_usage is not None
+
+
+def _samples(text: bytes, names: tuple[bytes, ...]) -> list[float]:
+    """The values of the samples of ``names`` (any labels) in a Prometheus text. The names are found with
+    ``bytes.find`` rather than parsed: on a real vLLM 0.32 /metrics (51 KB, tests/backends/engine_metrics/vllm.txt)
+    one engine's four names take 51 us, a regex over every line 224 us and prometheus_client's
+    ``text_string_to_metric_families`` 6,800 us, on the gateway's event loop twice a second per replica."""
+    out: list[float] = []
+    for name in names:
+        key = b"\n" + name
+        i = text.find(key)
+        while i >= 0:
+            j = i + len(key)
+            nxt = text[j:j + 1]
+            if nxt in (b"{", b" ", b"\t"):  # this name, not a longer one (vllm:num_requests_waiting_by_reason)
+                end = text.find(b"\n", j)
+                line = text[j:end] if end >= 0 else text[j:]
+                if nxt == b"{":
+                    line = line[line.rfind(b"}") + 1:]
+                parts = line.split()
+                try:
+                    v = float(parts[0]) if parts else math.nan
+                except ValueError:
+                    v = math.nan
+                if math.isfinite(v):
+                    out.append(v)
+            i = text.find(key, j)
+    return out
+
+
+def engine_gauges(metrics_text: bytes, kind: str | None = None) -> EngineGauges:
+    """The engine gauges in an upstream's /metrics: those of engine ``kind`` (``HEALTH_PATHS``' names), or of any
+    engine we know when the kind is not one of them."""
+    names = ENGINE_GAUGES.get(kind or "", _ANY_ENGINE)
+    text = b"\n" + metrics_text  # a sample on the first line is found like the others
+    waiting, running, kv = (_samples(text, n) for n in names)
+    return EngineGauges(sum(waiting) if waiting else None, sum(running) if running else None,
+                        min(1.0, max(0.0, max(kv))) if kv else None)
+
+
+def queue_gauges(metrics_text: bytes, kind: str | None = None) -> tuple[float | None, float | None]:
     """(waiting, running) summed over an upstream's /metrics samples; None where it has no gauge we know (running
     counts only beside a waiting gauge: without a queue figure the pair means nothing to the gate)."""
-    waiting = [float(m) for m in _WAITING.findall(metrics_text)]
-    if not waiting:
+    g = engine_gauges(metrics_text, kind)
+    if g.waiting is None:
         return None, None
-    running = [float(m) for m in _RUNNING.findall(metrics_text)]
-    return sum(waiting), (sum(running) if running else None)
+    return g.waiting, g.running
 
 
 # Where each engine kind says whether it can serve (not merely whether its HTTP server is up: a replica whose engine
@@ -124,6 +187,13 @@ class UpstreamConfig(BaseModel):
 class RoutingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     policy: str = Field("least_tokens", pattern="^(least_tokens|prefix)$")
+    load: str = Field("tokens", pattern="^(tokens|engine)$",
+                      description="what a replica's load is when routing weighs it. tokens: the gateway's own "
+                                  "outstanding tokens there plus its engine's waiting queue, two replicas at random "
+                                  "and the lighter wins; engine: what its engine reports (/metrics, read every "
+                                  "engine_scrape_s and kept current from the gateway's own traffic in between), "
+                                  "waiting + running / slots + kv_weight x KV use squared, a replica whose KV "
+                                  "cache is kv_full_ratio full last; the least loaded wins")
     prefix_chars: int = Field(512, ge=16, description="prompt characters hashed for prefix affinity")
     affinity_slack: float = Field(1.5, ge=1, description="affinity holds while the replica's load <= slack x mean")
     retries: int = Field(2, ge=0, description="other replicas tried when one fails before the first token")
@@ -131,6 +201,17 @@ class RoutingConfig(BaseModel):
     queue_scrape_s: float = Field(0.25, gt=0, description="while a replica's waiting queue is (or is estimated) "
                                                           "non-zero, its /metrics is read this often (between "
                                                           "health checks)")
+    engine_scrape_s: float | None = Field(0.5, gt=0, description="every replica whose /metrics has engine gauges "
+                                                                  "we know is read this often, busy or not "
+                                                                  "(running, waiting, KV use); null: at health "
+                                                                  "checks (and while it queues) only")
+    kv_full_ratio: float | None = Field(0.95, gt=0, le=1, description="a replica whose KV cache is this full counts "
+                                                                       "as full: the queue gate counts it over its "
+                                                                       "limit, and load: engine routes there last "
+                                                                       "(vLLM preempts running requests when its KV "
+                                                                       "cache runs out); null: off")
+    kv_weight: float = Field(2.0, ge=0, description="load: engine: the load a replica's KV use adds, times its "
+                                                    "square (2.0: a cache 70% full weighs as one waiting request)")
     connect_timeout_s: float = Field(5.0, gt=0)
     keepalive_s: float = Field(4.0, gt=0, description="an idle upstream connection is closed after this long, before "
                                                       "the upstream's own keep-alive timeout (uvicorn's: 5 s) can "
@@ -215,6 +296,10 @@ class Replica:
     in_flight_at_scrape: int = 0  # the gateway's requests in flight there when upstream_waiting was read
     upstream_running: float | None = None  # its running sequences, from its /metrics, when it has them
     slots: float | None = None  # sequences it runs at once, learned: its running count when it last queued
+    slots_reported: bool = False  # ``slots`` is what it says it has (llama.cpp's /slots), not learned
+    kv_usage: float | None = None  # its KV cache's use (0-1), from its /metrics, when it has them
+    has_metrics: bool | None = None  # its /metrics has engine gauges we know (None: not read yet)
+    scraped_at: float | None = None  # monotonic time of the last read of its /metrics
     requests: int = 0
     errors: int = 0
     last_error: str | None = None
@@ -262,10 +347,37 @@ class Replica:
     def load(self, tokens_per_waiting: int = 256) -> float:
         return self.outstanding_tokens + self.upstream_waiting * tokens_per_waiting
 
+    def kv_full(self, ratio: float | None) -> bool:
+        return ratio is not None and self.kv_usage is not None and self.kv_usage >= ratio
+
+    def engine_load(self, kv_weight: float = 2.0, kv_full_ratio: float | None = 0.95) -> float:
+        """Its load as its engine reports it, kept current between reads from the gateway's own traffic: requests
+        waiting (each one a whole request's wait), plus the share of its slots running (its reported or learned
+        slots, else ``max_concurrent``), plus ``kv_weight`` x its KV use squared; a KV cache ``kv_full_ratio``
+        full adds ``KV_FULL_LOAD``, so that it is chosen only when every replica is as full. Without engine
+        gauges: the gateway's own requests there against its ``max_concurrent``."""
+        slots = max(1.0, self.slots or float(self.cfg.max_concurrent))
+        sent = self.in_flight - self.in_flight_at_scrape
+        if self.upstream_running is None and not self.reports_queue:
+            total, wait = float(self.in_flight), max(0.0, self.in_flight - slots)
+        else:
+            total = max(0.0, (self.upstream_running or 0.0) + self.upstream_waiting + sent)
+            # A replica that queued is full: what is sent since joins its queue; otherwise beyond its free slots.
+            wait = max(0.0, self.upstream_waiting + sent) if self.upstream_waiting > 0 else max(0.0, total - slots)
+        score = min(wait, total) + (total - min(wait, total)) / slots
+        if self.kv_usage is not None:
+            score += kv_weight * self.kv_usage ** 2
+            if self.kv_full(kv_full_ratio):
+                score += KV_FULL_LOAD
+        return score
+
     def headers(self) -> dict[str, str]:
         if self.cfg.api_key is None:
             return {}
         return {"Authorization": f"Bearer {self.cfg.api_key.get_secret_value()}"}
+
+
+KV_FULL_LOAD = 1000.0  # what a full KV cache adds to ``engine_load``: more than any queue a replica may hold
 
 
 def _why_not(r: Replica) -> str:
@@ -394,10 +506,18 @@ class UpstreamPool:
         raise KeyError(name)
 
     def describe(self) -> list[dict]:
+        now = time.monotonic()
+        rt = self.routing
         return [{"name": r.name, "url": r.shown_url, "model": r.model, "kind": r.kind, "healthy": r.healthy,
                  "draining": r.draining, "breaker": r.breaker.state,
                  "in_flight": r.in_flight, "outstanding_tokens": r.outstanding_tokens,
                  "upstream_waiting": r.upstream_waiting, "max_concurrent": r.cfg.max_concurrent,
+                 # What its engine said at the last read of its /metrics (None: no such gauge), how long ago, and
+                 # the load routing gives it now (``routing.load``).
+                 "upstream_running": r.upstream_running, "kv_cache_usage": r.kv_usage,
+                 "kv_full": r.kv_full(rt.kv_full_ratio), "slots": r.slots,
+                 "metrics_age_s": None if r.scraped_at is None else round(now - r.scraped_at, 3),
+                 "load": round(self.load_of(r), 4),
                  "requests": r.requests, "errors": r.errors, "last_error": r.last_error} for r in self.replicas]
 
     # --- lifecycle --------------------------------------------------------------------------------------------------
@@ -448,17 +568,25 @@ class UpstreamPool:
                 log.exception("upstream health check")
 
     async def _queue_loop(self) -> None:
-        """Read the queues of the replicas that queue more often than the health checks: the gate reopens sooner."""
+        """Read the replicas' /metrics between health checks: every ``engine_scrape_s`` where it has engine gauges,
+        and every ``queue_scrape_s`` while it queues (or its KV cache is full), so that the gate reopens sooner."""
         import aiohttp
 
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.routing.health_interval_s))
+        rt = self.routing
+        timeout = aiohttp.ClientTimeout(total=max(1.0, rt.health_interval_s))
+        every = rt.engine_scrape_s
+        tick = min(rt.queue_scrape_s, every) if every is not None else rt.queue_scrape_s
         while True:
-            await asyncio.sleep(self.routing.queue_scrape_s)
-            busy = [r for r in self.replicas if r.available and (r.upstream_waiting > 0 or r.queue_estimate() > 0)]
-            if not busy:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            due = [r for r in self.replicas if r.available and (
+                r.upstream_waiting > 0 or r.queue_estimate() > 0 or r.kv_full(rt.kv_full_ratio)
+                or (every is not None and r.has_metrics
+                    and (r.scraped_at is None or now - r.scraped_at >= every - tick / 2)))]
+            if not due:
                 continue
             try:
-                await asyncio.gather(*(self._scrape(r, timeout) for r in busy))
+                await asyncio.gather(*(self._scrape(r, timeout) for r in due))
             except Exception:  # noqa: BLE001 - a failed read must not end the watch
                 log.exception("upstream queue read")
 
@@ -472,10 +600,14 @@ class UpstreamPool:
         reps = [r for r in avail if r.reports_queue]
         if not reps:
             return False
-        queued = sum(r.queue_estimate() for r in reps)
+        # A replica whose KV cache is full is full whatever its queue says: it counts as just over the limit (a
+        # request sent there waits, or makes it preempt), and has no free slot.
+        kv_full = self.routing.kv_full_ratio
+        queued = sum(max(r.queue_estimate(), per_replica + 1) if r.kv_full(kv_full) else r.queue_estimate()
+                     for r in reps)
         unsent = admitted - sum(r.in_flight for r in self.replicas)
         if unsent > 0:
-            free = [f for r in avail if (f := r.free_slots()) is not None]
+            free = [0.0 if r.kv_full(kv_full) else f for r in avail if (f := r.free_slots()) is not None]
             if len(free) == len(avail):  # every replica says how many slots it has free
                 queued += max(0.0, unsent - sum(free))
         return queued > per_replica * len(reps)
@@ -502,6 +634,8 @@ class UpstreamPool:
                     if not ok:
                         r.last_error = f"health check: {path} answered {resp.status}"
             if ok:
+                if r.kind == "llamacpp" and (not r.slots_reported or r.has_metrics is False):
+                    await self._read_slots(r, timeout)
                 await self._scrape(r, timeout)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             ok = False
@@ -532,23 +666,51 @@ class UpstreamPool:
             log.info("upstream %s is %s: health read from %s", r.name, r.kind, HEALTH_PATHS[r.kind])
         return True
 
+    async def _read_slots(self, r: Replica, timeout: Any) -> None:
+        """llama.cpp's server lists its slots at /slots (unless started with --no-slots): how many sequences it runs
+        at once, known before it ever queues, and, where it has no /metrics (started without --metrics), how many
+        are busy."""
+        import aiohttp
+
+        assert self.session is not None
+        try:
+            async with self.session.get(r.url + "/slots", headers=r.headers(), timeout=timeout) as resp:
+                if resp.status != 200:
+                    return
+                slots = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return
+        if not isinstance(slots, list) or not slots:
+            return
+        r.slots, r.slots_reported = float(len(slots)), True
+        if r.has_metrics is False:
+            r.upstream_running = float(sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing")))
+            r.in_flight_at_scrape = r.in_flight
+
     async def _scrape(self, r: Replica, timeout: Any) -> None:
         import aiohttp
 
         assert self.session is not None
         try:
             async with self.session.get(r.url + "/metrics", headers=r.headers(), timeout=timeout) as resp:
-                if resp.status != 200:
-                    return
-                body = await resp.read()
+                # No /metrics (llama.cpp's server without --metrics: 501; a plain OpenAI server: 404): nothing known
+                # of its engine but what /slots may say.
+                body = await resp.read() if resp.status == 200 else b""
         except (aiohttp.ClientError, TimeoutError):
             return
-        waiting, r.upstream_running = queue_gauges(body)
-        r.upstream_waiting = waiting or 0.0
-        r.reports_queue = waiting is not None
+        g = engine_gauges(body, r.kind)
+        r.has_metrics = g.known
+        if g.known:
+            r.scraped_at = time.monotonic()
+        if g.running is not None or not r.slots_reported:  # else: llama.cpp's /slots said how many are busy
+            r.upstream_running = g.running
+        r.kv_usage = g.kv_usage
+        r.upstream_waiting = g.waiting or 0.0
+        r.reports_queue = g.waiting is not None
         # Its slots: what it runs while it queues (it is full), or more when it runs more without a queue.
         run = r.upstream_running
-        if run is not None and (r.upstream_waiting > 0 or (r.slots is not None and run > r.slots)):
+        if run is not None and r.reports_queue and not r.slots_reported and \
+                (r.upstream_waiting > 0 or (r.slots is not None and run > r.slots)):
             r.slots = run
         r.in_flight_at_scrape = r.in_flight
         if self.on_queue is not None:
@@ -565,14 +727,28 @@ class UpstreamPool:
             raise NoReplica(f"no upstream replica is available ({down})")
         if len(pool) == 1:
             return pool[0]
-        if affinity_key is not None and self.routing.policy == "prefix":
+        rt = self.routing
+        engine = rt.load == "engine"
+        if affinity_key is not None and rt.policy == "prefix":
             best = max(pool, key=lambda r: hashlib.blake2b(f"{r.name}\0{affinity_key}".encode(),
                                                            digest_size=8).digest())
-            mean = sum(r.load() for r in pool) / len(pool)
-            if best.load() <= self.routing.affinity_slack * mean + 256:
+            loads = [self.load_of(r) for r in pool]
+            mean = sum(loads) / len(loads)
+            # The slack above the mean: 256 tokens, or half a replica's slots of engine load.
+            if self.load_of(best) <= rt.affinity_slack * mean + (0.5 if engine else 256) \
+                    and not (engine and best.kv_full(rt.kv_full_ratio)):
                 return best
+        if engine:
+            # The least loaded of all: the load moves with each request sent (``engine_load``), so a burst between
+            # two reads spreads instead of herding; ties go to the fewer outstanding tokens, then at random.
+            return min(pool, key=lambda r: (self.load_of(r), r.outstanding_tokens, self.rng.random()))
         a, b = self.rng.sample(pool, 2)
         return a if a.load() <= b.load() else b
+
+    def load_of(self, r: Replica) -> float:
+        """A replica's load as ``routing.load`` weighs it."""
+        rt = self.routing
+        return r.engine_load(rt.kv_weight, rt.kv_full_ratio) if rt.load == "engine" else r.load()
 
     def affinity_key(self, session: str | None, prompt: str) -> str | None:
         if self.routing.policy != "prefix":
