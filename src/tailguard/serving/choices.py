@@ -3,9 +3,9 @@
 Each choice is its own submission to the backend, the embedded engine or an upstream replica alike, seeded
 ``seed + i`` where the request has a seed (as vLLM seeds its parallel samples). The first goes alone; the others
 follow once it has its first token (or has ended), when the prompt is in the prefix cache: their prompt's full KV
-blocks are taken from there, not computed again. Behind the gateway the choices keep the request's session, so they
-reach the same replica, whose own prefix cache does the same; each is asked for one choice (``n`` and ``best_of``
-leave its body), which lets the gateway watch, count and record every choice's tokens as it does a single answer's.
+blocks are taken from there, not computed again. Behind the gateway each choice is asked of the replicas for one
+choice (``n`` and ``best_of`` leave its body), which lets the gateway watch, count and record every choice's tokens
+as it does a single answer's; prefix routing sends them to the first's replica, whose prefix cache does the same.
 
 The timeline follows choice 0: its first token, token times and send times are the request's TTFT and inter-token
 latencies (what one stream of the answer looks like), while the output token count, the usage and the tokens charged
