@@ -20,7 +20,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
@@ -274,22 +274,28 @@ class CompletionEndpoint(Endpoint):
         assert seal is not None
         ex.tl.sealed = lambda: seal.seal(payload)
 
-    async def _answer(self, ex: Exchange, request: Incoming, backend: Backend, engine_id: str, p: Parsed,
-                      events: EventStream) -> None:
-        respond = self.answers.stream if p.stream else self.answers.full
+    @staticmethod
+    async def _watched(ex: Exchange, request: Incoming, respond: Callable[[], Awaitable[None]],
+                       abort: Callable[[], None]) -> None:
+        """Answer while watching for the client to leave; on that signal ``abort`` the work in the backend."""
 
         def on_disconnect() -> bool:
             if not ex.abandon():
                 return False  # the answer was complete: uvicorn reports every closed connection
-            backend.abort(engine_id)
+            abort()
             return True
 
+        try:
+            await run_watched(respond, request.receive, on_disconnect, ABORT_REPORT_WAIT_S)
+        except OSError:  # an ASGI 2.4 server may report a gone client as a failed send
+            if not on_disconnect():
+                raise
+
+    async def _answer(self, ex: Exchange, request: Incoming, backend: Backend, engine_id: str, p: Parsed,
+                      events: EventStream) -> None:
+        respond = self.answers.stream if p.stream else self.answers.full
         async with aclosing(events):  # leaving early aborts the request
-            try:
-                await run_watched(lambda: respond(ex, p, events), request.receive, on_disconnect, ABORT_REPORT_WAIT_S)
-            except OSError:  # an ASGI 2.4 server may report a gone client as a failed send
-                if not on_disconnect():
-                    raise
+            await self._watched(ex, request, lambda: respond(ex, p, events), lambda: backend.abort(engine_id))
 
     async def _choices(self, ex: Exchange, request: Incoming, backend: Backend, first: Submission, p: Parsed) -> None:
         """Several choices (``n`` > 1): one submission each, merged into one answer (``choices.py``)."""
@@ -301,21 +307,9 @@ class CompletionEndpoint(Endpoint):
         merged = choices.events()
         responder = ChoicesResponder(self.answers)
         respond = responder.stream if p.stream else responder.full
-
-        def on_disconnect() -> bool:
-            if not ex.abandon():
-                return False
-            choices.abort()
-            return True
-
         try:
-            async with aclosing(merged):
-                try:
-                    await run_watched(lambda: respond(ex, p, merged), request.receive, on_disconnect,
-                                      ABORT_REPORT_WAIT_S)
-                except OSError:
-                    if not on_disconnect():
-                        raise
+            async with aclosing(merged):  # leaving early closes every choice's events, which aborts them
+                await self._watched(ex, request, lambda: respond(ex, p, merged), choices.abort)
         finally:
             st.active_ids.difference_update(extra_ids)
             choices.release()
