@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The case study, reproduced in kind: one service's evening peak, before and after tailguard's controls.
 
-    python examples/case-study/case_study.py                 # ~30 min; writes runs/case-study/ab/report.html
-    python examples/case-study/case_study.py --quick         # ~6 min: one repeat each, no sweep
+    .venv/bin/python examples/case-study/case_study.py                 # ~30 min; writes runs/case-study/ab/report.html
+    .venv/bin/python examples/case-study/case_study.py --quick         # ~5 min: one repeat each, no sweep
 
 A service runs two engine replicas. **Before** is what a team deploys first: the two replicas behind a gateway that
 only routes (least-loaded), every request in one lane first come first served, no admission, no SLO monitor.
@@ -159,7 +159,7 @@ def main() -> int:
     p.add_argument("--arms", default="before,after",
                    help="which arms, the first the baseline: before, after, after-peak (the third replica up for the "
                         "whole peak, as a team that knows its evening peak schedules it)")
-    p.add_argument("--quick", action="store_true", help="one repeat, no sweep (~6 min)")
+    p.add_argument("--quick", action="store_true", help="one repeat, no sweep (~5 min)")
     p.add_argument("--prepare-only", action="store_true")
     args = p.parse_args()
     if args.quick:
