@@ -159,13 +159,19 @@ class ChoicesResponder:
     def _setup(self, ex: Exchange, p: Parsed) -> list[_Choice]:
         return [_Choice(i, CallStream(p.tools) if p.tools is not None else None) for i in range(p.n)]
 
-    def _take(self, ex: Exchange, c: _Choice, ev: TokenEvent, want_lp: bool) -> None:
+    def _take(self, ex: Exchange, c: _Choice, ev: TokenEvent, want_lp: bool) -> bool:
+        """Put one event on its choice (and choice 0's on the timeline); True when it ends the choice."""
         if ev.token_id is not None:
             c.tokens += 1
         if c.index == 0:  # the request's timeline follows choice 0
             self.answers._take(ex, ev, c.lp_items if want_lp else None)
         elif want_lp and ev.token_id is not None:
             c.lp_items.append((ev.token_id, ev.logprob, ev.top_logprobs))
+        if ev.text:
+            c.texts.append(ev.text)
+        if ev.finished:
+            c.final = ev
+        return ev.finished
 
     def _close(self, ex: Exchange, choices: list[_Choice], stalled: str | None) -> list[str]:
         """The timeline's figures once every choice has ended (or the stream stalled); returns each finish reason."""
@@ -219,7 +225,7 @@ class ChoicesResponder:
             return opened(c) + call_chunk + fmt.finish(text, reason, lp, index=c.index, **extra)
 
         stalled: str | None = None
-        ended: list[_Choice] = []
+        ended = 0
         try:
             async for i, ev in merged:
                 if ev is KEEPALIVE:
@@ -236,13 +242,9 @@ class ChoicesResponder:
                     await start()
                     continue
                 c = choices[i]
-                self._take(ex, c, ev, want_lp)
-                if ev.text:
-                    c.texts.append(ev.text)
-                if ev.finished:
-                    c.final = ev
-                    ended.append(c)
-                    if len(ended) == p.n:
+                if self._take(ex, c, ev, want_lp):
+                    ended += 1
+                    if ended == p.n:
                         break
                     continue  # its finish chunk leaves at the end, with the others' (one write)
                 text, passed = ev.text, ev.passthrough
@@ -300,13 +302,9 @@ class ChoicesResponder:
                         return
                     continue
                 c = choices[i]
-                self._take(ex, c, ev, want_lp)
-                if ev.text:
-                    c.texts.append(ev.text)
                 if ev.passthrough is not None:
                     c.passed.add(ev.passthrough)
-                if ev.finished:
-                    c.final = ev
+                if self._take(ex, c, ev, want_lp):
                     ended += 1
                     if ended == p.n:
                         break
