@@ -88,7 +88,8 @@ def test_a_seeded_request_keeps_its_seed_and_a_changed_answer_is_shown(served, c
 def test_the_batch_it_shared_is_found(served, capsys):
     s, key_file, store = served
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda i: _ask(s.url, f"rb-batch-{i}", max_tokens=24), range(4)))
+        # Long enough answers that the four are in the engine together (the tiny model decodes in milliseconds).
+        list(pool.map(lambda i: _ask(s.url, f"rb-batch-{i}", max_tokens=200), range(4)))
     settle(s)
     out = _rebuild(capsys, "rb-batch-0", store, key_file)
     shared = {x["request_id"] for x in out["shared"]}

@@ -98,16 +98,19 @@ def _window(rec: dict[str, Any]) -> tuple[float, float] | None:
 
 
 def _overlapping(st: Any, rec: dict[str, Any]) -> list[dict[str, Any]]:
+    from tailguard.observe.store import row_to_record
+
     mine = _window(rec)
     if mine is None:
         return []
-    rows = st.query("SELECT request_id FROM requests WHERE received_at BETWEEN ? AND ? AND request_id <> ? "
+    # One query for the candidates' whole rows (not one more per candidate).
+    rows = st.query("SELECT * FROM requests WHERE received_at BETWEEN ? AND ? AND request_id <> ? "
                     "ORDER BY received_at LIMIT ?",
                     (rec["received_at"] - OVERLAP_LOOKBACK_S, mine[1], rec["request_id"], MAX_SHARED))
     shared = []
     for row in rows:
-        other = st.get(row[0])
-        win = _window(other) if other is not None else None
+        other = row_to_record(row)
+        win = _window(other)
         if win is None or win[1] < mine[0] or win[0] > mine[1]:
             continue
         overlap = min(win[1], mine[1]) - max(win[0], mine[0])
