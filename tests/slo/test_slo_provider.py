@@ -26,19 +26,9 @@ from tailguard.serving.backend_factory import build_backend
 from tailguard.serving.server import ThreadedServer
 from tailguard.slo.actions import ActionEngine, RecordLog, SLOMetrics
 from tailguard.slo.profiles import Selector
+from tests.backends.test_provider import FAKE_REPLICA, alive
 from tests.serving_helpers import ADMIN, make_config, settle, wait_until
 from tests.slo_helpers import FakeClock, slo_config
-
-FAKE_REPLICA = [sys.executable, "-m", "tailguard.bench.fakeserver", "--port", "{port}", "--ttft", "0.01", "--itl",
-                "0.05", "--max-lifetime", "120"]
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 class FakeScaler:
