@@ -179,12 +179,14 @@ def _vllm_text(running: float, waiting: float, kv: float) -> bytes:
 
 @contextlib.contextmanager
 def engine_upstream(kind: str, state: dict[str, Any]) -> Iterator[str]:
-    """A scripted engine on 127.0.0.1: /v1/models owned by ``kind``, /health, and /metrics and /slots as ``state``
-    says at each read (``metrics``: bytes, or an int status; ``slots``: a list, or absent for 404)."""
+    """A scripted engine on 127.0.0.1: /v1/models owned by ``kind`` (empty while ``state["loading"]``), /health, and
+    /metrics and /slots as ``state`` says at each read (``metrics``: bytes, or an int status; ``slots``: a list, or
+    absent for 404)."""
     from aiohttp import web
 
     async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": kind}]})
+        listed = [] if state.get("loading") else [{"id": "m", "object": "model", "owned_by": kind}]
+        return web.json_response({"object": "list", "data": listed})
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="")
@@ -257,6 +259,27 @@ def test_a_live_upstreams_gauges_reach_the_replica_within_half_a_second():
         delays = asyncio.run(main())
     # Read every 0.5 s: a change is seen within one period (on a loaded machine, a little over it).
     assert max(delays) < 1.0 and statistics.median(delays) < 0.6, delays
+
+
+def test_a_replica_that_lists_no_model_yet_is_not_healthy_and_its_engine_not_guessed():
+    # A server still loading (tailguard's lists no model until its engine is up) must not be judged by /v1/models
+    # alone: it would be sent requests it answers 503, and its engine taken for a plain OpenAI server for good.
+    state: dict[str, Any] = {"metrics": _text("vllm.txt"), "loading": True}
+    with engine_upstream("vllm", state) as url:
+        async def main() -> None:
+            pool = UpstreamPool([UpstreamConfig(url=url)], RoutingConfig(health_interval_s=30))
+            await pool.start()
+            try:
+                (r,) = pool.replicas
+                assert not r.healthy and r.kind is None and r.model is None
+                assert r.last_error == "health check: /v1/models lists no model yet"
+                state["loading"] = False
+                await pool.check(r)
+                assert r.healthy and r.kind == "vllm" and r.model == "m"
+            finally:
+                await pool.close()
+
+        asyncio.run(main())
 
 
 def test_llamacpp_slots_say_how_many_it_runs_and_how_many_are_busy():

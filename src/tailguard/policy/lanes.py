@@ -524,6 +524,20 @@ class Lanes:
                 self._admit(lane, now, w.tokens)
                 w.future.set_result(None)
 
+    def waiting(self) -> int:
+        return sum(s.waiting for s in self.order)
+
+    def oldest_wait(self, now: float | None = None) -> float:
+        """Seconds the longest-waiting request has waited for admission (0 while none waits)."""
+        now = time.monotonic() if now is None else now
+        oldest: float | None = None
+        for lane in self.order:
+            for q in lane.queues.values():
+                head = next((w for w in q if not w.future.done()), None)  # one that gave up waits no more
+                if head is not None and (oldest is None or head.enqueued < oldest):
+                    oldest = head.enqueued
+        return 0.0 if oldest is None else max(0.0, now - oldest)
+
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {name: {"in_use": s.in_use, "tokens": s.tokens, "waiting": s.waiting, "admitted": s.admitted,
                        "refused": s.refused} for name, s in self.lanes.items()}

@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from tailguard.backends.base import Backend
 from tailguard.backends.local import LocalBackend, LocalEngine, as_backend
+from tailguard.backends.upstream.autoscale import LoadSample, ReplicaAutoscaler
 from tailguard.backends.upstream.pool import UpstreamPool
 from tailguard.backends.upstream.provider import ProcessProvider, ProviderScaler, ReplicaLedger
 from tailguard.backends.upstream.proxy import UpstreamBackend
@@ -37,6 +38,7 @@ from tailguard.slo.actions import SLORecord
 if TYPE_CHECKING:
     from tailguard.observe.tracing import RequestTracer
     from tailguard.serving.batch_cap import BatchCapDriver
+    from tailguard.slo.config import AutoscaleConfig
     from tailguard.slo.monitor import SLOMonitor
 
 log = logging.getLogger("tailguard.server")
@@ -76,6 +78,7 @@ class ServerState:
     policy: TrafficPolicy = field(init=False)  # lanes, rate limits, the SLO monitor's verdicts (rebuilt on attach)
     ledger: ReplicaLedger | None = None  # a gateway's replica-seconds (every replica, configured or started)
     provider: ProcessProvider | None = None  # starts and stops replicas for the SLO monitor (scale_out.provider)
+    autoscaler: ReplicaAutoscaler | None = None  # the provider following the backlog (provider.autoscale)
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config.max_queue)
@@ -149,12 +152,42 @@ class ServerState:
         elif cfg is not None and self.slo is not None:
             provider = self.provider = ProcessProvider(cfg, pool, on_change=self.capacity_changed)
             slo = self.slo
-            slo.actions.scaler = ProviderScaler(provider, asyncio.get_running_loop(), fires=lambda: slo.fires)
+            scaler = slo.actions.scaler = ProviderScaler(provider, asyncio.get_running_loop(),
+                                                         fires=lambda: slo.fires)
             provider.keep_minimum()
+            if cfg.autoscale is not None:
+                self.autoscaler = self._autoscaler(cfg.autoscale, provider, pool)
+                scaler.on_close.append(self.autoscaler.close)
         self.ledger = ReplicaLedger(pool, provider)
         if self.metrics is not None:
             metrics = self.metrics
             self.ledger.register(metrics.registry, lambda: metrics.model)
+
+    def _autoscaler(self, cfg: AutoscaleConfig, provider: ProcessProvider, pool: UpstreamPool) -> ReplicaAutoscaler:
+        """The provider following this gateway's backlog: its lanes' waits and the replicas' queues."""
+        slo = self.slo
+        assert slo is not None
+
+        def sample() -> LoadSample:
+            lanes = self.lanes
+            serving = [r for r in pool.replicas if r.available]
+            mine = [r for r in provider.replicas() if r.state == "serving"]
+            newest = mine[-1] if len(mine) > provider.min_replicas else None
+            removable = next((r.cfg.max_concurrent for r in serving if newest is not None and r.url == newest.url),
+                             None)
+            return LoadSample(oldest_wait_s=lanes.oldest_wait() if lanes is not None else 0.0,
+                              gateway_waiting=lanes.waiting() if lanes is not None else 0,
+                              upstream_waiting=sum(r.queue_estimate() for r in serving),
+                              busy=sum(r.busy for r in pool.replicas), capacity=pool.capacity,
+                              replicas=len(serving), removable_capacity=removable)
+
+        def fires() -> bool:
+            return slo.fires
+
+        autoscaler = ReplicaAutoscaler(cfg, provider, sample, hold=lambda: slo.actions.scale_out is not None,
+                                       on_step=slo.actions.provider_step, fires=fires)
+        autoscaler.start()
+        return autoscaler
 
     def _emit_audit(self, rec: SLORecord) -> None:
         if self.slo is not None:

@@ -443,6 +443,16 @@ class ActionEngine:
                 self.metrics.hook_calls.labels(res.get("target", "?"), event).inc()
         return done
 
+    def provider_step(self, action: str, figures: dict[str, Any], res: dict[str, Any]) -> None:
+        """A step the replica provider took on the gateway's backlog (its autoscaler, not a tier): one ``hook``
+        record in scope ``backlog``, with the load that triggered it, counted like the tiers' own."""
+        t = self.clock()
+        event = res.get("event") or ("ok" if res.get("ok") else "failed")
+        self.records.emit(SLORecord(new_id(), "hook", action, event, "backlog", None, t, t, t, dict(figures),
+                                    {**res, "trigger": "backlog"}, False, None))
+        if self.metrics is not None:
+            self.metrics.hook_calls.labels(res.get("target", "?"), event).inc()
+
     def _scale(self, action_rec: SLORecord, delta_pct: float, now: float) -> None:
         """Ask for the replicas: the hooks (webhook, command) and the replica provider, each told the same. What was
         done goes into the action's details (``hook``, and ``provider`` where there is one)."""

@@ -34,6 +34,7 @@ from tailguard.slo.profiles import Metric, ProfileError, Selector
 
 __all__ = [
     "ActionsConfig",
+    "AutoscaleConfig",
     "DegradeConfig",
     "GoldenRulesConfig",
     "HotspotConfig",
@@ -250,6 +251,21 @@ def _split_command(v: Any) -> Any:
 
 
 
+class AutoscaleConfig(_M):
+    """The provider follows the gateway's backlog, beside the tiers (``tailguard.backends.upstream.autoscale``): a
+    replica starts once a request has waited ``wait_s`` at the gateway (or the replicas queue ``queued_per_replica``
+    each) for ``sustain_s``; the newest stops, drained, once nothing waits and the requests in flight fit the others
+    at ``scale_in_utilization`` for ``scale_in_after_s``; one step per ``cooldown_s`` at most."""
+
+    wait_s: float = Field(default=1.0, gt=0)
+    queued_per_replica: float = Field(default=4.0, gt=0)
+    sustain_s: float = Field(default=1.0, ge=0)
+    scale_in_utilization: float = Field(default=0.7, gt=0, le=1)
+    scale_in_after_s: float = Field(default=20.0, ge=0)
+    cooldown_s: float = Field(default=10.0, ge=0)
+    interval_s: float = Field(default=0.25, gt=0)
+
+
 class ProcessProviderConfig(_M):
     """Replicas started as processes on the gateway's machine (a gateway over ``upstreams`` only).
 
@@ -279,6 +295,8 @@ class ProcessProviderConfig(_M):
     engine: Literal["auto", "tailguard", "vllm", "sglang", "llamacpp", "openai"] = "auto"
     send_priority: bool = False
     preempts: bool = False
+    # None: replicas start and stop on the SLO tiers' scale-out alone
+    autoscale: AutoscaleConfig | None = None
 
     @field_validator("command", mode="before")
     @classmethod

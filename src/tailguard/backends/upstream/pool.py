@@ -657,10 +657,15 @@ class UpstreamPool:
                 r.last_error = f"health check: /v1/models answered {resp.status}"
                 return False
             data = await resp.json(content_type=None)
+        models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)] \
+            if isinstance(data, dict) and isinstance(data.get("data"), list) else []
+        if not models:
+            # A server still loading lists no model yet (tailguard does so): neither healthy nor known by its
+            # owner, or it would be judged by /v1/models alone and sent requests it answers 503.
+            r.last_error = "health check: /v1/models lists no model yet"
+            return False
         if r.model is None:
-            models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)] \
-                if isinstance(data, dict) and isinstance(data.get("data"), list) else []
-            r.model = models[0] if models else None
+            r.model = models[0]
         if r.kind is None:
             r.kind = engine_kind(data)
             log.info("upstream %s is %s: health read from %s", r.name, r.kind, HEALTH_PATHS[r.kind])

@@ -47,13 +47,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def plan_scale(delta_pct: float, base: int, running: int, min_replicas: int, max_replicas: int
-               ) -> tuple[int, int, str | None]:
+def plan_scale(delta_pct: float, base: int, running: int, min_replicas: int, max_replicas: int,
+               replicas: int | None = None) -> tuple[int, int, str | None]:
     """(replicas to start, > 0, or to stop, < 0; replicas the percentage asks for; why fewer, or None).
 
     ``base``: the replicas serving now (configured and started, not draining); ``running``: those the provider runs
-    (draining ones included when scaling out). ``delta_pct`` of ``base``, rounded up, and at least one."""
-    wanted = max(1, math.ceil(round(base * abs(delta_pct) / 100.0, 9)))
+    (draining ones included when scaling out). ``delta_pct`` of ``base``, rounded up, and at least one; or exactly
+    ``replicas`` where given (the direction still from ``delta_pct``'s sign)."""
+    wanted = replicas if replicas is not None else max(1, math.ceil(round(base * abs(delta_pct) / 100.0, 9)))
     if delta_pct > 0:
         n = min(wanted, max(0, max_replicas - running))
         why = f"max_replicas ({max_replicas}) reached" if n < wanted else None
@@ -132,7 +133,8 @@ class ReplicaProvider(Protocol):
 
     async def start_replica(self) -> ProvidedReplica: ...
     async def stop_replica(self, name: str | None = None) -> StopReport: ...
-    async def scale(self, delta_pct: float, on_result: Callable[[Result], None] | None = None) -> list[Result]: ...
+    async def scale(self, delta_pct: float, on_result: Callable[[Result], None] | None = None,
+                    replicas: int | None = None) -> list[Result]: ...
     def replicas(self) -> list[ProvidedReplica]: ...
     def owns(self, url: str) -> bool: ...
     def replica_seconds(self) -> float: ...
@@ -439,9 +441,10 @@ class ProcessProvider:
         return gone
 
     # --- scale steps --------------------------------------------------------------------------------------------------
-    async def scale(self, delta_pct: float, on_result: Callable[[Result], None] | None = None) -> list[Result]:
-        """Start (``delta_pct`` > 0) or stop replicas: ``delta_pct`` of those serving, rounded up, at least one,
-        within ``min_replicas`` and ``max_replicas``. One result per replica (and one when nothing could be done),
+    async def scale(self, delta_pct: float, on_result: Callable[[Result], None] | None = None,
+                    replicas: int | None = None) -> list[Result]:
+        """Start (``delta_pct`` > 0) or stop replicas: ``delta_pct`` of those serving, rounded up, at least one (or
+        exactly ``replicas``), within ``min_replicas`` and ``max_replicas``. One result per replica (and one when nothing could be done),
         each handed to ``on_result`` as it comes."""
         if self._step is None:
             self._step = asyncio.Lock()
@@ -450,11 +453,16 @@ class ProcessProvider:
             base = sum(1 for r in self.pool.replicas if not r.draining)
             # Up to max_replicas counts those still draining (they run, and cost); down to min_replicas does not.
             running = len(self._live) if delta_pct > 0 else sum(1 for r in self._live if r.state == "serving")
-            n, wanted, why = plan_scale(delta_pct, base, running, self.min_replicas, self.max_replicas)
+            n, wanted, why = plan_scale(delta_pct, base, running, self.min_replicas, self.max_replicas,
+                                        replicas)
             results: list[Result] = []
 
             def emit(res: Result) -> None:
-                res.update(target="provider", provider=self.kind, replicas_delta_pct=delta_pct, wanted=wanted)
+                res.update(target="provider", provider=self.kind, wanted=wanted)
+                if replicas is None:
+                    res["replicas_delta_pct"] = delta_pct
+                else:
+                    res["replicas_delta"] = replicas if delta_pct > 0 else -replicas
                 if why is not None:
                     res["bound"] = why
                 results.append(res)
@@ -541,6 +549,7 @@ class ProviderScaler:
         self.provider = provider
         self.loop = loop
         self.fires = fires
+        self.on_close: list[Callable[[], None]] = []  # what else stops with it (the backlog autoscaler)
         self._pending: set[concurrent.futures.Future] = set()
         self._lock = threading.Lock()
 
@@ -586,6 +595,8 @@ class ProviderScaler:
         return not not_done
 
     def close(self) -> None:
+        for stop in self.on_close:
+            stop()
         for fut in list(self._pending):
             fut.cancel()
         self.provider.close_now()
