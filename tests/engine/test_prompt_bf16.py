@@ -77,8 +77,9 @@ def step(engine, tables, chunks) -> tuple[np.ndarray, int]:
     return engine.runner._step(ids, pos, slots, tabs, lens, None, decode_rows), decode_rows
 
 
-def test_a_decode_row_is_the_same_beside_prompt_rows_on_the_matrix_units(monkeypatch):
-    engine = tiny_engine(monkeypatch, prompt_bf16=True)
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])  # smollm2: its MLP's prompt rows go through the fused path
+def test_a_decode_row_is_the_same_beside_prompt_rows_on_the_matrix_units(monkeypatch, model):
+    engine = tiny_engine(monkeypatch, prompt_bf16=True, model=model)
     tables, decoding, prompt = sequences(engine)
     alone, n = step(engine, tables, [ScheduledChunk(decoding, 12, 1)])
     beside, m = step(engine, tables, [ScheduledChunk(decoding, 12, 1), ScheduledChunk(prompt, 0, 40)])
@@ -121,3 +122,37 @@ def test_the_tile_product_is_the_product_of_the_rounded_values(rows):
     got = kernels.linear_bf16(x, tiles, 64)
     want = to_bf16(x).astype(np.float64) @ to_bf16(np.asarray(w.dequantize())).astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def linear_bf16_raw(x: np.ndarray, tiles: np.ndarray, n: int, y: np.ndarray | None = None) -> np.ndarray:
+    """tg_linear_bf16 on caller-placed arrays: y = x W^T, or y += x W^T when y is given."""
+    acc = y is not None
+    y = np.zeros((x.shape[0], n), dtype=np.float32) if y is None else y
+    assert kernels.lib().tg_linear_bf16(x.ctypes.data, x.shape[0], x.shape[1], tiles.ctypes.data, n, y.ctypes.data,
+                                        int(acc)) == 0
+    return y
+
+
+def placed(tiles: np.ndarray, offset_bytes: int) -> np.ndarray:
+    """A copy of ``tiles`` starting ``offset_bytes`` past a 64-byte line."""
+    raw = np.empty(tiles.size + 64, dtype=np.uint16)
+    start = (-raw.ctypes.data % 64 + offset_bytes) // 2
+    out = raw[start:start + tiles.size]
+    out[:] = tiles
+    assert out.ctypes.data % 64 == offset_bytes
+    return out
+
+
+def test_a_rows_tile_product_depends_on_its_own_values_only():
+    """K = 1,536 puts 256 rows in a block: a row's numbers are the same in any block, at any T, whether the weight's
+    tiles sit on 64-byte lines or not (then copied), and added to y as the product plus y."""
+    w = q8_0_matrix(96, 1536, seed=11)
+    tiles = kernels.pack_bf16(w)
+    x = np.random.default_rng(4).standard_normal((300, 1536)).astype(np.float32)
+    full = linear_bf16_raw(x, placed(tiles, 0), 96)
+    for offset in (16, 48):
+        np.testing.assert_array_equal(linear_bf16_raw(x, placed(tiles, offset), 96), full)
+    for lo, hi in [(260, 300), (255, 258), (0, 1), (31, 64)]:
+        np.testing.assert_array_equal(linear_bf16_raw(np.ascontiguousarray(x[lo:hi]), tiles, 96), full[lo:hi])
+    base = np.random.default_rng(5).standard_normal((300, 96)).astype(np.float32)
+    np.testing.assert_array_equal(linear_bf16_raw(x, tiles, 96, base.copy()), base + full)

@@ -1236,54 +1236,144 @@ typedef struct {
     int ldy, accumulate;
 } amx_job;
 
-/* Output columns [32 g0, 32 g1): each 32 x 32 block of y as four accumulator tiles over the whole of K. The weight's
- * tiles for 32 columns (2 x K x 32 bytes) stay in L1 while the activations' tiles (contiguous 1 KiB each, so the
- * loads stream) come from L2. */
+/* Rows in blocks of about AMX_BLOCK_BYTES of activation tiles: a block stays in L2 (2 MiB a core here) while every
+ * column group of the range passes over it; with all of T at once (1,536 rows: 1.7-4.7 MiB) they came from L3. */
+#define AMX_BLOCK_BYTES (768 * 1024)
+
+static inline int amx_row_block(int K) {
+    const int rb = AMX_BLOCK_BYTES / (K * 2) / 32 * 32;
+    return rb < 32 ? 32 : rb;
+}
+
+/* Accumulators 0-3 = the 32 x 32 block of rows a0 (two A tiles' rows, kbn tiles each) times the columns of b0 (two
+ * column tiles), over the whole of K: one sum sequence per output, whichever block or thread computes it. The
+ * activations' tiles, streamed from L2 and used once here, load with the non-temporal hint (TILELOADDT1) so they do
+ * not push the weight's tiles out of L1: ~20% more products a second at K = 576 (one core, 512-1,536 rows). */
+static inline void amx_block(const uint16_t *a0, const uint16_t *b0, int kbn) {
+    const uint16_t *a1 = a0 + (size_t)kbn * AMX_TILE_ELEMS, *b1 = b0 + (size_t)kbn * AMX_TILE_ELEMS;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int kb = 0; kb < kbn; kb++) {
+        _tile_stream_loadd(4, a0 + (size_t)kb * AMX_TILE_ELEMS, 64);
+        _tile_stream_loadd(5, a1 + (size_t)kb * AMX_TILE_ELEMS, 64);
+        _tile_loadd(6, b0 + (size_t)kb * AMX_TILE_ELEMS, 64);
+        _tile_loadd(7, b1 + (size_t)kb * AMX_TILE_ELEMS, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+static inline void amx_store_block(float *c, size_t ld) { /* accumulators 0-3 to c: 32 rows of ld floats */
+    _tile_stored(0, c, ld * 4);
+    _tile_stored(1, c + 16, ld * 4);
+    _tile_stored(2, c + 16 * ld, ld * 4);
+    _tile_stored(3, c + 16 * ld + 16, ld * 4);
+}
+
+/* Column group g's weight tiles (2 x kbn) at a 64-byte aligned place: tiles off 64-byte lines load every line
+ * twice (numpy's large arrays start 16 bytes into a page), so where W is off (wc not NULL) they are copied first. */
+static inline const uint16_t *amx_group(const uint16_t *w, int64_t g, int kbn, uint16_t *wc) {
+    const uint16_t *b = w + (size_t)g * 2 * kbn * AMX_TILE_ELEMS;
+    if (wc == NULL) return b;
+    memcpy(wc, b, sizeof(uint16_t) * 2 * kbn * AMX_TILE_ELEMS);
+    return wc;
+}
+
+/* amx_group's copy buffer where W's tiles are off 64-byte lines, else NULL. */
+static uint16_t *amx_group_buffer(const uint16_t *w, int kbn) {
+    return ((uintptr_t)w & 63) ? (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * kbn * AMX_TILE_ELEMS) : NULL;
+}
+
+/* Output columns [32 g0, 32 g1), row block by row block; per block, the weight's tiles for 32 columns (2 x K x 32
+ * bytes) stay in L1 while the block's activation tiles come from L2. y's 32 x 32 blocks are stored straight from
+ * the tiles when whole and not added to y, else through c. */
 static void amx_range(void *arg, int64_t g0, int64_t g1) {
     const amx_job *j = (const amx_job *)arg;
     amx_load_config();
-    const int K = j->K, kbn = K / 32;
+    const int kbn = j->K / 32, rb = amx_row_block(j->K);
+    uint16_t *wc = amx_group_buffer(j->w, kbn);
     float c[32 * 32] __attribute__((aligned(64)));
-    for (int64_t g = g0; g < g1; g++) {
-        const uint16_t *b0 = j->w + (size_t)(2 * g) * kbn * AMX_TILE_ELEMS, *b1 = b0 + (size_t)kbn * AMX_TILE_ELEMS;
-        for (int m0 = 0; m0 < j->Tp; m0 += 32) {
-            const uint16_t *a0 = j->x + (size_t)(m0 / 16) * kbn * AMX_TILE_ELEMS, *a1 = a0 + (size_t)kbn * AMX_TILE_ELEMS;
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int kb = 0; kb < kbn; kb++) {
-                /* the activations' tiles two steps ahead into L1 (they come from L2; the weight's are there) */
-                const char *ahead0 = (const char *)(a0 + (size_t)(kb + 2) * AMX_TILE_ELEMS);
-                const char *ahead1 = (const char *)(a1 + (size_t)(kb + 2) * AMX_TILE_ELEMS);
-                for (int l = 0; l < 1024; l += 64) {
-                    _mm_prefetch(ahead0 + l, _MM_HINT_T0);
-                    _mm_prefetch(ahead1 + l, _MM_HINT_T0);
+    for (int mb = 0; mb < j->Tp; mb += rb) {
+        const int me = mb + rb < j->Tp ? mb + rb : j->Tp;
+        for (int64_t g = g0; g < g1; g++) {
+            const uint16_t *b0 = amx_group(j->w, g, kbn, wc);
+            for (int m0 = mb; m0 < me; m0 += 32) {
+                amx_block(j->x + (size_t)(m0 / 16) * kbn * AMX_TILE_ELEMS, b0, kbn);
+                float *yb = j->y + (size_t)m0 * j->ldy + g * 32;
+                const int rows = j->T - m0 < 32 ? j->T - m0 : 32;
+                if (!j->accumulate && rows == 32) {
+                    amx_store_block(yb, (size_t)j->ldy);
+                    continue;
                 }
-                _tile_loadd(4, a0 + (size_t)kb * AMX_TILE_ELEMS, 64);
-                _tile_loadd(5, a1 + (size_t)kb * AMX_TILE_ELEMS, 64);
-                _tile_loadd(6, b0 + (size_t)kb * AMX_TILE_ELEMS, 64);
-                _tile_loadd(7, b1 + (size_t)kb * AMX_TILE_ELEMS, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-            _tile_stored(0, c, 128);
-            _tile_stored(1, c + 16, 128);
-            _tile_stored(2, c + 16 * 32, 128);
-            _tile_stored(3, c + 16 * 32 + 16, 128);
-            const int rows = j->T - m0 < 32 ? j->T - m0 : 32;
-            for (int r = 0; r < rows; r++) {
-                float *yr = j->y + (size_t)(m0 + r) * j->ldy + g * 32;
-                const __m512 lo = _mm512_load_ps(c + r * 32), hi = _mm512_load_ps(c + r * 32 + 16);
-                if (j->accumulate) {
-                    _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), lo));
-                    _mm512_storeu_ps(yr + 16, _mm512_add_ps(_mm512_loadu_ps(yr + 16), hi));
-                } else {
-                    _mm512_storeu_ps(yr, lo);
-                    _mm512_storeu_ps(yr + 16, hi);
+                amx_store_block(c, 32);
+                for (int r = 0; r < rows; r++) {
+                    float *yr = yb + (size_t)r * j->ldy;
+                    const __m512 lo = _mm512_load_ps(c + r * 32), hi = _mm512_load_ps(c + r * 32 + 16);
+                    if (j->accumulate) {
+                        _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), lo));
+                        _mm512_storeu_ps(yr + 16, _mm512_add_ps(_mm512_loadu_ps(yr + 16), hi));
+                    } else {
+                        _mm512_storeu_ps(yr, lo);
+                        _mm512_storeu_ps(yr + 16, hi);
+                    }
                 }
             }
         }
     }
+    free(wc);
+    _tile_release();
+}
+
+static inline __m512 exp512(__m512 x);
+
+/* silu(g) * u as the step's silu_mul computes it (the same numbers). */
+static inline __m512 silu_times(__m512 g, __m512 u) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+
+/* The MLP's gate|up product with SiLU(gate) * up applied as its blocks come out of the tiles, written as bfloat16
+ * A tiles (I / 32 per 16 rows) for the down product: the [T, 2I] float32 gate|up rows and the [T, I] activation
+ * rows that a separate SiLU pass wrote and read, and their conversion to tiles, are never made. Groups [g0, g1) of
+ * 32 activation columns; per row block, the gate half's blocks go to a scratch (L2) and the up half's meet them. */
+typedef struct { const uint16_t *x, *w; int T, Tp, K, I; uint16_t *act; } amx_silu_job;
+
+static void amx_silu_range(void *arg, int64_t g0, int64_t g1) {
+    const amx_silu_job *j = (const amx_silu_job *)arg;
+    amx_load_config();
+    const int kbn = j->K / 32, rb = amx_row_block(j->K), ikbn = j->I / 32;
+    uint16_t *wc = amx_group_buffer(j->w, kbn);
+    float *gate = (float *)aligned_alloc(64, sizeof(float) * (size_t)rb * 32);
+    float c[32 * 32] __attribute__((aligned(64)));
+    for (int mb = 0; mb < j->Tp; mb += rb) {
+        const int me = mb + rb < j->Tp ? mb + rb : j->Tp;
+        for (int64_t g = g0; g < g1; g++) {
+            const uint16_t *bg = amx_group(j->w, g, kbn, wc);
+            for (int m0 = mb; m0 < me; m0 += 32) {
+                amx_block(j->x + (size_t)(m0 / 16) * kbn * AMX_TILE_ELEMS, bg, kbn);
+                amx_store_block(gate + (size_t)(m0 - mb) * 32, 32);
+            }
+            const uint16_t *bu = amx_group(j->w, g + ikbn, kbn, wc);
+            for (int m0 = mb; m0 < me; m0 += 32) {
+                amx_block(j->x + (size_t)(m0 / 16) * kbn * AMX_TILE_ELEMS, bu, kbn);
+                amx_store_block(c, 32);
+                for (int r = 0; r < 32; r++) {
+                    const float *gr = gate + (size_t)(m0 - mb + r) * 32;
+                    uint16_t *dst = j->act + ((size_t)((m0 + r) / 16) * ikbn + g) * AMX_TILE_ELEMS + (r % 16) * 32;
+                    if (m0 + r < j->T) {
+                        const __m512 lo = silu_times(_mm512_load_ps(gr), _mm512_load_ps(c + r * 32));
+                        const __m512 hi = silu_times(_mm512_load_ps(gr + 16), _mm512_load_ps(c + r * 32 + 16));
+                        _mm512_store_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                    } else {
+                        memset(dst, 0, 64); /* rows past T: zeros, as to_tiles_range leaves them */
+                    }
+                }
+            }
+        }
+    }
+    free(gate);
+    free(wc);
     _tile_release();
 }
 
@@ -1309,21 +1399,66 @@ static void to_tiles_range(void *arg, int64_t b0, int64_t b1) {
         }
 }
 
-/* y[T, N] (+)= x[T, K] @ W^T with W's bfloat16 tiles `wb`. */
-static void linear_amx(const float *x, int T, int K, const uint16_t *wb, int N, float *y, int ldy, int accumulate) {
+/* This thread's scratch `slot` of at least `bytes` (64-byte aligned), kept until amx_scratch_release: a prompt
+ * step's products and attention need 0.2-6 MiB buffers ~8 times a layer, and fresh ones (mmap'd by malloc at that
+ * size) cost a page fault every 4 KiB each time; the step releases them at its end. */
+enum { SCRATCH_X, SCRATCH_ACT, SCRATCH_K, SCRATCH_V, SCRATCHES };
+static _Thread_local void *scratch_buf[SCRATCHES];
+static _Thread_local size_t scratch_cap[SCRATCHES];
+
+static void *amx_scratch(int slot, size_t bytes) {
+    if (bytes > scratch_cap[slot]) {
+        free(scratch_buf[slot]);
+        scratch_cap[slot] = (bytes + 65535) / 65536 * 65536;
+        scratch_buf[slot] = aligned_alloc(64, scratch_cap[slot]);
+    }
+    return scratch_buf[slot];
+}
+
+static void amx_scratch_release(void) {
+    for (int i = 0; i < SCRATCHES; i++) {
+        free(scratch_buf[i]);
+        scratch_buf[i] = NULL;
+        scratch_cap[i] = 0;
+    }
+}
+
+/* x[T, K] as A tiles, Tp = T rounded up to 32 rows (zeros past T), in scratch `slot`. */
+static uint16_t *amx_tiles(const float *x, int T, int K, int slot) {
     const int Tp = (T + 31) / 32 * 32;
-    uint16_t *xb = (uint16_t *)aligned_alloc(64, (size_t)Tp * K * 2);
+    uint16_t *xb = (uint16_t *)amx_scratch(slot, (size_t)Tp * K * 2);
     to_tiles_job tj = {x, T, K, xb};
     tg_for(Tp / 16, 2, Tp >= 64, 0, to_tiles_range, &tj);
-    amx_job j = {xb, wb, T, Tp, K, y, ldy, accumulate};
+    return xb;
+}
+
+/* y[T, N] (+)= X @ W^T with X as A tiles (amx_tiles) and W's bfloat16 tiles `wb`. */
+static void linear_amx_tiles(const uint16_t *xb, int T, int K, const uint16_t *wb, int N, float *y, int ldy,
+                             int accumulate) {
+    amx_job j = {xb, wb, T, (T + 31) / 32 * 32, K, y, ldy, accumulate};
     tg_for(N / 32, 1, 1, 0, amx_range, &j);
-    free(xb);
+}
+
+/* y[T, N] (+)= x[T, K] @ W^T with W's bfloat16 tiles `wb`. */
+static void linear_amx(const float *x, int T, int K, const uint16_t *wb, int N, float *y, int ldy, int accumulate) {
+    linear_amx_tiles(amx_tiles(x, T, K, SCRATCH_X), T, K, wb, N, y, ldy, accumulate);
+}
+
+/* SiLU(x W_gate^T) * (x W_up^T) as A tiles for the down product ([Tp, I] bfloat16, zeros past T; this thread's
+ * scratch, valid until its next gate_up_amx): W = gate|up, [2I, K] as bfloat16 tiles. */
+static const uint16_t *gate_up_amx(const float *x, int T, int K, const uint16_t *wb, int I) {
+    const int Tp = (T + 31) / 32 * 32;
+    uint16_t *act = (uint16_t *)amx_scratch(SCRATCH_ACT, (size_t)Tp * I * 2);
+    amx_silu_job j = {amx_tiles(x, T, K, SCRATCH_X), wb, T, Tp, K, I, act};
+    tg_for(I / 32, 1, 1, 0, amx_silu_range, &j);
+    return act;
 }
 
 /* y[T, N] (+)= x[T, K] @ W^T through W's tiles (tg_pack_bf16): for tests and benchmarks. */
 int tg_linear_bf16(const float *x, int T, int K, const uint16_t *wb, int N, float *y, int accumulate) {
     if (T < 1 || K % 32 || N % 32 || !tg_amx_available()) return -1;
     linear_amx(x, T, K, wb, N, y, N, accumulate);
+    amx_scratch_release();
     return 0;
 }
 #else
@@ -1865,42 +2000,70 @@ static inline void kv_value_row(const tg_kv *c, size_t off, int hd, int i8, floa
     }
 }
 
-/* Tasks (KV head, 32 keys): K and V rows into their tiles; keys past ctx are zeros. */
+/* Tasks (KV head, 32 keys): K and V rows into their tiles; keys past ctx are zeros. Keys go in pairs: a pair's V
+ * values interleave into one 64-byte tile row; a key's K dimension pairs are one column of 32-bit lanes, written by
+ * a scatter. Rounded to nearest even as f2bf (cvtne*: the same bits, denormals aside). */
 static void pattn_pack_range(void *arg, int64_t t0, int64_t t1) {
     const pattn_job *j = (const pattn_job *)arg;
     const int hd = j->hd, G = j->G, ndb = hd / 32, nvb = hd / 16;
-    float kr[512], vr[512];
+    float kr[2][512] __attribute__((aligned(64))), vr[2][512] __attribute__((aligned(64)));
+    const __m512i rows64 = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224,
+                                             240); /* tile row r at dword 16 r */
     for (int64_t t = t0; t < t1; t++) {
         const int g = (int)(t / j->nkb32), kb = (int)(t % j->nkb32);
         uint16_t *kt = j->kt + (size_t)g * j->ctx_pad * hd, *vt = j->vt + (size_t)g * j->ctx_pad * hd;
-        for (int jj = 0; jj < 32; jj++) {
-            const int key = kb * 32 + jj;
-            if (key < j->ctx) {
-                const size_t slot = (size_t)j->table[key / j->bs] * j->bs + key % j->bs;
-                const size_t at = j->layer_off + (slot * G + g) * j->rw;
-                kv_value_row(j->c, at, hd, j->i8, kr);
-                kv_value_row(j->c, at + j->v_off, hd, j->i8, vr);
-            } else {
-                memset(kr, 0, sizeof(float) * (size_t)hd);
-                memset(vr, 0, sizeof(float) * (size_t)hd);
-            }
-            /* K: tile (16-key block, 32-dim block): [dim pair][key][2] */
-            const int k16 = key / 16, kk = key % 16;
-            for (int db = 0; db < ndb; db++) {
-                uint16_t *tile = kt + ((size_t)k16 * ndb + db) * AMX_TILE_ELEMS;
-                for (int r = 0; r < 16; r++) {
-                    tile[r * 32 + kk * 2] = f2bf(kr[db * 32 + 2 * r]);
-                    tile[r * 32 + kk * 2 + 1] = f2bf(kr[db * 32 + 2 * r + 1]);
+        for (int jj = 0; jj < 32; jj += 2) {
+            for (int e = 0; e < 2; e++) {
+                const int key = kb * 32 + jj + e;
+                if (key < j->ctx) {
+                    const size_t slot = (size_t)j->table[key / j->bs] * j->bs + key % j->bs;
+                    const size_t at = j->layer_off + (slot * G + g) * j->rw;
+                    kv_value_row(j->c, at, hd, j->i8, kr[e]);
+                    kv_value_row(j->c, at + j->v_off, hd, j->i8, vr[e]);
+                } else {
+                    memset(kr[e], 0, sizeof(float) * (size_t)hd);
+                    memset(vr[e], 0, sizeof(float) * (size_t)hd);
+                }
+                /* K: tile (16-key block, 32-dim block): [dim pair][key][2] */
+                const int key16 = key / 16, kk = key % 16;
+                for (int db = 0; db < ndb; db++) {
+                    const float *kd = kr[e] + db * 32;
+                    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(kd + 16), _mm512_load_ps(kd));
+                    uint16_t *tile = kt + ((size_t)key16 * ndb + db) * AMX_TILE_ELEMS;
+                    _mm512_i32scatter_epi32((void *)(tile + kk * 2), rows64, (__m512i)v, 4);
                 }
             }
             /* V: tile (16-dim block, 32-key block): [key pair][dim][2] */
-            const int r = jj / 2, e = jj & 1;
             for (int vb = 0; vb < nvb; vb++) {
+                const __m512i v0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(vr[0] + vb * 16)));
+                const __m512i v1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(vr[1] + vb * 16)));
                 uint16_t *tile = vt + ((size_t)vb * j->nkb32 + kb) * AMX_TILE_ELEMS;
-                for (int dd = 0; dd < 16; dd++) tile[r * 32 + dd * 2 + e] = f2bf(vr[vb * 16 + dd]);
+                _mm512_store_si512((void *)(tile + (jj / 2) * 32), _mm512_or_si512(v0, _mm512_slli_epi32(v1, 16)));
             }
         }
     }
+}
+
+/* p[i] = bfloat16(exp(s[i] - shift)) for i < n, zeros up to n_pad (a multiple of 16); returns the float32 sum: the
+ * numbers of exp_shifted_sum, rounded as they are written, without a float pass over the row in between. */
+static float exp_to_bf16(const float *s, uint16_t *p, int n, int n_pad, float shift) {
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 sh = _mm512_set1_ps(shift);
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), sh));
+        _mm256_storeu_si256((__m256i *)(p + i), (__m256i)_mm512_cvtneps_pbh(e));
+        acc = _mm512_add_ps(acc, e);
+    }
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), sh)));
+        _mm256_storeu_si256((__m256i *)(p + i), (__m256i)_mm512_cvtneps_pbh(e));
+        acc = _mm512_add_ps(acc, e);
+        i += 16;
+    }
+    for (; i < n_pad; i += 16) _mm256_storeu_si256((__m256i *)(p + i), _mm256_setzero_si256()); /* masked, padding */
+    return _mm512_reduce_add_ps(acc);
 }
 
 /* Tasks (KV head, 32 rows of its group's queries): row m of the group is query head g * group + m % group of chunk
@@ -1924,7 +2087,11 @@ static void pattn_range(void *arg, int64_t t0, int64_t t1) {
             if (m < rows) {
                 const int i = (m0 + m) / group, h = g * group + (m0 + m) % group;
                 const float *src = j->q + (size_t)i * qd + (size_t)h * hd;
-                for (int d = 0; d < hd; d++) dst[d] = f2bf(src[d] * j->scale);
+                const __m512 sv = _mm512_set1_ps(j->scale);
+                for (int d = 0; d < hd; d += 32) /* hd % 32 == 0 */
+                    _mm512_storeu_si512((void *)(dst + d),
+                                        (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + d + 16), sv),
+                                                                     _mm512_mul_ps(_mm512_loadu_ps(src + d), sv)));
             } else {
                 memset(dst, 0, sizeof(uint16_t) * (size_t)hd);
             }
@@ -1961,16 +2128,10 @@ static void pattn_range(void *arg, int64_t t0, int64_t t1) {
                 for (; k + 16 <= seen; k += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(srow + k));
                 float mx = _mm512_reduce_max_ps(vmx);
                 for (; k < seen; k++) mx = srow[k] > mx ? srow[k] : mx;
-                const float total = exp_shifted_sum(srow, seen, mx);
-                inv[m] = 1.0f / total;
-                for (k = seen; k < nk32 * 32; k++) srow[k] = 0.0f; /* masked and padding keys: probability 0 */
+                inv[m] = 1.0f / exp_to_bf16(srow, prow, seen, nk32 * 32, mx);
             } else {
                 inv[m] = 0.0f;
-                memset(srow, 0, sizeof(float) * (size_t)nk32 * 32);
-            }
-            for (int k = 0; k < nk32 * 32; k += 32) {
-                const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(srow + k + 16), _mm512_loadu_ps(srow + k));
-                _mm512_storeu_si512((void *)(prow + k), (__m512i)v);
+                memset(prow, 0, sizeof(uint16_t) * (size_t)nk32 * 32);
             }
         }
         /* O = P V, 32 dims at a time */
@@ -2010,13 +2171,11 @@ static void prompt_attention_amx(const tg_model *m, const tg_kv *c, int layer, c
     pattn_job j = {c, q, out, table, p0, n, ctx, ctx_pad, H, G, hd, H / G, bs, rw, c->fmt == TG_KV_I8, ctx_pad / 16,
                    ctx_pad / 32, (size_t)layer * 2 * c->num_blocks * bs * G * rw, (size_t)c->num_blocks * bs * G * rw,
                    1.0f / sqrtf((float)hd), NULL, NULL};
-    j.kt = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)G * ctx_pad * hd);
-    j.vt = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)G * ctx_pad * hd);
+    j.kt = (uint16_t *)amx_scratch(SCRATCH_K, sizeof(uint16_t) * (size_t)G * ctx_pad * hd);
+    j.vt = (uint16_t *)amx_scratch(SCRATCH_V, sizeof(uint16_t) * (size_t)G * ctx_pad * hd);
     tg_for((int64_t)G * j.nkb32, 1, 1, 0, pattn_pack_range, &j);
     const int64_t tasks = (int64_t)G * ((n * (H / G) + PA_ROWS - 1) / PA_ROWS);
     tg_for(tasks, 1, 1, 1, pattn_range, &j);
-    free(j.kt);
-    free(j.vt);
 }
 #endif
 
@@ -2167,6 +2326,30 @@ static void unturn_range(void *arg, int64_t d0, int64_t d1) { /* the attention o
     for (int64_t i = d0 * H; i < d1 * H; i++) hadamard(j->out + (size_t)i * hd, hd);
 }
 
+/* x (+)= down(SiLU(gate) * up) of h for a step's rows. Prompt rows on the matrix units (gate_up_amx: the
+ * activation goes from the tiles to the down product's tiles); decode rows through the block kernels. */
+static void step_mlp(const float *h, int D, int n_dec, int Hd, int I, const tg_layer *L, float *gu, float *act,
+                     float *x) {
+#if defined(TG_AMX)
+    if (L->gate_up.bf16 != NULL && L->down.bf16 != NULL && n_dec < D && I % 32 == 0) {
+        if (n_dec > 0) {
+            PHASE(P_GATE_UP, linear(h, n_dec, Hd, L->gate_up.data, L->gate_up.fmt, 2 * I, gu, 2 * I, 0));
+            PHASE(P_SILU, silu_mul(gu, n_dec, I, act));
+            PHASE(P_DOWN, linear(act, n_dec, I, L->down.data, L->down.fmt, Hd, x, Hd, 1));
+        }
+        const uint16_t *a = NULL;
+        PHASE(P_GATE_UP, a = gate_up_amx(h + (size_t)n_dec * Hd, D - n_dec, Hd, L->gate_up.bf16, I));
+        PHASE(P_DOWN, linear_amx_tiles(a, D - n_dec, I, L->down.bf16, Hd, x + (size_t)n_dec * Hd, Hd, 1));
+        return;
+    }
+#endif
+    PHASE(P_GATE_UP, step_linear(h, D, n_dec, Hd, &L->gate_up, gu, 2 * I, 0));
+    PHASE(P_SILU, silu_mul(gu, D, I, act));
+    PHASE(P_DOWN, step_linear(act, D, n_dec, I, &L->down, x, Hd, 1));
+}
+
+static float *step_buffer(size_t floats) { return (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64); }
+
 int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, const int64_t *positions,
               const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *ctx_lens, int n_out,
               const int32_t *out_rows, float *logits, int n_dec) {
@@ -2182,13 +2365,14 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
     if (c->fmt < TG_KV_F32 || c->fmt > TG_KV_I8) return -4;
     for (int o = 0; out_rows != NULL && o < n_out; o++)
         if (out_rows[o] < 0 || out_rows[o] >= D) return -5;
-    float *x = (float *)malloc(sizeof(float) * (size_t)D * Hd);
-    float *h = (float *)malloc(sizeof(float) * (size_t)D * Hd);
-    float *qkv = (float *)malloc(sizeof(float) * (size_t)D * qkv_w);
-    float *q = (float *)malloc(sizeof(float) * (size_t)D * qd);
-    float *attn = (float *)malloc(sizeof(float) * (size_t)D * qd);
-    float *gu = (float *)malloc(sizeof(float) * (size_t)D * 2 * I);
-    float *act = (float *)malloc(sizeof(float) * (size_t)D * I);
+    /* on 64-byte lines: the matrix units store 64-byte tile rows straight into these */
+    float *x = step_buffer((size_t)D * Hd);
+    float *h = step_buffer((size_t)D * Hd);
+    float *qkv = step_buffer((size_t)D * qkv_w);
+    float *q = step_buffer((size_t)D * qd);
+    float *attn = step_buffer((size_t)D * qd);
+    float *gu = step_buffer((size_t)D * 2 * I);
+    float *act = step_buffer((size_t)D * I);
     const int64_t erb = row_bytes(m->embed.fmt, Hd);
     for (int d = 0; d < D; d++) dequant_row_at(m->embed.data, m->embed.fmt, Hd, erb, tokens[d], x + (size_t)d * Hd);
     const int rw = kv_row_width(c->fmt, hd);
@@ -2212,9 +2396,7 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
         rj.norm_w = L->ffn_norm;
         rj.out = h;
         PHASE(P_NORM, tg_for(D, 8, par, 0, norm_range, &rj));
-        PHASE(P_GATE_UP, step_linear(h, D, n_dec, Hd, &L->gate_up, gu, 2 * I, 0));
-        PHASE(P_SILU, silu_mul(gu, D, I, act));
-        PHASE(P_DOWN, step_linear(act, D, n_dec, I, &L->down, x, Hd, 1));
+        step_mlp(h, D, n_dec, Hd, I, L, gu, act, x);
     }
     /* the LM head costs more than a layer: only the rows that are sampled */
     for (int o = 0; o < n_out; o++) {
@@ -2223,6 +2405,9 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
     }
     if (n_out > 0) PHASE(P_HEAD, linear(h, n_out, Hd, m->lm_head.data, m->lm_head.fmt, m->vocab, logits, m->vocab, 0));
     pool_park();
+#if defined(TG_AMX)
+    amx_scratch_release();
+#endif
     free(x); free(h); free(qkv); free(q); free(attn); free(gu); free(act);
     return 0;
 }
