@@ -28,6 +28,9 @@ def test_the_case_study_prepares_configs_every_part_accepts(tmp_path):
         cfg = ServerConfig(**yaml.safe_load(text.replace("{replica1}", "http://127.0.0.1:1")
                                             .replace("{replica2}", "http://127.0.0.1:2")))
         assert len(cfg.upstreams) == 2
+        provider = cfg.slo.actions.scale_out.provider
+        if arm == "after":  # its third replica follows the gateway's backlog, at the defaults
+            assert provider is not None and provider.autoscale is not None and provider.autoscale.wait_s == 1.0
     after = ServerConfig(**yaml.safe_load((work / "after-peak.yaml").read_text()
                                           .replace("{replica1}", "http://127.0.0.1:1")
                                           .replace("{replica2}", "http://127.0.0.1:2")))

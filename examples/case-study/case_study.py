@@ -9,8 +9,9 @@ only routes (least-loaded), every request in one lane first come first served, n
 **After** is the same two replicas behind ``tailguard serve --upstream`` with the controls on: API keys bound to
 traffic classes (vip, standard, batch), vip's 20% reserve and the 5% burst pool, the upstream queue gate (requests
 wait at the gateway, in lane order, not in the replicas' first-come queues), priorities sent to the replicas, and
-the SLO monitor's tiers acting: yellow starts a third replica (the process provider), orange sheds batch, red
-truncates non-vip answers.
+the third replica started by the process provider as soon as requests wait 1 s at the gateway (and stopped, drained,
+once the other two carry the load), and the SLO monitor's tiers acting: orange sheds batch, red truncates non-vip
+answers.
 
 The load is the busiest stretch of the Azure LLM inference trace (conversation, 2023, shipped with tailguard),
 time-scaled to put *before* at its knee, from three classes: vip 10%, standard 60%, batch 30%, each with its own
@@ -79,21 +80,17 @@ def after_config(work: Path) -> dict[str, Any]:
             "eval_interval_s": 1.0, "slot_s": 5.0, "peak_window_s": 60.0, "offpeak_window_s": 60.0,
             "peak": {"mode": "always"},
             "tiers": {"min_samples": 30, "min_dwell_s": 90.0, "raise_after": 2, "clear_after": 5},
-            # Two scopes. The interactive lanes' tiers are the service's distress: they shed batch (orange) and
-            # truncate answers (red). Every lane's TTFT, batch's wait at the gateway included, measures the backlog:
-            # past 4 s it asks for the third replica (yellow), and never for more.
-            "scopes": [
-                {"name": "interactive", "where": {"lanes": ["vip", "standard"]}},
-                {"name": "backlog", "tiers": {"judge": [{"metric": "ttft", "percentile": 99, "yellow": 4.0,
-                                                         "orange": 600.0, "red": 900.0}],
-                                              "min_samples": 30, "min_dwell_s": 90.0, "raise_after": 2,
-                                              "clear_after": 5}},
-            ],
+            # The interactive lanes' tiers are the service's distress: they shed batch (orange) and truncate
+            # answers (red). The third replica follows the gateway's own backlog (the provider's autoscale below).
+            "scopes": [{"name": "interactive", "where": {"lanes": ["vip", "standard"]}}],
             "actions": {
                 "scale_out": {"replicas_pct": 10, "provider": {
                     "kind": "process", "command": replica_cmd, "max_replicas": 1, "max_concurrent": 16,
                     "send_priority": True, "start_timeout_s": 60, "drain_timeout_s": 60,
-                    "log_dir": str(work / "logs")}},
+                    "log_dir": str(work / "logs"),
+                    # Its defaults: a request of any lane waiting 1 s at the gateway (for 1 s) starts it; 20 s
+                    # of nothing waiting with the load fitting the other two at 70% stops it, drained.
+                    "autoscale": {}}},
                 "shed": {"non_core_lanes": ["batch"], "status": 429, "retry_after_s": 30},
                 "degrade": {"mode": "truncate", "max_tokens": 128},
             },
@@ -128,6 +125,7 @@ def prepare(work: Path) -> dict[str, str]:
     (work / "after.yaml").write_text(yaml.safe_dump(after_config(work), sort_keys=False))
     peak = after_config(work)  # the same, with the third replica started with the gateway: scheduled for the peak
     peak["slo"]["actions"]["scale_out"]["provider"]["min_replicas"] = 1
+    peak["slo"]["actions"]["scale_out"]["provider"]["autoscale"] = None
     (work / "after-peak.yaml").write_text(yaml.safe_dump(peak, sort_keys=False))
     (work / "profiles.yaml").write_text(yaml.safe_dump(PROFILES, sort_keys=False))
     standard = {"profiles": {"standard": PROFILES["profiles"]["standard"]}}  # the SLO a sweep's scale must pass

@@ -43,6 +43,9 @@ def test_a_backlog_held_for_sustain_s_starts_one_replica_then_waits_out_the_cool
     a._backlog_since = None
     assert a.decide(waiting, 8.0) == 0 and a.decide(waiting, 15.4) == 0  # cooldown
     assert a.decide(waiting, 15.6) == 1
+    full = scaler(sustain_s=0.0)  # at max_replicas: nothing to ask for
+    assert full.decide(dataclasses.replace(waiting, can_add=False), 0.0) == 0
+    assert full.decide(waiting, 0.1) == 1
     # The replicas' own queues count as backlog too: 4 a replica.
     b = scaler(sustain_s=0.0)
     assert b.decide(dataclasses.replace(QUIET, upstream_waiting=7.0), 0.0) == 0

@@ -179,7 +179,8 @@ class ServerState:
                               gateway_waiting=lanes.waiting() if lanes is not None else 0,
                               upstream_waiting=sum(r.queue_estimate() for r in serving),
                               busy=sum(r.busy for r in pool.replicas), capacity=pool.capacity,
-                              replicas=len(serving), removable_capacity=removable)
+                              replicas=len(serving), removable_capacity=removable,
+                              can_add=len(provider.replicas()) < provider.max_replicas)
 
         def fires() -> bool:
             return slo.fires

@@ -42,6 +42,7 @@ class LoadSample:
     capacity: int  # sequences the serving replicas take together
     replicas: int  # replicas serving (configured and provided)
     removable_capacity: int | None  # what the newest provided replica takes (None: none the provider could stop)
+    can_add: bool = True  # the provider runs fewer than its max_replicas
 
 
 class ReplicaAutoscaler:
@@ -81,7 +82,7 @@ class ReplicaAutoscaler:
         if self._last_step is not None and now - self._last_step < self.cfg.cooldown_s:
             return 0
         if self._backlog_since is not None and now - self._backlog_since >= self.cfg.sustain_s:
-            return 1
+            return 1 if s.can_add else 0  # at max_replicas: nothing to ask (and no record every cooldown)
         if self._idle_since is not None and now - self._idle_since >= self.cfg.scale_in_after_s:
             if self.hold is not None and self.hold():
                 return 0
