@@ -1,0 +1,67 @@
+#!/usr/bin/env python
+"""From how many rows would a product be faster on the matrix units than in the block kernels decode rows use?
+
+    .venv/bin/python benchmarks/decode_rows_on_tiles.py      # ~30 s; writes benchmarks/results/decode_rows_on_tiles.json
+
+Decode rows go through the block kernels (the GGUF's Q4_1/Q8_0 blocks, int8 activations in two passes) at any batch
+size, so that a row's numbers never depend on how many others share its step; prompt rows go through bfloat16 tiles
+(AMX). For T rows of one product at SmolLM2's shapes (one layer's qkv, gate_up and down), this times both paths with
+the kernels' 2 threads, alternating, median of 15, and prints the ratio: below 1 the tiles win. A CPU without AMX
+prints nothing to compare.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tailguard.engine import kernels
+from tailguard.engine.loader import load_gguf
+from tailguard.engine.model_store import resolve_model_path
+
+OUT = Path(__file__).parent / "results" / "decode_rows_on_tiles.json"
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def main() -> int:
+    if not kernels.amx_available():
+        print("no AMX tiles on this CPU: nothing to compare")
+        return 0
+    layer = load_gguf(resolve_model_path("smollm2"), packed=True).layers[3]
+    rng = np.random.default_rng(0)
+    load_start = os.getloadavg()[0]
+    rows = []
+    print(f"{'rows':>4}  {'product':8}  {'blocks ms':>9}  {'tiles ms':>8}  tiles / blocks")
+    for name in ("qkv", "gate_up", "down"):
+        m = getattr(layer, name)
+        tiles = kernels.pack_bf16(m)
+        for t in ROWS:
+            x = rng.standard_normal((t, m.in_features)).astype(np.float32)
+            blocks, tiled = [], []
+            for _ in range(15):
+                s = time.perf_counter()
+                kernels.linear(x, m)
+                blocks.append(time.perf_counter() - s)
+                s = time.perf_counter()
+                kernels.linear_bf16(x, tiles, m.out_features)
+                tiled.append(time.perf_counter() - s)
+            b, a = statistics.median(blocks) * 1e3, statistics.median(tiled) * 1e3
+            rows.append({"product": name, "rows": t, "blocks_ms": round(b, 4), "tiles_ms": round(a, 4),
+                         "ratio": round(a / b, 3)})
+            print(f"{t:4d}  {name:8}  {b:9.3f}  {a:8.3f}  {a / b:.2f}x")
+    OUT.write_text(json.dumps({
+        "benchmark": "decode_rows_on_tiles", "date": datetime.date.today().isoformat(),
+        "threads": kernels.num_threads(), "load_average": [load_start, os.getloadavg()[0]], "rows": rows,
+    }, indent=2) + "\n")
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
