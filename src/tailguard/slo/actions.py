@@ -434,24 +434,23 @@ class ActionEngine:
     def _done(self, action_rec: SLORecord, action: str, now: float) -> Callable[[dict[str, Any]], None]:
         """Each outcome of a hook call or a provider step becomes one ``hook`` record, and a count."""
         def done(res: dict[str, Any]) -> None:
-            t = self.clock()
-            event = res.get("event") or ("ok" if res.get("ok") else "failed")
-            self.records.emit(SLORecord(
-                new_id(), "hook", action, event, action_rec.scope,
-                action_rec.tier, t, now, t, {}, {**res, "ref": action_rec.id}, False, action_rec.alert_id))
-            if self.metrics is not None:
-                self.metrics.hook_calls.labels(res.get("target", "?"), event).inc()
+            self._hook_record(action, action_rec.scope, action_rec.tier, now, {}, {**res, "ref": action_rec.id},
+                              action_rec.alert_id)
         return done
+
+    def _hook_record(self, action: str, scope: str, tier: str | None, started_at: float, figures: dict[str, Any],
+                     res: dict[str, Any], alert_id: str | None) -> None:
+        t = self.clock()
+        event = res.get("event") or ("ok" if res.get("ok") else "failed")
+        self.records.emit(SLORecord(new_id(), "hook", action, event, scope, tier, t, started_at, t, figures, res,
+                                    False, alert_id))
+        if self.metrics is not None:
+            self.metrics.hook_calls.labels(res.get("target", "?"), event).inc()
 
     def provider_step(self, action: str, figures: dict[str, Any], res: dict[str, Any]) -> None:
         """A step the replica provider took on the gateway's backlog (its autoscaler, not a tier): one ``hook``
         record in scope ``backlog``, with the load that triggered it, counted like the tiers' own."""
-        t = self.clock()
-        event = res.get("event") or ("ok" if res.get("ok") else "failed")
-        self.records.emit(SLORecord(new_id(), "hook", action, event, "backlog", None, t, t, t, dict(figures),
-                                    {**res, "trigger": "backlog"}, False, None))
-        if self.metrics is not None:
-            self.metrics.hook_calls.labels(res.get("target", "?"), event).inc()
+        self._hook_record(action, "backlog", None, self.clock(), dict(figures), {**res, "trigger": "backlog"}, None)
 
     def _scale(self, action_rec: SLORecord, delta_pct: float, now: float) -> None:
         """Ask for the replicas: the hooks (webhook, command) and the replica provider, each told the same. What was

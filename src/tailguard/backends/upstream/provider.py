@@ -444,8 +444,8 @@ class ProcessProvider:
     async def scale(self, delta_pct: float, on_result: Callable[[Result], None] | None = None,
                     replicas: int | None = None) -> list[Result]:
         """Start (``delta_pct`` > 0) or stop replicas: ``delta_pct`` of those serving, rounded up, at least one (or
-        exactly ``replicas``), within ``min_replicas`` and ``max_replicas``. One result per replica (and one when nothing could be done),
-        each handed to ``on_result`` as it comes."""
+        exactly ``replicas``), within ``min_replicas`` and ``max_replicas``. One result per replica (and one when
+        nothing could be done), each handed to ``on_result`` as it comes."""
         if self._step is None:
             self._step = asyncio.Lock()
         async with self._step:
