@@ -91,6 +91,10 @@ class EngineArgs:
     step_time_budget_s: float | None = None
     # Within a priority, waiting prompts are ordered by arrival plus this many seconds per prompt token (0: FCFS).
     prompt_rank_s_per_token: float = 0.0
+    # A step with at least this many decode rows runs them on the matrix units (AMX bfloat16 tiles) with its prompt
+    # rows, where the CPU has them: from ~8 rows a product is faster there (benchmarks/decode_rows_on_tiles.py), but
+    # a decode row's numbers then depend on how many rows share its step. 0 (the default): the block kernels always.
+    decode_rows_on_tiles: int = 0
     max_background_seqs: int | None = None  # see SchedulerConfig: the pace of important streams under batch load
     num_threads: int | None = None
     # Speculative decoding: off | ngram (prompt lookup) | self (the target's first layers, drafting.py) | draft:PATH
@@ -267,7 +271,8 @@ class LLMEngine:
         )
         if self.native:
             assert isinstance(self.model, NativeModel)  # lean: the C step's model
-            self.runner: Any = NativeRunner(self.model, num_blocks, args.block_size, kv_name, args.num_threads)
+            self.runner: Any = NativeRunner(self.model, num_blocks, args.block_size, kv_name, args.num_threads,
+                                            decode_rows_on_tiles=args.decode_rows_on_tiles)
         else:
             from tailguard.engine.torch_model import LlamaModel
             from tailguard.engine.torch_runner import ModelRunner

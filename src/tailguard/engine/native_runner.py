@@ -71,10 +71,11 @@ class NativeRunner:
     native_prefill_max_context: int = NATIVE_PREFILL_MAX_CONTEXT
 
     def __init__(self, model: NativeModel, num_blocks: int, block_size: int, kv_dtype: str,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, decode_rows_on_tiles: int = 0) -> None:
         """``num_threads``: the engine's setting, applied to torch too if it is ever loaded (importing torch sets
-        the shared OpenMP runtime's count to its own default)."""
+        the shared OpenMP runtime's count to its own default). ``decode_rows_on_tiles``: EngineArgs'."""
         self.model = model
+        self.decode_rows_on_tiles = decode_rows_on_tiles
         self.num_threads = num_threads
         self._threads_set_for: int | None = None  # the thread whose OpenMP count was last set (a per-thread setting)
         self.device = CPU
@@ -158,6 +159,8 @@ class NativeRunner:
             runner.native_prefill_max_context = self.native_prefill_max_context  # the same hand-off rule on both
             return runner.chunk_logits(chunks, tables).numpy()
         ids, pos, slots, tabs, lens, rows, decode_rows = self._build(chunks, tables)
+        if 0 < self.decode_rows_on_tiles <= decode_rows:
+            decode_rows = 0  # every row a tile row (where the weights have tiles; elsewhere the C step ignores it)
         return self._step(ids, pos, slots, tabs, lens, rows, decode_rows)
 
     def execute(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable],
