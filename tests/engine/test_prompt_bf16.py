@@ -124,6 +124,20 @@ def test_the_tile_product_is_the_product_of_the_rounded_values(rows):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
+def test_a_long_k_cut_into_pieces_is_still_the_product_of_the_rounded_values():
+    """K = 1,536 is summed in pieces that fit L1, the sums kept in float32 between them: the same product, added to
+    y too; pack_bf16's tiles sit on 64-byte lines (multiplied in place, not copied)."""
+    w = q8_0_matrix(64, 1536, seed=6)
+    tiles = kernels.pack_bf16(w)
+    assert tiles.ctypes.data % 64 == 0
+    x = np.random.default_rng(8).standard_normal((100, 1536)).astype(np.float32)
+    want = to_bf16(x).astype(np.float64) @ to_bf16(np.asarray(w.dequantize())).astype(np.float64).T
+    atol = 1e-5 * float(np.abs(want).max())
+    np.testing.assert_allclose(kernels.linear_bf16(x, tiles, 64), want, rtol=1e-5, atol=atol)
+    base = np.random.default_rng(9).standard_normal((100, 64)).astype(np.float32)
+    np.testing.assert_allclose(linear_bf16_raw(x, tiles, 64, base.copy()), base + want, rtol=1e-5, atol=atol)
+
+
 def linear_bf16_raw(x: np.ndarray, tiles: np.ndarray, n: int, y: np.ndarray | None = None) -> np.ndarray:
     """tg_linear_bf16 on caller-placed arrays: y = x W^T, or y += x W^T when y is given."""
     acc = y is not None

@@ -480,7 +480,12 @@ def pack_bf16(w: PackedMatrix) -> np.ndarray | None:
     a multiple of 32)."""
     if w.out_features % 32 or w.in_features % 32:
         return None
-    out = np.empty(w.out_features * w.in_features, dtype=np.uint16)
+    # on a 64-byte line (numpy puts large arrays 16 bytes into a page): a tile's rows then load one line each, and
+    # the C step multiplies from W in place instead of copying each column group's tiles to an aligned buffer first
+    n = w.out_features * w.in_features
+    raw = np.empty(n + 32, dtype=np.uint16)
+    start = (-raw.ctypes.data % 64) // 2
+    out = raw[start : start + n]
     if lib().tg_pack_bf16(_ptr(w.array), w.fmt, w.out_features, w.in_features, _ptr(out)) != 0:
         return None
     return out

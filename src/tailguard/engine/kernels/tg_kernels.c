@@ -1234,6 +1234,7 @@ typedef struct {
     int T, Tp, K;
     float *y;
     int ldy, accumulate;
+    int64_t groups; /* N / 32 */
 } amx_job;
 
 /* Rows in blocks of about AMX_BLOCK_BYTES of activation tiles: a block stays in L2 (2 MiB a core here) while every
@@ -1246,13 +1247,21 @@ static inline int amx_row_block(int K) {
 }
 
 /* Accumulators 0-3 = the 32 x 32 block of rows a0 (two A tiles' rows, kbn tiles each) times the columns of b0 (two
- * column tiles), over the whole of K: one sum sequence per output, whichever block or thread computes it. The
+ * column tiles), over K tiles [kb0, kb1) from the sums in acc (NULL: from zero): over the whole of K in pieces or at
+ * once, one sum sequence per output, whichever block or thread computes it. The
  * activations' tiles, streamed from L2 and used once here, load with the non-temporal hint (TILELOADDT1) so they do
  * not push the weight's tiles out of L1: ~20% more products a second at K = 576 (one core, 512-1,536 rows). */
-static inline void amx_block(const uint16_t *a0, const uint16_t *b0, int kbn) {
+static inline void amx_block_part(const uint16_t *a0, const uint16_t *b0, int kbn, int kb0, int kb1, const float *acc) {
     const uint16_t *a1 = a0 + (size_t)kbn * AMX_TILE_ELEMS, *b1 = b0 + (size_t)kbn * AMX_TILE_ELEMS;
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    for (int kb = 0; kb < kbn; kb++) {
+    if (acc == NULL) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    } else { /* the sums of the K tiles before kb0, stored exactly (float32) */
+        _tile_loadd(0, acc, 128);
+        _tile_loadd(1, acc + 16, 128);
+        _tile_loadd(2, acc + 16 * 32, 128);
+        _tile_loadd(3, acc + 16 * 32 + 16, 128);
+    }
+    for (int kb = kb0; kb < kb1; kb++) {
         _tile_stream_loadd(4, a0 + (size_t)kb * AMX_TILE_ELEMS, 64);
         _tile_stream_loadd(5, a1 + (size_t)kb * AMX_TILE_ELEMS, 64);
         _tile_loadd(6, b0 + (size_t)kb * AMX_TILE_ELEMS, 64);
@@ -1262,6 +1271,18 @@ static inline void amx_block(const uint16_t *a0, const uint16_t *b0, int kbn) {
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
+}
+
+static inline void amx_block(const uint16_t *a0, const uint16_t *b0, int kbn) { amx_block_part(a0, b0, kbn, 0, kbn, NULL); }
+
+/* K tiles a column group's weight is cut into (pieces of at most AMX_KC): where a group's tiles (2 K x 32 bytes)
+ * are over L1's 48 KiB (down's K = 1,536: 96 KiB), both operands came from L2 at every block; a piece's stay in L1
+ * while the row block passes, its 32 x 32 sums kept (exactly: float32) in an L2 scratch between pieces. */
+#define AMX_KC 16
+static inline int amx_k_piece(int kbn) {
+    if (kbn <= AMX_KC + AMX_KC / 4) return kbn;
+    const int pieces = (kbn + AMX_KC - 1) / AMX_KC;
+    return (kbn + pieces - 1) / pieces;
 }
 
 static inline void amx_store_block(float *c, size_t ld) { /* accumulators 0-3 to c: 32 rows of ld floats */
@@ -1280,47 +1301,76 @@ static inline const uint16_t *amx_group(const uint16_t *w, int64_t g, int kbn, u
     return wc;
 }
 
+/* Part `part` of `parts` of column group g's weight tiles toward L2 (nothing past the last group), issued while the
+ * group before it computes: a prompt step's weights (~200 MB of tiles for SmolLM2's layers) come from L3 or memory,
+ * and a group's first row block otherwise waited on its lines one miss at a time. */
+static inline void amx_prefetch_group(const uint16_t *w, int64_t g, int64_t groups, int kbn, int part, int parts) {
+    if (g < 0 || g >= groups) return;
+    const char *b = (const char *)(w + (size_t)g * 2 * kbn * AMX_TILE_ELEMS);
+    const int lines = 2 * kbn * AMX_TILE_ELEMS * 2 / 64;
+    for (int l = lines * part / parts; l < lines * (part + 1) / parts; l++) _mm_prefetch(b + (size_t)l * 64, _MM_HINT_T1);
+}
+
+/* The group whose weights a range's loop needs after g: the next of the range, else the first one again for the
+ * next row block, else the group after the range (likely the next range claimed). */
+static inline int64_t amx_next_group(int64_t g, int64_t g0, int64_t g1, int more_rows) {
+    return g + 1 < g1 ? g + 1 : (more_rows ? g0 : g1);
+}
+
 /* amx_group's copy buffer where W's tiles are off 64-byte lines, else NULL. */
 static uint16_t *amx_group_buffer(const uint16_t *w, int kbn) {
     return ((uintptr_t)w & 63) ? (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * kbn * AMX_TILE_ELEMS) : NULL;
 }
 
 /* Output columns [32 g0, 32 g1), row block by row block; per block, the weight's tiles for 32 columns (2 x K x 32
- * bytes) stay in L1 while the block's activation tiles come from L2. y's 32 x 32 blocks are stored straight from
- * the tiles when whole and not added to y, else through c. */
+ * bytes, or a piece of K of them: amx_k_piece) stay in L1 while the block's activation tiles come from L2. y's
+ * 32 x 32 blocks are stored straight from the tiles when whole and not added to y, else through c. */
 static void amx_range(void *arg, int64_t g0, int64_t g1) {
     const amx_job *j = (const amx_job *)arg;
     amx_load_config();
-    const int kbn = j->K / 32, rb = amx_row_block(j->K);
+    const int kbn = j->K / 32, rb = amx_row_block(j->K), kc = amx_k_piece(kbn);
+    const int kl = (kbn - 1) / kc * kc; /* the last piece's first K tile (0: one piece) */
     uint16_t *wc = amx_group_buffer(j->w, kbn);
+    float *part = kc < kbn ? (float *)aligned_alloc(64, sizeof(float) * (size_t)rb * 32) : NULL;
     float c[32 * 32] __attribute__((aligned(64)));
     for (int mb = 0; mb < j->Tp; mb += rb) {
         const int me = mb + rb < j->Tp ? mb + rb : j->Tp;
+        const int nblk = (me - mb) / 32, parts = (kl / kc + 1) * nblk; /* the next group's prefetch: every piece */
         for (int64_t g = g0; g < g1; g++) {
             const uint16_t *b0 = amx_group(j->w, g, kbn, wc);
-            for (int m0 = mb; m0 < me; m0 += 32) {
-                amx_block(j->x + (size_t)(m0 / 16) * kbn * AMX_TILE_ELEMS, b0, kbn);
-                float *yb = j->y + (size_t)m0 * j->ldy + g * 32;
-                const int rows = j->T - m0 < 32 ? j->T - m0 : 32;
-                if (!j->accumulate && rows == 32) {
-                    amx_store_block(yb, (size_t)j->ldy);
-                    continue;
-                }
-                amx_store_block(c, 32);
-                for (int r = 0; r < rows; r++) {
-                    float *yr = yb + (size_t)r * j->ldy;
-                    const __m512 lo = _mm512_load_ps(c + r * 32), hi = _mm512_load_ps(c + r * 32 + 16);
-                    if (j->accumulate) {
-                        _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), lo));
-                        _mm512_storeu_ps(yr + 16, _mm512_add_ps(_mm512_loadu_ps(yr + 16), hi));
-                    } else {
-                        _mm512_storeu_ps(yr, lo);
-                        _mm512_storeu_ps(yr + 16, hi);
+            const int64_t gn = amx_next_group(g, g0, g1, me < j->Tp);
+            for (int kb0 = 0; kb0 <= kl; kb0 += kc)
+                for (int m0 = mb; m0 < me; m0 += 32) {
+                    amx_prefetch_group(j->w, gn, j->groups, kbn, kb0 / kc * nblk + (m0 - mb) / 32, parts);
+                    float *pm = part + (size_t)(m0 - mb) * 32;
+                    amx_block_part(j->x + (size_t)(m0 / 16) * kbn * AMX_TILE_ELEMS, b0, kbn, kb0,
+                                   kb0 + kc < kbn ? kb0 + kc : kbn, kb0 > 0 ? pm : NULL);
+                    if (kb0 < kl) {
+                        amx_store_block(pm, 32);
+                        continue;
+                    }
+                    float *yb = j->y + (size_t)m0 * j->ldy + g * 32;
+                    const int rows = j->T - m0 < 32 ? j->T - m0 : 32;
+                    if (!j->accumulate && rows == 32) {
+                        amx_store_block(yb, (size_t)j->ldy);
+                        continue;
+                    }
+                    amx_store_block(c, 32);
+                    for (int r = 0; r < rows; r++) {
+                        float *yr = yb + (size_t)r * j->ldy;
+                        const __m512 lo = _mm512_load_ps(c + r * 32), hi = _mm512_load_ps(c + r * 32 + 16);
+                        if (j->accumulate) {
+                            _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), lo));
+                            _mm512_storeu_ps(yr + 16, _mm512_add_ps(_mm512_loadu_ps(yr + 16), hi));
+                        } else {
+                            _mm512_storeu_ps(yr, lo);
+                            _mm512_storeu_ps(yr + 16, hi);
+                        }
                     }
                 }
-            }
         }
     }
+    free(part);
     free(wc);
     _tile_release();
 }
@@ -1339,37 +1389,68 @@ static inline __m512 silu_times(__m512 g, __m512 u) {
  * 32 activation columns; per row block, the gate half's blocks go to a scratch (L2) and the up half's meet them. */
 typedef struct { const uint16_t *x, *w; int T, Tp, K, I; uint16_t *act; } amx_silu_job;
 
+/* Rows [r0, r1) of the 32-row block at m0 (mb: its row block's first row) of column group g: SiLU(gate) * up from
+ * the gate scratch and the up block c, as bfloat16 into the activation's tiles. */
+static inline void silu_act_rows(const amx_silu_job *j, const float *gate, const float *c, int mb, int m0, int64_t g,
+                                 int r0, int r1) {
+    const int ikbn = j->I / 32;
+    for (int r = r0; r < r1; r++) {
+        const float *gr = gate + (size_t)(m0 - mb + r) * 32;
+        uint16_t *dst = j->act + ((size_t)((m0 + r) / 16) * ikbn + g) * AMX_TILE_ELEMS + (r % 16) * 32;
+        if (m0 + r < j->T) {
+            const __m512 lo = silu_times(_mm512_load_ps(gr), _mm512_load_ps(c + r * 32));
+            const __m512 hi = silu_times(_mm512_load_ps(gr + 16), _mm512_load_ps(c + r * 32 + 16));
+            _mm512_store_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        } else {
+            memset(dst, 0, 64); /* rows past T: zeros, as to_tiles_range leaves them */
+        }
+    }
+}
+
+/* The up half: while block m0's tile products run, the vector units apply SiLU to the block before it (its sums in
+ * the other half of cb), a few rows per K step. Done after each block's products, the SiLU (an exp and a divide per
+ * value) left the matrix unit idle: about as long as the block's products themselves. */
 static void amx_silu_range(void *arg, int64_t g0, int64_t g1) {
     const amx_silu_job *j = (const amx_silu_job *)arg;
     amx_load_config();
     const int kbn = j->K / 32, rb = amx_row_block(j->K), ikbn = j->I / 32;
     uint16_t *wc = amx_group_buffer(j->w, kbn);
     float *gate = (float *)aligned_alloc(64, sizeof(float) * (size_t)rb * 32);
-    float c[32 * 32] __attribute__((aligned(64)));
+    float cb[2][32 * 32] __attribute__((aligned(64)));
     for (int mb = 0; mb < j->Tp; mb += rb) {
         const int me = mb + rb < j->Tp ? mb + rb : j->Tp;
         for (int64_t g = g0; g < g1; g++) {
             const uint16_t *bg = amx_group(j->w, g, kbn, wc);
+            const int64_t gn = amx_next_group(g, g0, g1, me < j->Tp);
+            const int parts = (me - mb) / 32;
             for (int m0 = mb; m0 < me; m0 += 32) {
+                amx_prefetch_group(j->w, g + ikbn, 2 * ikbn, kbn, (m0 - mb) / 32, parts); /* this group's up half */
                 amx_block(j->x + (size_t)(m0 / 16) * kbn * AMX_TILE_ELEMS, bg, kbn);
                 amx_store_block(gate + (size_t)(m0 - mb) * 32, 32);
             }
             const uint16_t *bu = amx_group(j->w, g + ikbn, kbn, wc);
+            int prev = -1; /* the block whose SiLU is pending */
             for (int m0 = mb; m0 < me; m0 += 32) {
-                amx_block(j->x + (size_t)(m0 / 16) * kbn * AMX_TILE_ELEMS, bu, kbn);
-                amx_store_block(c, 32);
-                for (int r = 0; r < 32; r++) {
-                    const float *gr = gate + (size_t)(m0 - mb + r) * 32;
-                    uint16_t *dst = j->act + ((size_t)((m0 + r) / 16) * ikbn + g) * AMX_TILE_ELEMS + (r % 16) * 32;
-                    if (m0 + r < j->T) {
-                        const __m512 lo = silu_times(_mm512_load_ps(gr), _mm512_load_ps(c + r * 32));
-                        const __m512 hi = silu_times(_mm512_load_ps(gr + 16), _mm512_load_ps(c + r * 32 + 16));
-                        _mm512_store_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-                    } else {
-                        memset(dst, 0, 64); /* rows past T: zeros, as to_tiles_range leaves them */
-                    }
+                amx_prefetch_group(j->w, gn, ikbn, kbn, (m0 - mb) / 32, parts); /* the next gate half */
+                const uint16_t *a0 = j->x + (size_t)(m0 / 16) * kbn * AMX_TILE_ELEMS;
+                const uint16_t *a1 = a0 + (size_t)kbn * AMX_TILE_ELEMS, *b1 = bu + (size_t)kbn * AMX_TILE_ELEMS;
+                const float *cp = prev >= 0 ? cb[((prev - mb) / 32) & 1] : NULL;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int kb = 0; kb < kbn; kb++) { /* amx_block's products, the same order */
+                    _tile_stream_loadd(4, a0 + (size_t)kb * AMX_TILE_ELEMS, 64);
+                    _tile_stream_loadd(5, a1 + (size_t)kb * AMX_TILE_ELEMS, 64);
+                    _tile_loadd(6, bu + (size_t)kb * AMX_TILE_ELEMS, 64);
+                    _tile_loadd(7, b1 + (size_t)kb * AMX_TILE_ELEMS, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                    if (cp != NULL) silu_act_rows(j, gate, cp, mb, prev, g, 32 * kb / kbn, 32 * (kb + 1) / kbn);
                 }
+                amx_store_block(cb[((m0 - mb) / 32) & 1], 32);
+                prev = m0;
             }
+            if (prev >= 0) silu_act_rows(j, gate, cb[((prev - mb) / 32) & 1], mb, prev, g, 0, 32);
         }
     }
     free(gate);
@@ -1377,19 +1458,44 @@ static void amx_silu_range(void *arg, int64_t g0, int64_t g1) {
     _tile_release();
 }
 
-typedef struct { const float *x; int T, K; uint16_t *xb; } to_tiles_job;
+static void rms_norm(const float *x, const float *w, int n, float eps, float *out);
+static void hadamard(float *v, int n);
+
+/* x's rows into A tiles, each first through the RMS norm of weight norm_w where that is set, or turned back by the
+ * Hadamard transform head by head (heads of unturn_hd values) where that is set: the step's norms and the attention
+ * output's turn then write tiles, not float rows that a separate pass read back to round. */
+typedef struct {
+    const float *x;
+    int T, K;
+    uint16_t *xb;
+    const float *norm_w;
+    float eps;
+    int unturn_hd;
+} to_tiles_job;
 
 /* Rows [16 b0, 16 b1) of x into A tiles (rows past T are zeros). */
 static void to_tiles_range(void *arg, int64_t b0, int64_t b1) {
     const to_tiles_job *j = (const to_tiles_job *)arg;
     const int K = j->K, kbn = K / 32;
+    float *row = NULL;
+    if (j->norm_w != NULL || j->unturn_hd > 0) row = (float *)aligned_alloc(64, sizeof(float) * (size_t)K);
     for (int64_t b = b0; b < b1; b++)
         for (int r = 0; r < 16; r++) {
             const int64_t t = b * 16 + r;
+            const float *x = t < j->T ? j->x + (size_t)t * K : NULL;
+            if (t < j->T && row != NULL) {
+                if (j->norm_w != NULL) {
+                    rms_norm(x, j->norm_w, K, j->eps, row);
+                } else {
+                    memcpy(row, x, sizeof(float) * (size_t)K);
+                    for (int i = 0; i < K; i += j->unturn_hd) hadamard(row + i, j->unturn_hd);
+                }
+                x = row;
+            }
             for (int kb = 0; kb < kbn; kb++) {
                 uint16_t *dst = j->xb + ((size_t)b * kbn + kb) * AMX_TILE_ELEMS + r * 32;
                 if (t < j->T) {
-                    const float *src = j->x + (size_t)t * K + kb * 32;
+                    const float *src = x + kb * 32;
                     const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
                     _mm512_store_si512((void *)dst, (__m512i)v);
                 } else {
@@ -1397,6 +1503,7 @@ static void to_tiles_range(void *arg, int64_t b0, int64_t b1) {
                 }
             }
         }
+    free(row);
 }
 
 /* This thread's scratch `slot` of at least `bytes` (64-byte aligned), kept until amx_scratch_release: a prompt
@@ -1423,19 +1530,22 @@ static void amx_scratch_release(void) {
     }
 }
 
-/* x[T, K] as A tiles, Tp = T rounded up to 32 rows (zeros past T), in scratch `slot`. */
-static uint16_t *amx_tiles(const float *x, int T, int K, int slot) {
+/* x[T, K] as A tiles, Tp = T rounded up to 32 rows (zeros past T), in scratch `slot`; each row through the RMS norm
+ * of weight norm_w (not NULL), or turned back head by head (unturn_hd > 0), first. */
+static uint16_t *amx_tiles_of(const float *x, int T, int K, int slot, const float *norm_w, float eps, int unturn_hd) {
     const int Tp = (T + 31) / 32 * 32;
     uint16_t *xb = (uint16_t *)amx_scratch(slot, (size_t)Tp * K * 2);
-    to_tiles_job tj = {x, T, K, xb};
+    to_tiles_job tj = {x, T, K, xb, norm_w, eps, unturn_hd};
     tg_for(Tp / 16, 2, Tp >= 64, 0, to_tiles_range, &tj);
     return xb;
 }
 
+static uint16_t *amx_tiles(const float *x, int T, int K, int slot) { return amx_tiles_of(x, T, K, slot, NULL, 0.0f, 0); }
+
 /* y[T, N] (+)= X @ W^T with X as A tiles (amx_tiles) and W's bfloat16 tiles `wb`. */
 static void linear_amx_tiles(const uint16_t *xb, int T, int K, const uint16_t *wb, int N, float *y, int ldy,
                              int accumulate) {
-    amx_job j = {xb, wb, T, (T + 31) / 32 * 32, K, y, ldy, accumulate};
+    amx_job j = {xb, wb, T, (T + 31) / 32 * 32, K, y, ldy, accumulate, N / 32};
     tg_for(N / 32, 1, 1, 0, amx_range, &j);
 }
 
@@ -1445,11 +1555,11 @@ static void linear_amx(const float *x, int T, int K, const uint16_t *wb, int N, 
 }
 
 /* SiLU(x W_gate^T) * (x W_up^T) as A tiles for the down product ([Tp, I] bfloat16, zeros past T; this thread's
- * scratch, valid until its next gate_up_amx): W = gate|up, [2I, K] as bfloat16 tiles. */
-static const uint16_t *gate_up_amx(const float *x, int T, int K, const uint16_t *wb, int I) {
+ * scratch, valid until its next gate_up_amx): x as A tiles (amx_tiles), W = gate|up, [2I, K] as bfloat16 tiles. */
+static const uint16_t *gate_up_amx(const uint16_t *xb, int T, int K, const uint16_t *wb, int I) {
     const int Tp = (T + 31) / 32 * 32;
     uint16_t *act = (uint16_t *)amx_scratch(SCRATCH_ACT, (size_t)Tp * I * 2);
-    amx_silu_job j = {amx_tiles(x, T, K, SCRATCH_X), wb, T, Tp, K, I, act};
+    amx_silu_job j = {xb, wb, T, Tp, K, I, act};
     tg_for(I / 32, 1, 1, 0, amx_silu_range, &j);
     return act;
 }
@@ -1493,6 +1603,20 @@ static void step_linear(const float *x, int T, int n_dec, int K, const tg_mat *W
 #endif
     (void)n_dec;
     linear(x, T, K, W->data, W->fmt, W->N, y, ldy, accumulate);
+}
+
+/* step_linear with the prompt rows already as A tiles (xb, step_rows_in), or, xb NULL, all rows as floats. */
+static void step_linear_in(const float *x, const uint16_t *xb, int T, int n_dec, int K, const tg_mat *W, float *y,
+                           int ldy, int accumulate) {
+#if defined(TG_AMX)
+    if (xb != NULL) {
+        if (n_dec > 0) linear(x, n_dec, K, W->data, W->fmt, W->N, y, ldy, accumulate);
+        linear_amx_tiles(xb, T - n_dec, K, W->bf16, W->N, y + (size_t)n_dec * ldy, ldy, accumulate);
+        return;
+    }
+#endif
+    (void)xb;
+    step_linear(x, T, n_dec, K, W, y, ldy, accumulate);
 }
 
 typedef struct {
@@ -1605,6 +1729,35 @@ static void hadamard(float *v, int n) {
 /* One (position, kv head) row of hd values at element offset off. int8: the same numbers as torch_model.py's
  * quantize_kv (scale rounded to float16 first, then q = round-half-even(x / scale), clamped to +-127). */
 static inline void kv_store(void *kv, int fmt, size_t off, const float *src, int hd) {
+#if defined(__AVX512F__) && defined(__F16C__)
+    /* 16 values at a time, lane by lane the scalar code's operations (the max of |x| is the same in any order,
+     * division is IEEE's, rounding half to even), so the same bytes: the scalar loops were ~2/3 of a prompt
+     * step's RoPE + KV write (a divide and a rounding per value, a serial max). */
+    if (hd % 16 == 0 && fmt != TG_KV_F32) {
+        if (fmt == TG_KV_F16) {
+            uint16_t *d = (uint16_t *)kv + off;
+            for (int i = 0; i < hd; i += 16)
+                _mm256_storeu_si256((__m256i *)(d + i), _mm512_cvtps_ph(_mm512_loadu_ps(src + i),
+                                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            return;
+        }
+        int8_t *d = (int8_t *)kv + off;
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < hd; i += 16) amax = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(src + i)), amax);
+        const uint16_t sh = f2h(_mm512_reduce_max_ps(amax) / 127.0f);
+        float s = h2f(sh);
+        if (s == 0.0f) s = 1.0f;
+        const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+        for (int i = 0; i < hd; i += 16) {
+            const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(src + i), sv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm_storeu_si128((__m128i *)(d + i),
+                             _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi))));
+        }
+        memcpy(d + hd, &sh, 2);
+        return;
+    }
+#endif
     if (fmt == TG_KV_F16) {
         uint16_t *d = (uint16_t *)kv + off;
         for (int i = 0; i < hd; i++) d[i] = f2h(src[i]);
@@ -1976,6 +2129,7 @@ static void paged_attention(const tg_model *m, const tg_kv *c, int layer, int D,
  * over the whole row of scores (no running rescale: the row fits), and P V on the tiles again. Rows are the chunk's
  * rows at positions p0 .. p0 + n - 1, keys 0 .. p0 + n - 1 of one block table. */
 #define PA_ROWS 32
+#define PA_PAD 16 /* floats a row of scores (bfloat16: twice that a row of P) runs past the context's 32s */
 typedef struct {
     const tg_kv *c;
     const float *q; /* [n, H * hd] the chunk's rows */
@@ -2046,6 +2200,7 @@ static void pattn_pack_range(void *arg, int64_t t0, int64_t t1) {
 
 /* p[i] = bfloat16(exp(s[i] - shift)) for i < n, zeros up to n_pad (a multiple of 16); returns the float32 sum: the
  * numbers of exp_shifted_sum, rounded as they are written, without a float pass over the row in between. */
+
 static float exp_to_bf16(const float *s, uint16_t *p, int n, int n_pad, float shift) {
     __m512 acc = _mm512_setzero_ps();
     const __m512 sh = _mm512_set1_ps(shift);
@@ -2073,13 +2228,18 @@ static void pattn_range(void *arg, int64_t t0, int64_t t1) {
     const int hd = j->hd, group = j->group, qd = j->H * hd, ndb = hd / 32, M = j->n * group;
     const int nblocks = (M + PA_ROWS - 1) / PA_ROWS;
     amx_load_config();
-    float *sc = (float *)aligned_alloc(64, sizeof(float) * PA_ROWS * (size_t)j->ctx_pad);
-    uint16_t *pb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * PA_ROWS * (size_t)j->ctx_pad);
+    /* rows of scores (lds floats) and of P (ldp bfloat16) a line past a multiple of 2 KiB / 1 KiB: a tile's 16 rows
+     * then fall in different L1 sets, not in 2 or 4 */
+    const size_t lds = (size_t)j->ctx_pad + PA_PAD, ldp = (size_t)j->ctx_pad + 2 * PA_PAD;
+    float *sc = (float *)aligned_alloc(64, sizeof(float) * PA_ROWS * lds);
+    uint16_t *pb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * PA_ROWS * ldp);
     uint16_t qa[PA_ROWS * 512] __attribute__((aligned(64)));
     float ob[PA_ROWS * 512] __attribute__((aligned(64)));
     float inv[PA_ROWS];
     for (int64_t t = t0; t < t1; t++) {
-        const int g = (int)(t / nblocks), m0 = (int)(t % nblocks) * PA_ROWS;
+        /* the last rows' blocks (the most keys) first, every KV head's before the next block: the pool's chunks go
+         * from dear to cheap, so the last one claimed leaves the other threads little to wait for */
+        const int g = (int)(t % j->G), m0 = (nblocks - 1 - (int)(t / j->G)) * PA_ROWS;
         const int rows = M - m0 < PA_ROWS ? M - m0 : PA_ROWS;
         const uint16_t *kt = j->kt + (size_t)g * j->ctx_pad * hd, *vt = j->vt + (size_t)g * j->ctx_pad * hd;
         for (int m = 0; m < PA_ROWS; m++) {
@@ -2111,16 +2271,16 @@ static void pattn_range(void *arg, int64_t t0, int64_t t1) {
                 _tile_dpbf16ps(2, 5, 6);
                 _tile_dpbf16ps(3, 5, 7);
             }
-            const size_t ld = (size_t)j->ctx_pad * 4;
+            const size_t ld = lds * 4;
             _tile_stored(0, sc + kb * 32, ld);
             _tile_stored(1, sc + kb * 32 + 16, ld);
-            _tile_stored(2, sc + (size_t)16 * j->ctx_pad + kb * 32, ld);
-            _tile_stored(3, sc + (size_t)16 * j->ctx_pad + kb * 32 + 16, ld);
+            _tile_stored(2, sc + 16 * lds + kb * 32, ld);
+            _tile_stored(3, sc + 16 * lds + kb * 32 + 16, ld);
         }
         /* causal softmax per row, in float32; P rounded to bfloat16, normalised after P V */
         for (int m = 0; m < PA_ROWS; m++) {
-            float *srow = sc + (size_t)m * j->ctx_pad;
-            uint16_t *prow = pb + (size_t)m * j->ctx_pad;
+            float *srow = sc + (size_t)m * lds;
+            uint16_t *prow = pb + (size_t)m * ldp;
             const int seen = m < rows ? j->p0 + (m0 + m) / group + 1 : 0;
             if (seen > 0) {
                 __m512 vmx = _mm512_set1_ps(-INFINITY);
@@ -2138,8 +2298,8 @@ static void pattn_range(void *arg, int64_t t0, int64_t t1) {
         for (int db = 0; db < ndb; db++) {
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int kb = 0; kb < nk32; kb++) {
-                _tile_loadd(4, pb + kb * 32, (size_t)j->ctx_pad * 2);
-                _tile_loadd(5, pb + (size_t)16 * j->ctx_pad + kb * 32, (size_t)j->ctx_pad * 2);
+                _tile_loadd(4, pb + kb * 32, ldp * 2);
+                _tile_loadd(5, pb + 16 * ldp + kb * 32, ldp * 2);
                 _tile_loadd(6, vt + ((size_t)(2 * db) * j->nkb32 + kb) * AMX_TILE_ELEMS, 64);
                 _tile_loadd(7, vt + ((size_t)(2 * db + 1) * j->nkb32 + kb) * AMX_TILE_ELEMS, 64);
                 _tile_dpbf16ps(0, 4, 6);
@@ -2326,23 +2486,44 @@ static void unturn_range(void *arg, int64_t d0, int64_t d1) { /* the attention o
     for (int64_t i = d0 * H; i < d1 * H; i++) hadamard(j->out + (size_t)i * hd, hd);
 }
 
-/* x (+)= down(SiLU(gate) * up) of h for a step's rows. Prompt rows on the matrix units (gate_up_amx: the
- * activation goes from the tiles to the down product's tiles); decode rows through the block kernels. */
-static void step_mlp(const float *h, int D, int n_dec, int Hd, int I, const tg_layer *L, float *gu, float *act,
-                     float *x) {
+/* A product's input rows, made ready by the norm (norm_w set: `in` normed into `out`) or by the attention output's
+ * turn back (unturn: `in` = `out`, turned in place): all of them as float rows in `out`, or, where `tiles` (the
+ * product has bfloat16 tiles and the step prompt rows), the decode rows [0, n_dec) in `out` and the prompt rows
+ * straight into A tiles, returned (their float rows are not written). */
+static const uint16_t *step_rows_in(rows_job *rj, int D, int n_dec, int K, int tiles, int unturn) {
+    const int par = D >= ROWS_PARALLEL_MIN;
+    const tg_range_fn fn = unturn ? unturn_range : norm_range;
 #if defined(TG_AMX)
-    if (L->gate_up.bf16 != NULL && L->down.bf16 != NULL && n_dec < D && I % 32 == 0) {
+    if (tiles && n_dec < D) {
+        if (n_dec > 0) tg_for(n_dec, 8, n_dec >= ROWS_PARALLEL_MIN, 0, fn, rj);
+        return amx_tiles_of(rj->in + (size_t)n_dec * K, D - n_dec, K, SCRATCH_X, unturn ? NULL : rj->norm_w,
+                            rj->m->eps, unturn ? rj->m->head_dim : 0);
+    }
+#endif
+    (void)K; (void)tiles; (void)n_dec;
+    tg_for(D, 8, par, 0, fn, rj);
+    return NULL;
+}
+
+/* x (+)= down(SiLU(gate) * up) of h for a step's rows. Prompt rows on the matrix units (hb: their normed rows as A
+ * tiles, step_rows_in; gate_up_amx: the activation goes from the tiles to the down product's tiles); decode rows
+ * through the block kernels. */
+static void step_mlp(const float *h, const uint16_t *hb, int D, int n_dec, int Hd, int I, const tg_layer *L,
+                     float *gu, float *act, float *x) {
+#if defined(TG_AMX)
+    if (hb != NULL) {
         if (n_dec > 0) {
             PHASE(P_GATE_UP, linear(h, n_dec, Hd, L->gate_up.data, L->gate_up.fmt, 2 * I, gu, 2 * I, 0));
             PHASE(P_SILU, silu_mul(gu, n_dec, I, act));
             PHASE(P_DOWN, linear(act, n_dec, I, L->down.data, L->down.fmt, Hd, x, Hd, 1));
         }
         const uint16_t *a = NULL;
-        PHASE(P_GATE_UP, a = gate_up_amx(h + (size_t)n_dec * Hd, D - n_dec, Hd, L->gate_up.bf16, I));
+        PHASE(P_GATE_UP, a = gate_up_amx(hb, D - n_dec, Hd, L->gate_up.bf16, I));
         PHASE(P_DOWN, linear_amx_tiles(a, D - n_dec, I, L->down.bf16, Hd, x + (size_t)n_dec * Hd, Hd, 1));
         return;
     }
 #endif
+    (void)hb;
     PHASE(P_GATE_UP, step_linear(h, D, n_dec, Hd, &L->gate_up, gu, 2 * I, 0));
     PHASE(P_SILU, silu_mul(gu, D, I, act));
     PHASE(P_DOWN, step_linear(act, D, n_dec, I, &L->down, x, Hd, 1));
@@ -2383,20 +2564,22 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
         const size_t layer_off = (size_t)l * 2 * v_off;
         const int par = D >= ROWS_PARALLEL_MIN;
         rows_job rj = {m, c, L->attn_norm, x, h, q, positions, slots, layer_off, v_off, rw, rotated};
-        PHASE(P_NORM, tg_for(D, 8, par, 0, norm_range, &rj));
-        PHASE(P_QKV, step_linear(h, D, n_dec, Hd, &L->qkv, qkv, qkv_w, 0));
+        const uint16_t *xb = NULL;
+        PHASE(P_NORM, xb = step_rows_in(&rj, D, n_dec, Hd, L->qkv.bf16 != NULL, 0));
+        PHASE(P_QKV, step_linear_in(h, xb, D, n_dec, Hd, &L->qkv, qkv, qkv_w, 0));
         rj.out = qkv;
         PHASE(P_ROPE_KV, tg_for(D, 8, par, 0, rope_kv_range, &rj));
         PHASE(P_ATTN, step_attention(m, c, l, D, n_dec, q, tables, max_blocks, ctx_lens, positions, attn));
-        if (rotated) {
-            rj.out = attn;
-            tg_for(D, 8, par, 0, unturn_range, &rj);
-        }
-        PHASE(P_O, step_linear(attn, D, n_dec, qd, &L->o, x, Hd, 1));
+        rj.in = rj.out = attn;
+        xb = NULL;
+        if (rotated) PHASE(P_O, xb = step_rows_in(&rj, D, n_dec, qd, L->o.bf16 != NULL, 1));
+        PHASE(P_O, step_linear_in(attn, xb, D, n_dec, qd, &L->o, x, Hd, 1));
         rj.norm_w = L->ffn_norm;
+        rj.in = x;
         rj.out = h;
-        PHASE(P_NORM, tg_for(D, 8, par, 0, norm_range, &rj));
-        step_mlp(h, D, n_dec, Hd, I, L, gu, act, x);
+        const int mlp_tiles = L->gate_up.bf16 != NULL && L->down.bf16 != NULL && I % 32 == 0;
+        PHASE(P_NORM, xb = step_rows_in(&rj, D, n_dec, Hd, mlp_tiles, 0));
+        step_mlp(h, xb, D, n_dec, Hd, I, L, gu, act, x);
     }
     /* the LM head costs more than a layer: only the rows that are sampled */
     for (int o = 0; o < n_out; o++) {
