@@ -255,6 +255,39 @@ def test_concurrent_callers_get_their_own_results(pool):
 
 
 @pool_needed
+@pytest.mark.parametrize(("threads", "spin_us", "work"), [(2, 0, 0), (2, 100, 0), (4, 100, 20), (3, 5, 0)])
+def test_many_short_loops_neither_hang_nor_lose_a_chunk(threads, spin_us, work):
+    """Hundreds of thousands of tiny loops, more threads than CPUs in some: the pool's hand-off between loops is where
+    a race hides (one left a caller asleep forever within ~10,000 loops). A fresh process, so a hang is a timeout."""
+    code = f"""
+        from tailguard.engine import kernels
+        kernels.set_num_threads({threads})
+        kernels.set_spin_us({spin_us})
+        print(kernels.pool_stress(200_000, 64, {work}), kernels.thread_stats()["loops"])
+    """
+    bad, loops = _fresh_process({}, code).split()
+    assert bad == "0" and int(loops) > 150_000  # single-item loops run on the caller alone
+
+
+@pool_needed
+def test_two_callers_and_count_changes_under_stress(pool):
+    """Two Python threads looping at once (one gets the pool, the other runs alone), with the thread count changing
+    between rounds: every item runs once and every loop ends."""
+    bad: list[int] = []
+    for count in (2, 4, 3):
+        pool.set_num_threads(count)
+        callers = [threading.Thread(target=lambda w=w: bad.append(pool.pool_stress(20_000, 64, w))) for w in (0, 30)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(60)
+        assert not any(t.is_alive() for t in callers)
+    assert bad == [0] * 6
+    with pytest.raises(ValueError):
+        pool.pool_stress(10, 0)
+
+
+@pool_needed
 def test_count_changes_and_pool_switches_resize_the_workers(pool):
     w, x = _matrix(), np.ones((1, 1024), dtype=np.float32)
     for n in (3, 2):

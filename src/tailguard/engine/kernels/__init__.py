@@ -174,6 +174,8 @@ def lib() -> ctypes.CDLL:
             handle.tg_set_thread_pool.argtypes = [i]
             handle.tg_set_thread_pool.restype = i
             handle.tg_thread_stats.argtypes = [p]
+            handle.tg_pool_stress.argtypes = [ctypes.c_int64, i, ctypes.c_int64]
+            handle.tg_pool_stress.restype = ctypes.c_int64
             _configure(handle)
             _lib = handle
         return _lib
@@ -284,6 +286,15 @@ def thread_stats() -> dict[str, int]:
     out = (ctypes.c_int64 * len(THREAD_STATS))()
     lib().tg_thread_stats(out)
     return dict(zip(THREAD_STATS, (int(v) for v in out)))
+
+
+def pool_stress(loops: int, max_items: int = 64, work: int = 0) -> int:
+    """Run ``loops`` parallel loops of 1..``max_items`` items on the thread pool (``work``: pause instructions per
+    item), checking after each that every item ran exactly once. Returns the loops where one did not (0: sound).
+    For the pool's tests; a broken pool may also never return, so run it where a timeout can catch that."""
+    if loops < 0 or max_items < 1 or work < 0:
+        raise ValueError("loops and work must be >= 0, max_items >= 1")
+    return int(lib().tg_pool_stress(loops, max_items, work))
 
 
 @dataclass

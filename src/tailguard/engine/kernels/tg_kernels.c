@@ -85,7 +85,7 @@ static struct {
     pthread_mutex_t lock;                  /* one loop at a time: a concurrent caller runs its loop alone */
     pthread_t *workers;
     int n_workers;
-    _Alignas(64) _Atomic uint64_t state;   /* generation << 32 | next unclaimed chunk */
+    _Alignas(64) _Atomic uint64_t state;   /* generation, chunks, next unclaimed chunk (pack_state) */
     _Alignas(64) _Atomic uint32_t done;    /* chunks finished: the caller sleeps on it (futex word) */
     _Atomic int32_t caller_waiting;
     _Alignas(64) _Atomic uint32_t gen;     /* the current loop's generation: workers sleep on it (futex word) */
@@ -95,7 +95,6 @@ static struct {
     _Atomic(tg_range_fn) fn;
     _Atomic(void *) ctx;
     _Atomic int64_t n, grain;
-    _Atomic int32_t chunks;
     _Alignas(64) _Atomic int64_t contended_until; /* now_ns() before which nobody polls (see spin_allowed) */
     /* counters for tests and benchmarks: loops run by the pool, worker sleeps, caller sleeps, loops run alone
      * because the pool was busy, times polling was turned off for contention */
@@ -195,29 +194,40 @@ static int poll_word(_Atomic uint32_t *word, uint32_t value, int until_equal, co
 #undef POLL_MET
 }
 
+/* A loop's whole claim state in one word: its generation, its chunk count and the next unclaimed chunk. The count
+ * must travel with the counter: read apart, a worker preempted between reading an old loop's exhausted counter and
+ * the count could read the next loop's larger count, claim a chunk of the old loop that does not exist (its CAS
+ * still succeeds, the caller not having published the next loop yet) and add it to the next loop's done count,
+ * which then passed its chunks and left the caller asleep forever (100,000 short loops hung within a minute). */
+#define STATE_CHUNK_BITS 16
+#define MAX_CHUNKS ((1 << STATE_CHUNK_BITS) - 1)
+static inline uint64_t pack_state(uint32_t g, uint32_t chunks) { return (uint64_t)g << 32 | (uint64_t)chunks << 16; }
+static inline uint32_t state_gen(uint64_t s) { return (uint32_t)(s >> 32); }
+static inline uint32_t state_chunks(uint64_t s) { return (uint32_t)(s >> 16) & MAX_CHUNKS; }
+static inline uint32_t state_next(uint64_t s) { return (uint32_t)s & MAX_CHUNKS; }
+
 /* Claim and run chunks of loop `g` until none is left or the loop is over; then count them done, all at once (one
  * write to the shared counter per thread and loop). */
 static void run_chunks(uint32_t g) {
-    uint32_t mine = 0;
-    int32_t chunks = 0;
+    uint32_t mine = 0, chunks = 0;
+    uint64_t s = atomic_load_explicit(&pool.state, memory_order_acquire);
     for (;;) {
-        uint64_t s = atomic_load_explicit(&pool.state, memory_order_acquire);
-        if ((uint32_t)(s >> 32) != g) break;
-        /* read before the claim; a successful claim of chunk c < chunks proves loop g still runs (it cannot end
-         * before chunk c is done), so these are g's values */
-        const int32_t nc = atomic_load_explicit(&pool.chunks, RLX);
-        const uint32_t c = (uint32_t)s;
-        if ((int64_t)c >= nc) break;
+        if (state_gen(s) != g || state_next(s) >= state_chunks(s)) break;
+        if (!atomic_compare_exchange_weak_explicit(&pool.state, &s, s + 1, memory_order_acq_rel, memory_order_acquire))
+            continue;
+        /* chunk c of g is ours: g cannot end before it is done, so the loop's fields (published before its state)
+         * are g's */
+        const uint32_t c = state_next(s);
+        chunks = state_chunks(s);
         const tg_range_fn fn = atomic_load_explicit(&pool.fn, RLX);
         void *ctx = atomic_load_explicit(&pool.ctx, RLX);
         const int64_t n = atomic_load_explicit(&pool.n, RLX), grain = atomic_load_explicit(&pool.grain, RLX);
-        if (!atomic_compare_exchange_weak_explicit(&pool.state, &s, s + 1, memory_order_acq_rel, RLX)) continue;
         const int64_t i0 = (int64_t)c * grain, i1 = i0 + grain < n ? i0 + grain : n;
         fn(ctx, i0, i1);
         mine++;
-        chunks = nc;
+        s = atomic_load_explicit(&pool.state, memory_order_acquire);
     }
-    if (mine > 0 && atomic_fetch_add(&pool.done, mine) + mine == (uint32_t)chunks && atomic_load(&pool.caller_waiting))
+    if (mine > 0 && atomic_fetch_add(&pool.done, mine) + mine == chunks && atomic_load(&pool.caller_waiting))
         futex_wake(&pool.done, 1);
 }
 
@@ -295,10 +305,9 @@ static void pool_for(int64_t n, int64_t grain, tg_range_fn fn, void *ctx, int nt
     atomic_store_explicit(&pool.ctx, ctx, RLX);
     atomic_store_explicit(&pool.n, n, RLX);
     atomic_store_explicit(&pool.grain, grain, RLX);
-    atomic_store_explicit(&pool.chunks, chunks, RLX);
     atomic_store_explicit(&pool.done, 0, RLX);
     const uint32_t g = atomic_load_explicit(&pool.gen, RLX) + 1;
-    atomic_store_explicit(&pool.state, (uint64_t)g << 32, memory_order_release);
+    atomic_store_explicit(&pool.state, pack_state(g, (uint32_t)chunks), memory_order_release);
     atomic_store(&pool.gen, g);
     if (atomic_load(&pool.sleepers) > 0) futex_wake(&pool.gen, INT32_MAX);
     atomic_fetch_add_explicit(&pool.stats[0], 1, RLX);
@@ -351,6 +360,7 @@ static void tg_for(int64_t n, int64_t min_grain, int parallel, int dynamic, tg_r
     const int64_t want = (int64_t)nt * CHUNKS_PER_THREAD;
     int64_t grain = (n + want - 1) / want;
     if (grain < min_grain) grain = min_grain;
+    if ((n + grain - 1) / grain > MAX_CHUNKS) grain = (n + MAX_CHUNKS - 1) / MAX_CHUNKS;
     pool_for(n, grain, fn, ctx, nt);
     pthread_mutex_unlock(&pool.lock);
 }
@@ -397,6 +407,44 @@ int tg_set_thread_pool(int kind) {
 void tg_thread_stats(int64_t *out) {
     for (int i = 0; i < 5; i++) out[i] = atomic_load_explicit(&pool.stats[i], RLX);
     out[5] = pool.n_workers;
+}
+
+/* Stress the pool: `loops` parallel loops of 1..max_n items (min grain 1), each item counted by whichever thread
+ * runs it; after each loop every item must have run exactly once. Returns the loops where one did not (0: sound).
+ * For the pool's tests: a loop that ends early, runs an item twice or hangs is a bug that no model test finds fast. */
+typedef struct {
+    _Atomic int32_t *hits;
+    int64_t spin;
+} stress_ctx;
+
+static void stress_range(void *p, int64_t i0, int64_t i1) {
+    stress_ctx *ctx = (stress_ctx *)p;
+    for (int64_t i = i0; i < i1; i++) {
+        for (int64_t k = 0; k < ctx->spin; k++) cpu_relax();
+        atomic_fetch_add_explicit(&ctx->hits[i], 1, RLX);
+    }
+}
+
+int64_t tg_pool_stress(int64_t loops, int max_n, int64_t spin) {
+    if (max_n < 1) return -1;
+    _Atomic int32_t *hits = (_Atomic int32_t *)calloc((size_t)max_n, sizeof(int32_t));
+    if (hits == NULL) return -1;
+    stress_ctx ctx = {hits, spin};
+    int64_t bad = 0;
+    uint64_t x = 88172645463325252ull;
+    for (int64_t l = 0; l < loops; l++) {
+        x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+        const int64_t n = 1 + (int64_t)(x % (uint64_t)max_n);
+        tg_for(n, 1, 1, 1, stress_range, &ctx);
+        int wrong = 0;
+        for (int64_t i = 0; i < n; i++) {
+            if (atomic_load_explicit(&hits[i], RLX) != 1) wrong = 1;
+            atomic_store_explicit(&hits[i], 0, RLX);
+        }
+        bad += wrong;
+    }
+    free((void *)hits);
+    return bad;
 }
 
 /* 1: decode attention takes the generic path even where the AVX-512 one applies (a test and a benchmark compare
