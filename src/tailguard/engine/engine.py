@@ -92,9 +92,11 @@ class EngineArgs:
     # Within a priority, waiting prompts are ordered by arrival plus this many seconds per prompt token (0: FCFS).
     prompt_rank_s_per_token: float = 0.0
     # A step with at least this many decode rows runs them on the matrix units (AMX bfloat16 tiles) with its prompt
-    # rows, where the CPU has them: from ~8 rows a product is faster there (benchmarks/decode_rows_on_tiles.py), but
-    # a decode row's numbers then depend on how many rows share its step. 0 (the default): the block kernels always.
-    decode_rows_on_tiles: int = 0
+    # rows, where the CPU has them: from ~8 rows a product is faster there (benchmarks/decode_rows_on_tiles.py:
+    # 1.6-1.9x the requests/s of a queue), but a decode row's numbers then depend on how many rows share its step,
+    # as in most serving engines. 0: the block kernels always (batch-independent numbers, token for token what a
+    # request alone computes).
+    decode_rows_on_tiles: int = 8
     max_background_seqs: int | None = None  # see SchedulerConfig: the pace of important streams under batch load
     num_threads: int | None = None
     # Speculative decoding: off | ngram (prompt lookup) | self (the target's first layers, drafting.py) | draft:PATH

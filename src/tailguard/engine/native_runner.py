@@ -71,7 +71,7 @@ class NativeRunner:
     native_prefill_max_context: int = NATIVE_PREFILL_MAX_CONTEXT
 
     def __init__(self, model: NativeModel, num_blocks: int, block_size: int, kv_dtype: str,
-                 num_threads: int | None = None, decode_rows_on_tiles: int = 0) -> None:
+                 num_threads: int | None = None, decode_rows_on_tiles: int = 8) -> None:
         """``num_threads``: the engine's setting, applied to torch too if it is ever loaded (importing torch sets
         the shared OpenMP runtime's count to its own default). ``decode_rows_on_tiles``: EngineArgs'."""
         self.model = model
