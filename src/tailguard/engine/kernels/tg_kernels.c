@@ -2283,7 +2283,7 @@ static float exp_to_bf16(const float *s, uint16_t *p, int n, int n_pad, float sh
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
-/* The largest of s[0..n): four running maxima, as one would wait on the last. */
+/* The largest of s[0..n): four running maxima, so that each max does not wait for the one before it. */
 static float row_max(const float *s, int n) {
     __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
     int k = 0;
@@ -2294,8 +2294,10 @@ static float row_max(const float *s, int n) {
         m3 = _mm512_max_ps(m3, _mm512_loadu_ps(s + k + 48));
     }
     for (; k + 16 <= n; k += 16) m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + k));
-    if (k < n) m1 = _mm512_mask_max_ps(m1, (__mmask16)((1u << (n - k)) - 1u), m1, _mm512_maskz_loadu_ps(
-                                           (__mmask16)((1u << (n - k)) - 1u), s + k));
+    if (k < n) {
+        const __mmask16 tail = (__mmask16)((1u << (n - k)) - 1u);
+        m1 = _mm512_mask_max_ps(m1, tail, m1, _mm512_maskz_loadu_ps(tail, s + k));
+    }
     return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
 }
 
