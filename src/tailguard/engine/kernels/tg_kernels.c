@@ -1294,6 +1294,20 @@ static inline int amx_row_block(int K) {
     return rb < 32 ? 32 : rb;
 }
 
+/* K tile kb of a 32 x 32 block: rows a0 / a1 (16 each) times columns b0 / b1 (16 each) into accumulators 0-3, for
+ * amx_block_part and the gate/up loop that applies SiLU between K tiles. */
+static inline __attribute__((always_inline)) void amx_k_step(const uint16_t *a0, const uint16_t *a1,
+                                                             const uint16_t *b0, const uint16_t *b1, int kb) {
+    _tile_stream_loadd(4, a0 + (size_t)kb * AMX_TILE_ELEMS, 64);
+    _tile_stream_loadd(5, a1 + (size_t)kb * AMX_TILE_ELEMS, 64);
+    _tile_loadd(6, b0 + (size_t)kb * AMX_TILE_ELEMS, 64);
+    _tile_loadd(7, b1 + (size_t)kb * AMX_TILE_ELEMS, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+}
+
 /* Accumulators 0-3 = the 32 x 32 block of rows a0 (two A tiles' rows, kbn tiles each) times the columns of b0 (two
  * column tiles), over K tiles [kb0, kb1) from the sums in acc (NULL: from zero): over the whole of K in pieces or at
  * once, one sum sequence per output, whichever block or thread computes it. The
@@ -1309,16 +1323,7 @@ static inline void amx_block_part(const uint16_t *a0, const uint16_t *b0, int kb
         _tile_loadd(2, acc + 16 * 32, 128);
         _tile_loadd(3, acc + 16 * 32 + 16, 128);
     }
-    for (int kb = kb0; kb < kb1; kb++) {
-        _tile_stream_loadd(4, a0 + (size_t)kb * AMX_TILE_ELEMS, 64);
-        _tile_stream_loadd(5, a1 + (size_t)kb * AMX_TILE_ELEMS, 64);
-        _tile_loadd(6, b0 + (size_t)kb * AMX_TILE_ELEMS, 64);
-        _tile_loadd(7, b1 + (size_t)kb * AMX_TILE_ELEMS, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-    }
+    for (int kb = kb0; kb < kb1; kb++) amx_k_step(a0, a1, b0, b1, kb);
 }
 
 static inline void amx_block(const uint16_t *a0, const uint16_t *b0, int kbn) { amx_block_part(a0, b0, kbn, 0, kbn, NULL); }
@@ -1485,14 +1490,7 @@ static void amx_silu_range(void *arg, int64_t g0, int64_t g1) {
                 const float *cp = prev >= 0 ? cb[((prev - mb) / 32) & 1] : NULL;
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 for (int kb = 0; kb < kbn; kb++) { /* amx_block's products, the same order */
-                    _tile_stream_loadd(4, a0 + (size_t)kb * AMX_TILE_ELEMS, 64);
-                    _tile_stream_loadd(5, a1 + (size_t)kb * AMX_TILE_ELEMS, 64);
-                    _tile_loadd(6, bu + (size_t)kb * AMX_TILE_ELEMS, 64);
-                    _tile_loadd(7, b1 + (size_t)kb * AMX_TILE_ELEMS, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
+                    amx_k_step(a0, a1, bu, b1, kb);
                     if (cp != NULL) silu_act_rows(j, gate, cp, mb, prev, g, 32 * kb / kbn, 32 * (kb + 1) / kbn);
                 }
                 amx_store_block(cb[((m0 - mb) / 32) & 1], 32);
