@@ -380,6 +380,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
                     "--kv-cache-memory": "kv_cache_memory", "--kv-cache-dtype": "kv_cache_dtype", "--runner": "runner",
                     "--block-size": "block_size", "--max-num-seqs": "max_num_seqs",
                     "--max-num-batched-tokens": "max_num_batched_tokens", "--max-prefill-chunk": "max_prefill_chunk",
+                    "--prefill-overrun": "prefill_overrun_tokens",
                     "--max-background-seqs": "max_background_seqs", "--decode-rows-on-tiles": "decode_rows_on_tiles",
                     "--speculative": "speculative", "--num-speculative-tokens": "num_speculative_tokens",
                     "--speculative-max-running": "speculative_max_running",

@@ -42,6 +42,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str | None = "smo
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
     p.add_argument("--max-prefill-chunk", type=int, default=512,
                    help="longest prompt chunk one sequence may take in a step (default 512: the whole token budget)")
+    p.add_argument("--prefill-overrun", type=int, default=64, metavar="TOKENS", dest="prefill_overrun_tokens",
+                   help="a prompt's last chunk may pass the token budget and the chunk cap by this many tokens (at "
+                        "most an eighth of them) so that a prompt just over the budget takes one step, not two; "
+                        "0: never")
     p.add_argument("--step-time-budget", type=_budget, default=None, metavar="SECONDS",
                    help="while streams decode, size each step's prompt chunks so that the step's predicted time (a "
                         "cost model fitted online from every step's time) stays within this many seconds, the "
@@ -119,6 +123,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_prefill_chunk=ns.max_prefill_chunk,
+        prefill_overrun_tokens=ns.prefill_overrun_tokens,
         max_background_seqs=ns.max_background_seqs,
         step_time_budget_s=ns.step_time_budget,
         prompt_rank_s_per_token=ns.prompt_rank,

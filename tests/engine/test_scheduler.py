@@ -43,14 +43,20 @@ def make_scheduler(num_blocks=64, block_size=16, **config) -> Scheduler:
 
 def check_invariants(sched: Scheduler, out: SchedulerOutput) -> None:
     cfg = sched.config
-    assert out.num_tokens <= cfg.max_num_batched_tokens, "per-step token budget exceeded"
+    # A step passes its token budget, by at most the overrun, only when its last prefill chunk finishes its prompt.
+    overrun = out.num_tokens - cfg.max_num_batched_tokens
+    assert overrun <= cfg.max_prefill_overrun, "per-step token budget exceeded"
+    if overrun > 0:
+        last = out.chunks[-1]
+        assert not last.is_decode and last.end == last.seq.num_tokens, "only a prompt's last chunk may overrun"
     assert len(sched.running) <= cfg.max_num_seqs
     ids = [c.seq.request_id for c in out.chunks]
     assert len(ids) == len(set(ids)), "a sequence got two chunks in one step"
     seen_prefill = False
     for c in out.chunks:
         assert c.num_tokens >= 1
-        assert c.num_tokens <= cfg.max_prefill_chunk
+        assert c.num_tokens <= cfg.max_prefill_chunk or (
+            c.end == c.seq.num_tokens and c.num_tokens <= cfg.max_prefill_chunk + cfg.max_prefill_overrun)
         assert c.seq.status is SequenceStatus.RUNNING and c.seq in sched.running
         assert c.start == c.seq.num_computed_tokens, "a chunk must start where the KV cache ends"
         assert c.end <= c.seq.num_tokens
@@ -202,6 +208,60 @@ def test_prefill_chunk_shrinks_to_fit_the_budget():
     sizes = {c.seq.request_id: c.num_tokens for c in out.chunks}
     assert sizes == {"s0": 1, "s1": 1, "s2": 1, "long": 37}
     assert out.num_tokens == 40
+
+
+def prompt_chunks(sched: Scheduler, seq: Sequence) -> list[int]:
+    """Step until ``seq``'s prompt is in the KV cache; the size of its chunk in each step."""
+    sizes = []
+    while seq.num_computed_tokens < seq.num_prompt_tokens:
+        out = step(sched)
+        sizes.append(sum(c.num_tokens for c in out.chunks if c.seq is seq))
+        assert len(sizes) < 100
+    return sizes
+
+
+@pytest.mark.parametrize("prompt_len, overrun, sizes", [
+    (520, 64, [520]),  # 8 tokens over the budget: finished in the same step, not a second one
+    (576, 64, [576]),  # exactly the overrun
+    (577, 64, [512, 65]),  # one more: two chunks as before
+    (520, 0, [512, 8]),  # overrun off
+])
+def test_a_prompt_just_over_the_budget_finishes_in_one_step(prompt_len, overrun, sizes):
+    sched = make_scheduler(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=512, max_prefill_chunk=512,
+                           prefill_overrun_tokens=overrun)
+    seq = make_seq("p", prompt_len, max_tokens=2)
+    sched.add(seq)
+    assert prompt_chunks(sched, seq) == sizes
+    assert seq.output_token_ids == [FAKE_TOKEN], "the prompt's last chunk samples its first token"
+
+
+def test_decode_rows_do_not_push_a_budget_sized_prompt_into_a_second_step():
+    sched = make_scheduler(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=512, max_prefill_chunk=512,
+                           enable_prefix_caching=False)
+    streams = [make_seq(f"s{i}", 5, max_tokens=100) for i in range(6)]
+    for s in streams:
+        sched.add(s)
+    step(sched)
+    seq = make_seq("p", 511, max_tokens=2)
+    sched.add(seq)
+    sched.add(make_seq("q", 5, max_tokens=2))
+    out = step(sched)
+    # Six decode rows leave 506 tokens of the budget; the prompt's last 5 tokens join its chunk instead of taking a
+    # step of their own, and nothing else is admitted into a step already past its budget.
+    assert {c.seq.request_id: c.num_tokens for c in out.chunks} == {**{s.request_id: 1 for s in streams}, "p": 511}
+    assert out.num_tokens == 517 and seq.output_token_ids == [FAKE_TOKEN]
+    assert sched.num_waiting == 1
+
+
+def test_the_overrun_is_an_eighth_of_a_small_budget_at_most():
+    sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=32, enable_prefix_caching=False)
+    assert sched.config.max_prefill_overrun == 4
+    seq = make_seq("p", 68, max_tokens=1)
+    sched.add(seq)
+    assert prompt_chunks(sched, seq) == [32, 36]  # 4 over the chunk cap finishes; 36 over it would not
+    seq = make_seq("q", 69, max_tokens=1)
+    sched.add(seq)
+    assert prompt_chunks(sched, seq) == [32, 32, 5]
 
 
 def test_budget_never_exceeded_in_a_random_workload_with_preemptions():

@@ -86,6 +86,7 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int = 512
+    prefill_overrun_tokens: int = 64  # see SchedulerConfig
     # While streams decode, a step's prefill is sized to keep the step within this many seconds (the scheduler's
     # step cost model, fitted online from every step's time). None: the token budget alone.
     step_time_budget_s: float | None = None
@@ -264,6 +265,7 @@ class LLMEngine:
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_prefill_chunk=args.max_prefill_chunk,
+                prefill_overrun_tokens=args.prefill_overrun_tokens,
                 max_background_seqs=args.max_background_seqs,
                 enable_prefix_caching=args.enable_prefix_caching,
                 step_time_budget_s=args.step_time_budget_s,

@@ -67,6 +67,16 @@ class SchedulerConfig:
     # the TTFT tail of a mixed load, and a long prompt is passed only by requests that arrive within its handicap
     # (so it never starves). 0: first come, first served.
     prompt_rank_s_per_token: float = 0.0
+    # A prefill chunk may run past the step's token budget and the chunk cap by up to this many tokens (and at most
+    # an eighth of the smaller of the two) when that finishes its prompt: a prompt a few tokens longer than the budget,
+    # or than what decode rows leave of it, then takes one step instead of two, and the second would cost a step's
+    # weight reads for a handful of tokens. A time budget still caps it. 0: chunks never pass the budget.
+    prefill_overrun_tokens: int = 64
+
+    @property
+    def max_prefill_overrun(self) -> int:
+        """The most tokens a prompt's last chunk may take past the token budget and the chunk cap."""
+        return min(self.prefill_overrun_tokens, min(self.max_num_batched_tokens, self.max_prefill_chunk) // 8)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -75,6 +85,8 @@ class SchedulerConfig:
             raise ValueError("max_prefill_chunk and max_model_len must be positive")
         if self.max_background_seqs is not None and self.max_background_seqs < 0:
             raise ValueError("max_background_seqs must be >= 0 (or None: no limit)")
+        if self.prefill_overrun_tokens < 0:
+            raise ValueError("prefill_overrun_tokens must be >= 0")
         if self.prompt_rank_s_per_token < 0:
             raise ValueError("prompt_rank_s_per_token must be >= 0")
         if self.step_time_budget_s is not None and self.step_time_budget_s <= 0:
@@ -259,6 +271,7 @@ class Scheduler:
         budget_s = self.config.step_time_budget_s
         if budget_s is not None and self._prompts_overdue(budget_s):
             budget_s = None  # a prompt queue is building: prefill at full speed until it drains
+        overrun = self.config.max_prefill_overrun
         counts = [0, 0, 0, 0]  # decode rows, their keys, prefill tokens, their keys: the step's shape so far
 
         added: dict[str, tuple[int, int, int, int]] = {}
@@ -282,6 +295,12 @@ class Scheduler:
             if room == 0 and counts[2] == 0:
                 room = min(n, self.config.min_prefill_chunk)
             return room
+
+        def prefill_size(remaining: int) -> int:
+            """A prefill chunk's size before the time budget: what the token budget and chunk cap allow, or the
+            whole rest of the prompt when that is at most ``max_prefill_overrun`` more."""
+            n = min(remaining, budget, self.config.max_prefill_chunk)
+            return remaining if remaining - n <= overrun else n
 
         def preempt(victim: Sequence) -> None:
             nonlocal budget
@@ -325,7 +344,7 @@ class Scheduler:
                 continue
             n = min(seq.num_pending_tokens, budget, self.config.max_prefill_chunk)
             if not seq.in_decode and n > 0:
-                n = time_cap(seq.num_computed_tokens, n)
+                n = time_cap(seq.num_computed_tokens, prefill_size(seq.num_pending_tokens))
                 if n <= 0:
                     continue
             table = self.tables[seq.request_id]
@@ -376,7 +395,7 @@ class Scheduler:
             table = self.tables[seq.request_id]
             hits = self._cached_prefix(seq, table)
             start = len(hits) * self.pool.block_size
-            n = time_cap(start, min(seq.num_tokens - start, budget, self.config.max_prefill_chunk))
+            n = time_cap(start, prefill_size(seq.num_tokens - start))
             if n <= 0:
                 break  # the step's time is spent: it waits for the next one
             # Cached blocks nobody holds sit in the free list: taking them uses up free capacity too.
