@@ -388,7 +388,7 @@ def tiny_quantized_gguf(smollm2_path, tmp_path_factory) -> Path:
     return path
 
 
-def tiny_engine(path: Path, fmt: str, kv_dtype: str = "float16", int8_activations: int = 0):
+def tiny_engine(path: Path, fmt: str, kv_dtype: str = "float16", int8_activations: int = 0, block_size: int = 16):
     """An engine on ``path``; native matrices load for float32 activations (the exact-arithmetic products these
     tests hold to 1e-4) unless ``int8_activations`` (1: int8, 2: int8 and its residual)."""
     from tailguard.engine.engine import EngineArgs, LLMEngine
@@ -398,7 +398,7 @@ def tiny_engine(path: Path, fmt: str, kv_dtype: str = "float16", int8_activation
     try:
         return LLMEngine(EngineArgs(model=str(path), weight_format=fmt, kv_cache_tokens=8192, max_num_seqs=16,
                                     max_num_batched_tokens=128, max_prefill_chunk=96, num_threads=2,
-                                    kv_cache_dtype=kv_dtype, runner="torch"))
+                                    kv_cache_dtype=kv_dtype, runner="torch", block_size=block_size))
     finally:
         if saved is None:
             del os.environ[kernels.INT8_ACTIVATIONS_ENV]
@@ -578,11 +578,12 @@ def test_int8_kv_decode_step_matches_the_torch_path(variant, tiny_pair_int8, bat
 # With AVX-512, decode attention scores 16 positions at a time (K rows converted once, the 16 dot products summed
 # by one transposing tree) and holds a head group's outputs in registers; elsewhere, and when asked, it takes the
 # generic path. Same numbers up to float32 summation order: measured max |fast - generic| / max |logit| below 1e-6.
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
-def test_fast_decode_attention_equals_the_generic_path(tiny_quantized_gguf, kv_dtype):
+# Block size 12: KV blocks end inside a group of 16 positions, so the slice's walk over the block table is checked.
+@pytest.mark.parametrize("kv_dtype, block_size", [("float32", 16), ("float16", 16), ("int8", 16), ("int8", 12)])
+def test_fast_decode_attention_equals_the_generic_path(tiny_quantized_gguf, kv_dtype, block_size):
     if kernels.simd() != "avx512":
         pytest.skip("the fast attention path is AVX-512 only")
-    engine = tiny_engine(tiny_quantized_gguf, "native", kv_dtype)
+    engine = tiny_engine(tiny_quantized_gguf, "native", kv_dtype, block_size=block_size)
     texts = random_texts(BATCHES["6 seqs, one crosses a slice edge"], seed=5)  # tails of 16 and slice edges
     fast, calls = teacher_forced_decode(engine, texts, DECODE_STEPS)
     kernels.set_generic_attention(True)
