@@ -368,9 +368,19 @@ BATCHES = {
 @pytest.fixture(scope="module")
 def tiny_quantized_gguf(smollm2_path, tmp_path_factory) -> Path:
     """A tiny random model stored like SmolLM2's GGUF (Q4_1 layers, Q8_0 embedding and LM head)."""
+    return write_quantized_tiny(tmp_path_factory.mktemp("tiny-native") / "tiny-q4_1.gguf", smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def tiny_quantized_gguf_smollm2_heads(smollm2_path, tmp_path_factory) -> Path:
+    """The same with SmolLM2's attention shape: 3 query heads a KV head, 64 dims a head (kernels specialize it)."""
+    return write_quantized_tiny(tmp_path_factory.mktemp("tiny-native-g3") / "tiny-q4_1-g3.gguf", smollm2_path,
+                                hidden_size=192, num_heads=3, num_kv_heads=1)
+
+
+def write_quantized_tiny(path: Path, smollm2_path: Path, **shape) -> Path:
     from tailguard.engine.loader import write_tiny_gguf
 
-    path = tmp_path_factory.mktemp("tiny-native") / "tiny-q4_1.gguf"
     # Quantize each matrix as it is written, the way SmolLM2's GGUF stores them.
     original = gguf.GGUFWriter.add_tensor
 
@@ -382,7 +392,7 @@ def tiny_quantized_gguf(smollm2_path, tmp_path_factory) -> Path:
 
     gguf.GGUFWriter.add_tensor = add_quantized
     try:
-        write_tiny_gguf(path, smollm2_path, tie_embeddings=False, seed=1)
+        write_tiny_gguf(path, smollm2_path, tie_embeddings=False, seed=1, **shape)
     finally:
         gguf.GGUFWriter.add_tensor = original
     return path
@@ -579,11 +589,15 @@ def test_int8_kv_decode_step_matches_the_torch_path(variant, tiny_pair_int8, bat
 # by one transposing tree) and holds a head group's outputs in registers; elsewhere, and when asked, it takes the
 # generic path. Same numbers up to float32 summation order: measured max |fast - generic| / max |logit| below 1e-6.
 # Block size 12: KV blocks end inside a group of 16 positions, so the slice's walk over the block table is checked.
-@pytest.mark.parametrize("kv_dtype, block_size", [("float32", 16), ("float16", 16), ("int8", 16), ("int8", 12)])
-def test_fast_decode_attention_equals_the_generic_path(tiny_quantized_gguf, kv_dtype, block_size):
+# SmolLM2's heads (3 query heads a KV head, 64 dims): the path specialized for them.
+@pytest.mark.parametrize("kv_dtype, block_size, heads", [("float32", 16, "tiny"), ("float16", 16, "tiny"),
+                                                         ("int8", 16, "tiny"), ("int8", 12, "tiny"),
+                                                         ("int8", 16, "smollm2"), ("float16", 12, "smollm2")])
+def test_fast_decode_attention_equals_the_generic_path(request, kv_dtype, block_size, heads):
     if kernels.simd() != "avx512":
         pytest.skip("the fast attention path is AVX-512 only")
-    engine = tiny_engine(tiny_quantized_gguf, "native", kv_dtype, block_size=block_size)
+    path = request.getfixturevalue("tiny_quantized_gguf" if heads == "tiny" else "tiny_quantized_gguf_smollm2_heads")
+    engine = tiny_engine(path, "native", kv_dtype, block_size=block_size)
     texts = random_texts(BATCHES["6 seqs, one crosses a slice edge"], seed=5)  # tails of 16 and slice edges
     fast, calls = teacher_forced_decode(engine, texts, DECODE_STEPS)
     kernels.set_generic_attention(True)
