@@ -28,19 +28,6 @@ from tailguard.engine.sequence import SamplingParams
 OUT = Path(__file__).parent / "results" / "decode_step_ab.json"
 
 
-def load_builds(before: Path) -> dict:
-    after = kernels.SOURCE
-    libs = {}
-    try:
-        for name, source in (("before", before), ("after", after)):
-            kernels.SOURCE = source
-            kernels._lib = None
-            libs[name] = kernels.lib()
-    finally:
-        kernels.SOURCE = after
-    return libs
-
-
 def timed_window(engine: LLMEngine, steps: int) -> tuple[float, float]:
     """Seconds per step and per step's attention phase over ``steps`` decode steps."""
     engine.step()  # a window's first step pays the switch
@@ -62,7 +49,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
-    libs = load_builds(args.before)
+    libs = {"before": kernels.load_build(args.before), "after": kernels.lib()}
     engine = LLMEngine(EngineArgs(model="smollm2", enable_prefix_caching=False))
     rows = []
     print(f"{'shape':>8} | {'before: step (attention)':>24} | {'after: step (attention)':>24} | after / before (paired)",

@@ -28,19 +28,6 @@ from tailguard.engine.sequence import SamplingParams
 OUT = Path(__file__).parent / "results" / "prompt_ab.json"
 
 
-def load_builds(before: Path) -> dict:
-    after = kernels.SOURCE
-    libs = {}
-    try:
-        for name, source in (("before", before), ("after", after)):
-            kernels.SOURCE = source
-            kernels._lib = None
-            libs[name] = kernels.lib()
-    finally:
-        kernels.SOURCE = after
-    return libs
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("before", type=Path, help="the other build's tg_kernels.c")
@@ -49,7 +36,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
-    libs = load_builds(args.before)
+    libs = {"before": kernels.load_build(args.before), "after": kernels.lib()}
     lengths = [int(x) for x in args.lengths.split(",")]
     engine = LLMEngine(EngineArgs(model="smollm2", enable_prefix_caching=False, num_threads=args.threads,
                                   max_num_batched_tokens=max(lengths), max_prefill_chunk=max(lengths)))

@@ -32,14 +32,7 @@ def libraries(baseline: str | None) -> dict:
     """{"new": this tree's kernels} and, given a source file, {"base": its build} (one process, two libraries)."""
     from tailguard.engine import kernels
 
-    out = {}
-    kernels._lib = None
-    if baseline:
-        source = kernels.SOURCE
-        kernels.SOURCE = Path(baseline)
-        out["base"] = kernels.lib()
-        kernels._lib = None
-        kernels.SOURCE = source
+    out = {"base": kernels.load_build(Path(baseline))} if baseline else {}
     out["new"] = kernels.lib()
     return out
 

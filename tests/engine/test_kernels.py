@@ -761,3 +761,11 @@ def test_a_step_with_a_long_prefill_chunk_runs_in_torch(tiny_pair):
         del runner.native_prefill_max_context
         for table in tables.values():
             table.release()
+
+
+def test_load_build_loads_another_library_and_leaves_the_active_one():
+    active = kernels.lib()
+    source = kernels.SOURCE
+    other = kernels.load_build(source)  # the same source: its cached build, no compile
+    assert other is not active and other.tg_abi_version() == kernels.ABI_VERSION
+    assert kernels.lib() is active and source == kernels.SOURCE

@@ -181,6 +181,18 @@ def lib() -> ctypes.CDLL:
         return _lib
 
 
+def load_build(source: Path) -> ctypes.CDLL:
+    """The kernels built from another source file (same ABI), loaded beside the active library, which stays active:
+    benchmarks compare two builds in one process by setting ``_lib`` to either, so a noisy host slows both alike."""
+    global SOURCE, _lib
+    saved_source, saved_lib = SOURCE, _lib
+    try:
+        SOURCE, _lib = Path(source), None
+        return lib()
+    finally:
+        SOURCE, _lib = saved_source, saved_lib
+
+
 def _configure(handle: ctypes.CDLL) -> None:
     """Apply the environment's thread settings (engine/threads.py) to a freshly loaded library."""
     global _settings
