@@ -103,6 +103,15 @@ def step(sched: Scheduler) -> SchedulerOutput:
     return out
 
 
+def start_streams(sched: Scheduler, n: int, prompt_len: int = 5, max_tokens: int = 100) -> list[Sequence]:
+    """``n`` short prompts prefilled together in one step: streams that decode from the next step on."""
+    streams = [make_seq(f"s{i}", prompt_len, max_tokens=max_tokens) for i in range(n)]
+    for s in streams:
+        sched.add(s)
+    step(sched)
+    return streams
+
+
 def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[SchedulerOutput]:
     outs = []
     while sched.has_unfinished():
@@ -168,10 +177,7 @@ def test_add_checks_fit_and_duplicate_ids():
 
 def test_long_prompt_is_chunked_and_decodes_run_every_step():
     sched = make_scheduler(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=32)
-    streams = [make_seq(f"s{i}", 5, max_tokens=100) for i in range(3)]
-    for s in streams:
-        sched.add(s)
-    step(sched)  # the three short prompts prefill together
+    streams = start_streams(sched, 3)
     assert all(s.in_decode for s in streams)
 
     long = make_seq("long", 200, max_tokens=2)
@@ -198,10 +204,7 @@ def test_long_prompt_is_chunked_and_decodes_run_every_step():
 
 def test_prefill_chunk_shrinks_to_fit_the_budget():
     sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=40, max_prefill_chunk=256)
-    streams = [make_seq(f"s{i}", 3, max_tokens=50) for i in range(3)]
-    for s in streams:
-        sched.add(s)
-    step(sched)
+    start_streams(sched, 3, prompt_len=3, max_tokens=50)
     long = make_seq("long", 100, max_tokens=1)
     sched.add(long)
     out = step(sched)
@@ -238,10 +241,7 @@ def test_a_prompt_just_over_the_budget_finishes_in_one_step(prompt_len, overrun,
 def test_decode_rows_do_not_push_a_budget_sized_prompt_into_a_second_step():
     sched = make_scheduler(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=512, max_prefill_chunk=512,
                            enable_prefix_caching=False)
-    streams = [make_seq(f"s{i}", 5, max_tokens=100) for i in range(6)]
-    for s in streams:
-        sched.add(s)
-    step(sched)
+    streams = start_streams(sched, 6)
     seq = make_seq("p", 511, max_tokens=2)
     sched.add(seq)
     sched.add(make_seq("q", 5, max_tokens=2))
