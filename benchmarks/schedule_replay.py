@@ -142,6 +142,7 @@ def replay(requests: list[tuple[float, int, int]], config: dict, cost: Callable[
     last: dict[str, float] = {}
     gaps: list[float] = []
     arrival: dict[str, float] = {}
+    predicted: dict[str, float] = {}
     i = steps = 0
     busy = 0.0
     spent = [0.0] * len(TERMS)  # each term's count summed over the steps
@@ -150,6 +151,7 @@ def replay(requests: list[tuple[float, int, int]], config: dict, cost: Callable[
             t, n_in, n_out = requests[i]
             rid = f"r{i}"
             arrival[rid] = t
+            predicted[rid] = sched.predict_ttft(n_in)  # what admission would know of it (Scheduler.predict_ttft)
             # distinct token ids per request: no prefix shared between requests, as vs_vllm.py's serial numbers
             sched.add(Sequence(request_id=rid, prompt_token_ids=[(i * 7919 + k) % 40000 + 100 for k in range(n_in)],
                                sampling=SamplingParams(max_tokens=n_out, temperature=0), arrival_time=t))
@@ -159,8 +161,7 @@ def replay(requests: list[tuple[float, int, int]], config: dict, cost: Callable[
             now[0] = requests[i][0] if i < len(requests) else now[0] + 1e-3
             continue
         dt = cost(out.shape)
-        if sched.config.step_time_budget_s is not None:
-            sched.cost.observe(out.shape, dt)  # as the engine feeds it every timed step
+        sched.cost.observe(out.shape, dt)  # as the engine feeds it every timed step
         now[0] += dt
         busy += dt
         steps += 1
@@ -180,9 +181,11 @@ def replay(requests: list[tuple[float, int, int]], config: dict, cost: Callable[
             if len(seq.output_token_ids) >= seq.sampling.max_tokens:
                 sched.finish(seq, FinishReason.LENGTH)
     ttft = [first[r] - t for r, t in arrival.items() if t >= warmup_s]
+    ratio = [predicted[r] / (first[r] - t) for r, t in arrival.items() if t >= warmup_s]
     return {"requests": len(ttft), "steps": steps,
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
-            "itl_p99_s": float(np.percentile(gaps, 99)) if gaps else None, "busy_s": busy, "span_s": now[0],
+            "itl_p99_s": float(np.percentile(gaps, 99)) if gaps else None, "busy_s": busy,
+            "predicted_over_actual_ttft": {f"p{q}": float(np.percentile(ratio, q)) for q in (10, 50, 90)}, "span_s": now[0],
             "term_counts": dict(zip(TERMS, spent))}
 
 
@@ -245,6 +248,13 @@ def main() -> None:
         r["time_share"] = dict(zip(TERMS, share))
         print(f"{r['rate']:>5g} | " + " | ".join(f"{v:>13.1%}" for v in share)
               + f" | {busy / sum(x['span_s'] for x in r['runs']):.0%}")
+
+    print("\nsetting A: TTFT predicted at arrival (Scheduler.predict_ttft) / the replay's, P10 / P50 / P90 over "
+          "requests, median over seeds:")
+    for r in (r for r in rows if r["setting"] == "A"):
+        q = {k: statistics.median(x["predicted_over_actual_ttft"][k] for x in r["runs"]) for k in ("p10", "p50", "p90")}
+        r["predicted_over_actual_ttft"] = q
+        print(f"{r['rate']:>5g} req/s: {q['p10']:.2f} / {q['p50']:.2f} / {q['p90']:.2f}")
 
     capacity = {}
     for name, cfg in settings.items():

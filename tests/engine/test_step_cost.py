@@ -216,3 +216,40 @@ def test_a_prompt_queue_lifts_the_time_budget_until_it_drains():
     clock.t += 0.6  # the prompt has waited past the guard
     lifted = sum(c.num_tokens for c in run_steps(sched, 1)[0].chunks if c.seq is long)
     assert lifted == 2048 - 8  # the token budget, less the decodes
+
+
+# --- predicted TTFT ---------------------------------------------------------------------------------------------------
+
+
+def predicting(**config) -> Scheduler:
+    sched = Scheduler(SchedulerConfig(max_model_len=8192, **config), BlockPool(1024, 16), clock=FakeClock())
+    sched.cost = StepCostModel(prior=TRUE)  # never observed: its predictions are the prior's, exactly
+    return sched
+
+
+def test_predicted_ttft_of_a_prompt_alone_is_its_chunks_steps():
+    sched = predicting(max_num_batched_tokens=512, max_prefill_chunk=512)
+    want = sched.cost.predict(StepShape(0, 0, 512, chunk_keys(0, 512))) + \
+        sched.cost.predict(StepShape(0, 0, 88, chunk_keys(0, 88)))
+    assert sched.predict_ttft(600) == pytest.approx(want)
+    assert sched.predict_ttft(100) < sched.predict_ttft(600) < sched.predict_ttft(1200)
+
+
+def test_predicted_ttft_counts_the_prompts_ranked_ahead_and_the_decoding_streams():
+    sched = predicting(max_num_batched_tokens=512, max_prefill_chunk=512, enable_prefix_caching=False)
+    alone = sched.predict_ttft(200, priority=1)
+    sched.add(make_seq("ahead", 900, priority=1))  # the same priority: it goes first
+    sched.add(make_seq("behind", 900, priority=2))  # less important: it does not
+    queued = sched.predict_ttft(200, priority=1)
+    assert queued > alone
+    assert queued == pytest.approx(predicting(max_num_batched_tokens=512, max_prefill_chunk=512).predict_ttft(1100))
+    # A more important request is behind neither.
+    assert sched.predict_ttft(200, priority=0) == pytest.approx(alone)
+    # Streams decoding beside the prompts take rows of every step and lengthen it; the step in progress counts half.
+    busy = predicting(max_num_batched_tokens=512, max_prefill_chunk=512, enable_prefix_caching=False)
+    for i in range(8):
+        busy.add(make_seq(f"s{i}", 32, max_tokens=1000))
+    run_steps(busy, 2)
+    assert busy.step_shape is not None and busy.step_shape.decode_rows == 8
+    rows = StepShape(8, sum(s.num_tokens for s in busy.running), 200, chunk_keys(0, 200))
+    assert busy.predict_ttft(200) == pytest.approx(busy.cost.predict(rows) + 0.5 * busy.cost.predict(busy.step_shape))

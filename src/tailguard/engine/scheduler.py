@@ -168,6 +168,7 @@ class Scheduler:
         self.num_preemptions = 0
         # The step cost model behind a time budget (fed by the engine with each step's measured time).
         self.cost = StepCostModel()
+        self.step_shape: StepShape | None = None  # the last step scheduled (the one running, while one runs)
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admissions
         self.prefix_cache_hits = 0  # of which found there (not computed again)
         # Caps asked for at run time (a planner's thread): applied at the next step's start, never within a step.
@@ -244,6 +245,26 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self._waiting)
+
+    def predict_ttft(self, num_prompt_tokens: int, priority: int = 0) -> float:
+        """Seconds from now until a prompt of ``num_prompt_tokens`` arriving now at ``priority`` would get its first
+        token, by the step cost model: the prompt tokens ranked ahead of it (prefills in progress and waiting prompts
+        of its priority or a more important one) and its own go in budget-sized chunks beside today's decoding
+        streams, each step costing what the model says, after half the step that runs now (on average a request
+        arrives halfway through one). What it leaves out: streams that start or end meanwhile. For knowing early
+        that a request cannot meet a TTFT deadline."""
+        decoding = [s for s in self.running if s.in_decode]
+        rows, keys = len(decoding), sum(s.num_tokens for s in decoding)
+        ahead = sum(s.num_pending_tokens for s in self.running if not s.in_decode)
+        ahead += sum(item[-1].num_pending_tokens for item in self._waiting if item[-1].priority <= priority)
+        per_step = max(1, min(self.config.max_num_batched_tokens - rows, self.config.max_prefill_chunk))
+        full, last = divmod(ahead + num_prompt_tokens, per_step)
+        seconds = 0.5 * self.cost.predict(self.step_shape) if self.step_shape and self.has_unfinished() else 0.0
+        for i in range(full + (last > 0)):
+            n = per_step if i < full else last
+            # each chunk's keys counted as a fresh prompt's (the split of the prompts ahead is not known yet)
+            seconds += self.cost.predict(StepShape(rows, keys + rows * i, n, chunk_keys(0, n)))
+        return seconds
 
     def _prompts_overdue(self, budget_s: float) -> bool:
         """A prompt still to compute (waiting, or part-way through its prefill) arrived longer ago than the guard."""
@@ -434,7 +455,7 @@ class Scheduler:
 
         # The runner wants decodes first (one token each, or K+1 rows for a verifying chunk), then prefill chunks.
         out.chunks.sort(key=lambda c: not (c.is_decode or c.draft))
-        out.shape = StepShape(*counts)
+        out.shape = self.step_shape = StepShape(*counts)
         return out
 
     def _cached_prefix(self, seq: Sequence, table: BlockTable) -> list[int]:
