@@ -73,20 +73,10 @@ def measure_steps(steps: int, seed: int) -> list[tuple[StepShape, float]]:
 
     engine = LLMEngine(EngineArgs(model="smollm2", enable_prefix_caching=False))
     sched = engine.scheduler
-    shapes: list[StepShape] = []
-    schedule = sched.schedule
-
-    def recording_schedule(*args, **kwargs):
-        out = schedule(*args, **kwargs)
-        shapes.append(out.shape)
-        return out
-
-    sched.schedule = recording_schedule  # type: ignore[method-assign]
     rng = np.random.default_rng(seed)
     samples: list[tuple[StepShape, float]] = []
     # warm-up: first-use costs (buffers, tile packing) stay out of the fit
     engine.generate([rng.integers(100, 40000, size=600).tolist()], SamplingParams(max_tokens=4, temperature=0))
-    shapes.clear()
     while len(samples) < steps:
         # Arrivals at random steps, more often every other stretch: the batch wanders between idle and ~40 streams,
         # prompts between 16 and 1,500 tokens.
@@ -95,12 +85,13 @@ def measure_steps(steps: int, seed: int) -> list[tuple[StepShape, float]]:
             n = int(rng.choice([16, 64, 128, 256, 384, 511, 540, 700, 1024, 1500]) + rng.integers(0, 16))
             engine.add_request(rng.integers(100, 40000, size=n).tolist(),
                                SamplingParams(max_tokens=int(rng.integers(1, 80)), temperature=0, ignore_eos=True))
+        sched.step_shape = None  # set again by the step's schedule (the shape of the step just run)
         t = time.perf_counter()
         engine.step()
         t = time.perf_counter() - t
-        if shapes and shapes[-1].decode_rows + shapes[-1].prefill_tokens > 0:
-            samples.append((shapes[-1], t))
-        shapes.clear()
+        shape = sched.step_shape
+        if shape is not None and shape.decode_rows + shape.prefill_tokens > 0:
+            samples.append((shape, t))
         if len(samples) % 100 == 0 and samples:
             print(f"  {len(samples)}/{steps} steps timed", flush=True)
     return samples

@@ -166,7 +166,7 @@ class Scheduler:
         self.tables: dict[str, BlockTable] = {}
         self._watermark_blocks = max(1, int(pool.num_blocks * config.watermark)) if pool.num_blocks > 1 else 0
         self.num_preemptions = 0
-        # The step cost model behind a time budget (fed by the engine with each step's measured time).
+        # The step cost model behind a time budget and predict_ttft (fed by the engine with each step's measured time).
         self.cost = StepCostModel()
         self.step_shape: StepShape | None = None  # the last step scheduled (the one running, while one runs)
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admissions
