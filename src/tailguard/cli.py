@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1: loopback only)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
     serve.add_argument("--config", default=None, metavar="FILE",
-                       help="YAML file of server settings: server, engine and slo: sections (flags override it; "
-                            "default: none)")
+                       help="YAML file of settings: the server's at the top level (lanes:, capacity:, ...), the "
+                            "engine's in an engine: section, the SLO monitor's in slo: (flags override it; default: "
+                            "none)")
     serve.add_argument("--store", dest="store_path", default=None, metavar="PATH_OR_URL",
                        help="request store: a SQLite file path or postgresql://USER@HOST:PORT/DB (default: "
                             "requests.sqlite3 in $TAILGUARD_HOME, else in $XDG_DATA_HOME/tailguard or "

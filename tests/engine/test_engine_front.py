@@ -77,8 +77,42 @@ def test_one_step_failing_outside_the_model_is_retried_and_nobody_notices(engine
     front.shutdown()
 
 
-async def _drain_raise(front: AsyncLLMEngine, rid: str) -> None:
-    async for _ in front.generate([1, 2, 3], greedy(4), rid):
+def test_predicted_ttft_counts_prompts_submitted_while_a_step_runs(engine):
+    """The engine thread takes new requests between steps: one submitted during a step is in no queue of the
+    scheduler's yet, and still counts ahead of a prompt predicted after it (of its priority or a less important
+    one)."""
+    front = AsyncLLMEngine(engine)
+    in_step, release = threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def held_step():
+        if engine.scheduler.running:
+            in_step.set()
+            release.wait(10)
+        return real_step()
+
+    engine.step = held_step
+
+    async def main() -> tuple[float, float, float]:
+        running = asyncio.create_task(_drain(front, "running", 8))
+        await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 10)
+        before = front.predict_ttft(50, priority=1)
+        queued = asyncio.create_task(_drain_raise(front, "queued", prompt=list(range(1, 301)), priority=1))
+        await asyncio.sleep(0.05)  # its "add" is queued for the engine thread, held in the step
+        during = front.predict_ttft(50, priority=1)
+        ahead_of_it = front.predict_ttft(50, priority=0)
+        release.set()
+        await asyncio.wait_for(asyncio.gather(running, queued), 30)
+        return before, during, ahead_of_it
+
+    before, during, ahead_of_it = asyncio.run(main())
+    assert during > before and ahead_of_it == pytest.approx(before)
+    assert front._submitted == {}  # taken in by the engine thread
+    front.shutdown()
+
+
+async def _drain_raise(front: AsyncLLMEngine, rid: str, prompt: list[int] | None = None, priority: int = 0) -> None:
+    async for _ in front.generate(prompt or [1, 2, 3], greedy(4), rid, priority=priority):
         pass
 
 
@@ -256,3 +290,25 @@ def test_from_args_loads_and_steps_the_engine_on_one_thread(tiny_gguf):
 def test_from_args_reports_a_load_failure_on_the_caller_thread():
     with pytest.raises(Exception, match="no-such-model|not found|No such file|unknown"):
         AsyncLLMEngine.from_args(EngineArgs(model="/nonexistent/no-such-model.gguf"))
+
+
+def test_from_args_calibrates_the_step_cost_model_and_leaves_no_trace(tiny_gguf):
+    """Before serving, a few timed steps fit the step-cost model (predicted TTFTs and the time budget start from
+    this machine, not the prior); the engine then reports no step, no prefix-cache query and no cached block."""
+    from tailguard.engine.step_cost import StepCostModel
+
+    prior = StepCostModel().snapshot()
+    front = AsyncLLMEngine.from_args(EngineArgs(model=str(tiny_gguf), kv_cache_tokens=8192, num_threads=1))
+    try:
+        engine = front.engine
+        assert engine.scheduler.cost.observed >= 8 and engine.scheduler.cost.snapshot() != prior
+        stats = engine.stats()
+        assert (stats.steps, stats.prefix_cache_queries, stats.kv_blocks_cached, stats.kv_blocks_used) == (0, 0, 0, 0)
+    finally:
+        front.shutdown()
+    off = AsyncLLMEngine.from_args(EngineArgs(model=str(tiny_gguf), kv_cache_tokens=8192, num_threads=1,
+                                              calibrate=False))
+    try:
+        assert off.engine.scheduler.cost.observed == 0 and off.engine.scheduler.cost.snapshot() == prior
+    finally:
+        off.shutdown()

@@ -245,6 +245,9 @@ def test_predicted_ttft_counts_the_prompts_ranked_ahead_and_the_decoding_streams
     assert queued == pytest.approx(predicting(max_num_batched_tokens=512, max_prefill_chunk=512).predict_ttft(1100))
     # A more important request is behind neither.
     assert sched.predict_ttft(200, priority=0) == pytest.approx(alone)
+    # Prompts submitted but not yet taken in by the engine thread count as queued ahead.
+    assert sched.predict_ttft(200, priority=1, queued_ahead=300) == pytest.approx(
+        predicting(max_num_batched_tokens=512, max_prefill_chunk=512).predict_ttft(1400))
     # Streams decoding beside the prompts take rows of every step and lengthen it; the step in progress counts half.
     busy = predicting(max_num_batched_tokens=512, max_prefill_chunk=512, enable_prefix_caching=False)
     for i in range(8):

@@ -137,6 +137,10 @@ class Backend(Protocol):
 
     def submit(self, request: Submission) -> Submitted: ...
 
+    def predict_ttft(self, num_prompt_tokens: int, priority: int) -> float | None:
+        """Seconds until a request submitted now would get its first token, from the backend's own queue and step
+        times; None where it cannot know (upstream replicas keep their queues to themselves)."""
+
     def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...

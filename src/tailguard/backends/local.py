@@ -40,6 +40,8 @@ class LocalEngine(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def predict_ttft(self, num_prompt_tokens: int, priority: int = 0) -> float: ...
+
     def protect_priority(self, max_background_seqs: int, protected_priority: int) -> None: ...
 
     def stats(self) -> EngineStats: ...
@@ -87,6 +89,9 @@ class LocalBackend:
         if request.watch is not None:  # one engine: a stall has nowhere else to go, whatever the lane says
             events = request.watch(events)
         return Submitted(events)
+
+    def predict_ttft(self, num_prompt_tokens: int, priority: int) -> float | None:
+        return self.engine.predict_ttft(num_prompt_tokens, priority)
 
     def protect_priority(self, max_background_seqs: int, protected_priority: int) -> None:
         self.engine.protect_priority(max_background_seqs, protected_priority)

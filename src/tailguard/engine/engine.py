@@ -121,6 +121,10 @@ class EngineArgs:
     internals_decode_every: int = DEFAULT_DECODE_EVERY
     internals_max_steps: int = DEFAULT_MAX_STEPS
     internals_seed: int | None = None  # fixes which requests are sampled (tests, benchmarks)
+    # Before serving (AsyncLLMEngine.from_args), time a few steps of representative shapes: the step-cost model
+    # (the time budget, predicted TTFTs) starts from this machine's figures instead of a generic prior, and first-use
+    # costs are paid before the first request.
+    calibrate: bool = True
 
 
 @dataclass
@@ -593,6 +597,29 @@ class LLMEngine:
             internals=self.internals.finish(seq.request_id),
         )
 
+    def calibrate(self) -> float:
+        """Time a few steps of the shapes serving makes (a budget-sized prompt beside short ones, then 16 streams
+        decoding) to fit the step-cost model; returns the seconds it took (SmolLM2 on two cores: about a second).
+        Its requests leave no trace in what the engine reports: the step and prefix-cache counts and the cached
+        blocks are as they were. Skipped when the KV cache or context is too small for its prompts."""
+        t0 = time.perf_counter()
+        big = min(self.scheduler.config.max_num_batched_tokens, 512)
+        if self.kv_capacity_tokens < 4 * (big + 256) or self.scheduler.config.max_model_len < big + 16:
+            return 0.0
+        vocab = self.config.vocab_size
+
+        def prompt(n: int, salt: int) -> list[int]:
+            return [(salt * 7919 + i * 104729) % (vocab - 256) + 128 for i in range(n)]
+
+        sched = self.scheduler
+        counts = (self.steps, sched.prefix_cache_queries, sched.prefix_cache_hits, sched.num_preemptions)
+        sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        self.generate([prompt(big, 0)] + [prompt(96, k) for k in range(1, 5)], sampling)
+        self.generate([prompt(24, k) for k in range(5, 21)], sampling)
+        self.steps, sched.prefix_cache_queries, sched.prefix_cache_hits, sched.num_preemptions = counts
+        self.pool.reset_cache()
+        return time.perf_counter() - t0
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None) -> list[list[int]]:
         """Run prompts to completion (offline use and tests); returns output token ids per prompt."""
         ids = [self.add_request(p, SamplingParams(**vars(sampling)) if sampling else None) for p in prompts]
@@ -642,6 +669,9 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed: str | None = None  # why no new request is taken; set under _lock
+        # Requests submitted and not yet added by the engine thread (it takes them between steps): their prompt
+        # tokens and priority, for predict_ttft; changed under _lock.
+        self._submitted: dict[str, tuple[int, int]] = {}
         self.error: BaseException | None = None
         built = threading.Event()
         build_error: list[BaseException] = []
@@ -649,7 +679,12 @@ class AsyncLLMEngine:
         def run() -> None:
             if args is not None:
                 try:
-                    self._attach(LLMEngine(args))
+                    built_engine = LLMEngine(args)
+                    if args.calibrate:
+                        took = built_engine.calibrate()
+                        logger.info("step-cost model calibrated in %.2f s: %s", took,
+                                    built_engine.scheduler.cost.snapshot())
+                    self._attach(built_engine)
                 except BaseException as exc:  # noqa: BLE001 - re-raised by the constructor, on the caller's thread
                     build_error.append(exc)
                     return
@@ -709,6 +744,7 @@ class AsyncLLMEngine:
             if request_id in self._queues:
                 raise RequestError(f"duplicate request id {request_id!r}")
             self._queues[request_id] = (loop, stream)
+            self._submitted[request_id] = (len(prompt_token_ids), priority)
         self._commands.put(("add", (prompt_token_ids, sampling, request_id, priority, arrival_time)))
         finished = False
         pending = stream.pending
@@ -748,6 +784,15 @@ class AsyncLLMEngine:
         ``--max-background-seqs`` was given (the operator's setting wins)."""
         if self.engine.args.max_background_seqs is None:
             self.set_background(max_background_seqs, protected_priority)
+
+    def predict_ttft(self, num_prompt_tokens: int, priority: int = 0) -> float:
+        """Seconds until a prompt submitted now would get its first token (``Scheduler.predict_ttft``), counting the
+        prompts submitted ahead of it that the engine thread has not taken in yet. Read from the caller's thread
+        while the engine thread steps: a sequence that starts or ends during the read may count or not, which moves
+        the figure by one step at most."""
+        with self._lock:
+            queued = sum(n for n, p in self._submitted.values() if p <= priority)
+        return self.engine.scheduler.predict_ttft(num_prompt_tokens, priority, queued_ahead=queued)
 
     @property
     def max_num_seqs(self) -> int:
@@ -812,6 +857,7 @@ class AsyncLLMEngine:
             prompt, sampling, request_id, priority, arrival = payload
             with self._lock:
                 registered = request_id in self._queues
+                self._submitted.pop(request_id, None)
             if not registered:  # the client left before its request reached the engine
                 return
             try:

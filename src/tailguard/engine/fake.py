@@ -122,6 +122,11 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.completed = 0
         self._abort_flags: dict[str, asyncio.Event] = {}
+        # What predict_ttft plays forward: waiting requests (priority, order, prompt tokens, max_tokens) and when each
+        # running one is due to end by the script.
+        self._queued: dict[str, tuple[int, int, int, int]] = {}
+        self._ends: dict[str, float] = {}
+        self._order = 0
 
     def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
         sampling.validate()
@@ -163,6 +168,8 @@ class FakeEngine:
                               first_token=first)
 
         self.waiting += 1
+        self._order += 1
+        self._queued[request_id] = (priority, self._order, len(prompt_token_ids), sampling.max_tokens)
         try:
             if not await self._until_abort(self._slots.acquire(priority if self.timing.priority_scheduling else 0),
                                            flag):
@@ -172,9 +179,11 @@ class FakeEngine:
                 return
         finally:
             self.waiting -= 1
+            self._queued.pop(request_id, None)
         self.running += 1
         try:
             scheduled = time.perf_counter()
+            self._ends[request_id] = scheduled + self._duration(len(prompt_token_ids), sampling.max_tokens)
             prefill = self._wait(self.timing.ttft + self.timing.prefill_per_token * len(prompt_token_ids))
             if not await self._until_abort(asyncio.sleep(prefill), flag):
                 yield aborted_event()
@@ -219,10 +228,37 @@ class FakeEngine:
                 return
         finally:
             self._abort_flags.pop(request_id, None)
+            self._ends.pop(request_id, None)
             self.running -= 1
             self._slots.release()
             if not finished:
                 self.aborted.append(request_id)
+
+    def _duration(self, num_prompt_tokens: int, max_tokens: int) -> float:
+        """A request's time in its slot by the script, without jitter: its prefill, then a gap per further token."""
+        t = self.timing
+        return t.ttft + t.prefill_per_token * num_prompt_tokens + t.itl * (max_tokens - 1)
+
+    def predict_ttft(self, num_prompt_tokens: int, priority: int = 0) -> float:
+        """The script played forward: the requests queued ahead of this one (every waiting one, or with
+        ``priority_scheduling`` those of its priority or a more important one) each take the next slot to come free,
+        running ones free theirs when their script says (max_tokens reached, no early stop), then its own prefill."""
+        t = self.timing
+        now = time.perf_counter()
+        free_at = [now] * max(0, t.max_num_seqs - len(self._ends)) + [max(now, e) for e in self._ends.values()]
+        heapq.heapify(free_at)
+
+        def queue_key(entry: tuple[int, int, int, int]) -> tuple[int, int]:
+            return (entry[0] if t.priority_scheduling else 0, entry[1])
+
+        me = (priority, self._order + 1, 0, 0)
+        for entry in sorted(self._queued.values(), key=queue_key):
+            if queue_key(entry) > queue_key(me):
+                break
+            start = heapq.heappop(free_at)
+            heapq.heappush(free_at, start + self._duration(entry[2], entry[3]))
+        start = heapq.heappop(free_at)
+        return start - now + t.ttft + t.prefill_per_token * num_prompt_tokens
 
     @staticmethod
     async def _until_abort(work, flag: asyncio.Event) -> bool:

@@ -246,17 +246,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running or self._waiting)
 
-    def predict_ttft(self, num_prompt_tokens: int, priority: int = 0) -> float:
+    def predict_ttft(self, num_prompt_tokens: int, priority: int = 0, queued_ahead: int = 0) -> float:
         """Seconds from now until a prompt of ``num_prompt_tokens`` arriving now at ``priority`` would get its first
-        token, by the step cost model: the prompt tokens ranked ahead of it (prefills in progress and waiting prompts
-        of its priority or a more important one) and its own go in budget-sized chunks beside today's decoding
+        token, by the step cost model: the prompt tokens ranked ahead of it (prefills in progress, waiting prompts
+        of its priority or a more important one, and ``queued_ahead``: such prompts submitted but not yet added,
+        which the engine thread takes between steps) and its own go in budget-sized chunks beside today's decoding
         streams, each step costing what the model says, after half the step that runs now (on average a request
         arrives halfway through one). What it leaves out: streams that start or end meanwhile. For knowing early
-        that a request cannot meet a TTFT deadline."""
+        that a request cannot meet a TTFT target (a lane's ``ttft_target_s``)."""
         decoding = [s for s in self.running if s.in_decode]
         rows, keys = len(decoding), sum(s.num_tokens for s in decoding)
         ahead = sum(s.num_pending_tokens for s in self.running if not s.in_decode)
         ahead += sum(item[-1].num_pending_tokens for item in self._waiting if item[-1].priority <= priority)
+        ahead += queued_ahead
         per_step = max(1, min(self.config.max_num_batched_tokens - rows, self.config.max_prefill_chunk))
         full, last = divmod(ahead + num_prompt_tokens, per_step)
         seconds = 0.5 * self.cost.predict(self.step_shape) if self.step_shape and self.has_unfinished() else 0.0

@@ -3,11 +3,13 @@
 A step's time on a CPU is close to linear in a few counts: a fixed part (the call, the LM head of the rows that
 sample), the decode rows, the keys those rows attend to, the prompt tokens of prefill chunks, and the keys those
 tokens attend to (causal attention over the chunk and what came before it). The model keeps one coefficient per
-count and fits them online by recursive least squares with forgetting, from every step the engine times, so it
-follows the machine as it is now (a neighbour taking a core, a thermal limit) rather than as it was measured once.
+count and fits them to the last few hundred steps the engine timed (``StepCostModel``), starting from a few steps
+timed at start-up (``LLMEngine.calibrate``), so it follows the machine as it is now (a neighbour taking a core, a
+thermal limit) rather than as it was measured once.
 
-The scheduler asks it the inverse question: how many prompt tokens fit in a step beside these decodes without the
-step passing the decoding streams' inter-token budget (stall-free batching, as in Sarathi-Serve).
+The scheduler asks it two questions: how many prompt tokens fit in a step beside these decodes without the step
+passing the decoding streams' inter-token budget (stall-free batching, as in Sarathi-Serve), and when a prompt
+arriving now would get its first token (``Scheduler.predict_ttft``).
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ class GatewayMetrics:
                                    registry=r)
         self.lane_refused = Counter("tailguard_lane_refused_requests",
                                     "Requests refused with 429 by the lanes (queue full or deadline).", lane, registry=r)
+        self.ttft_refused = Counter("tailguard_lane_ttft_refused_requests",
+                                    "Requests refused with 429 at admission because their predicted time to first "
+                                    "token passed the lane's ttft_target_s.", lane, registry=r)
         self.lane_wait = Histogram("tailguard_lane_wait_seconds", "Time a request waited for its lane to admit it.",
                                    lane, buckets=LATENCY_BUCKETS, registry=r)
         self.rate_limited = Counter("tailguard_tenant_rate_limited_requests",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from tailguard.api_error import APIError
 from tailguard.observe.metrics import clean_label
 from tailguard.policy.fleet_state import SharedState
-from tailguard.policy.lanes import LaneConfig, Lanes, Overloaded
+from tailguard.policy.lanes import TTFT_PREDICTION_SPREAD, LaneConfig, Lanes, Overloaded
 from tailguard.policy.tenants import RateLimited, Tenant
 
 if TYPE_CHECKING:
@@ -41,11 +41,12 @@ class Decision:
 
     tenant: Tenant | None = None  # the API key's tenant (rate limits, lane), None without a key file
     lane: LaneConfig | None = None  # the request's lane, when lanes are on
-    priority: int = 0  # the engine priority (higher runs first)
+    priority: int = 0  # the engine priority (lower runs first)
     degradation: Degradation | None = None  # the SLO monitor's degradation, when red holds the request's scope
     max_tokens_cap: int | None = None  # the degradation's limit, when it truncates the answer
     lane_slot: str | None = None  # the lane whose capacity slot the request holds (given back once, at the end)
     lane_tokens: int = 0  # the estimated tokens that slot holds (prompt + max_tokens)
+    lane_waited: float = 0.0  # seconds it waited for that slot
     charged: tuple[Tenant, int, bool] | None = None  # (tenant, output tokens charged, charged in the shared store)
 
     @property
@@ -172,10 +173,32 @@ class TrafficPolicy:
                 gm.lane_refused.labels(gm.model, tl.lane).inc()
             raise APIError(429, f"{exc}; retry in {exc.retry_after} s", type="rate_limit_error",
                            code="lane_overloaded", headers={"Retry-After": str(exc.retry_after)}) from None
-        d.lane_slot, d.lane_tokens = tl.lane, tokens
+        d.lane_slot, d.lane_tokens, d.lane_waited = tl.lane, tokens, waited
         tl.gateway = {**(tl.gateway or {}), "lane_wait": round(waited, 6), "lane_tokens": tokens}
         if gm is not None:
             gm.child(gm.lane_wait, tl.lane).observe(waited)
+
+    def refuse_late(self, d: Decision, tl: Timeline, predicted_s: float | None, now: float) -> None:
+        """Known early: refuse with a 429 a request whose first token would come past its lane's ``ttft_target_s``
+        (the time it has waited until ``now`` plus ``predicted_s``, the backend's prediction from here), when even
+        the prediction's usual overestimate (``TTFT_PREDICTION_SPREAD``) does not bring it inside. Served, it would
+        take a place in the engine's queue to answer late, and lengthen the wait of every request behind it."""
+        lane = d.lane
+        if lane is None or lane.ttft_target_s is None or predicted_s is None:
+            return
+        waited = now - tl.received
+        expected = waited + predicted_s
+        tl.gateway = {**(tl.gateway or {}), "predicted_ttft": round(expected, 6)}
+        target = lane.ttft_target_s
+        if waited + predicted_s / TTFT_PREDICTION_SPREAD <= target:
+            return
+        gm = self.metrics
+        if gm is not None:
+            gm.ttft_refused.labels(gm.model, tl.lane).inc()
+        wait = max(1, math.ceil(expected - target))  # about when the work ahead of it has drained that much
+        raise APIError(429, f"lane {tl.lane!r} is overloaded: the first token is predicted in {expected:.2f} s, past "
+                            f"its target of {target:g} s; retry in {wait} s", type="rate_limit_error",
+                       code="ttft_target_unreachable", headers={"Retry-After": str(wait)})
 
     def release(self, d: Decision, output_tokens: int) -> None:
         """Give back what the request held: its lane slot, and the output tokens charged but never produced."""

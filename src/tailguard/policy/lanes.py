@@ -71,6 +71,10 @@ UPSTREAM_TTFT_DEADLINE_S = 15.0
 UPSTREAM_ITL_DEADLINE_S = 3.0
 UPSTREAM_KEEPALIVE_S = 5.0
 
+# A lane's ttft_target_s refuses a request only when the prediction divided by this still misses it: on the replayed
+# trace (benchmarks/schedule_replay.py) predicted / actual TTFT was at most 1.19-1.29 for nine requests in ten.
+TTFT_PREDICTION_SPREAD = 1.3
+
 FLEET_POLL_S = 0.02  # how often queued requests retry the fleet's budget (slots freed on another gateway)
 MIN_DRAIN_SAMPLES = 8  # admissions in the window before the drain rate is trusted to refuse a request at once
 
@@ -97,6 +101,13 @@ class LaneConfig(BaseModel):
     itl_deadline_s: float | None = Field(None, gt=0, description="stall watch: the deadline between two tokens (unset: "
                                                                  "3 s over upstreams, none on the embedded engine; "
                                                                  "null: none)")
+    ttft_target_s: float | None = Field(None, gt=0, description="the first token's target: a request whose "
+                                                                "predicted time to first token (its wait so far plus "
+                                                                "the embedded engine's prediction from its queue and "
+                                                                "step times) misses it even allowing for the "
+                                                                "prediction's spread is refused at once with 429 + "
+                                                                "Retry-After instead of served late (null: none; "
+                                                                "not over upstreams, whose queues are their own)")
     stall_misses: int = Field(3, ge=1, description="consecutive missed deadlines that switch to a degraded answer")
     keepalive_s: float | None = Field(None, gt=0, description="SSE comment every so often while the first token "
                                                               "is pending (keeps proxies from cutting long TTFTs; "

@@ -204,7 +204,13 @@ class CompletionEndpoint(Endpoint):
             return
         max_tokens = prep.sampling.max_tokens * prep.parsed.n  # every choice may produce them all
         await policy.charge(d, tl, max_tokens)
+        priority = policy.priority(d, tl, prep.parsed.priority)
+        targeted = d.lane is not None and d.lane.ttft_target_s is not None
+        if targeted:  # the backend's queue alone misses the target: no wait in the lane's queue first
+            policy.refuse_late(d, tl, backend.predict_ttft(tl.num_prompt_tokens, priority), perf_counter())
         await policy.admit(d, tl, tl.num_prompt_tokens + max_tokens)
+        if targeted and d.lane_waited:  # again, with the time it waited for its lane and the backend as it is now
+            policy.refuse_late(d, tl, backend.predict_ttft(tl.num_prompt_tokens, priority), perf_counter())
         ex.enqueue()
         if st.batch_cap is not None:  # the forecast counts the load the engine is offered, when it arrived
             st.batch_cap.record_arrival(tl.received)
@@ -227,7 +233,7 @@ class CompletionEndpoint(Endpoint):
         lane = d.lane
         sub = Submission(
             engine_id, self.chat, prep.sampling, ids, tl.num_prompt_tokens, prompt_text=prep.text, body=prep.body,
-            max_tokens_cap=d.max_tokens_cap, priority=policy.priority(d, tl, p.priority), arrival_time=tl.received)
+            max_tokens_cap=d.max_tokens_cap, priority=priority, arrival_time=tl.received)
         submitted: Submitted | None = None
         try:
             if backend.tokenizer is None:  # replicas: routed by session, with the trace context

@@ -109,6 +109,9 @@ class UpstreamBackend:
     def speculates(self) -> bool:
         return False  # whatever the replicas do, the gateway cannot rerun their output to audit it
 
+    def predict_ttft(self, num_prompt_tokens: int, priority: int) -> float | None:
+        return None  # a replica's queue and step times are its own (its /metrics says how many wait, not for how long)
+
     def submit(self, request: Submission) -> Submitted:
         """Send the request to a replica now (``open``), and return the stream that reads its answer; under a stall
         watch with a fallback, a stalled stream goes on at another replica (``fallback.py``)."""

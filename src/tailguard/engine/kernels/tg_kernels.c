@@ -1690,8 +1690,9 @@ typedef struct {
     int32_t fmt, num_blocks, block_size, pad;
 } tg_kv;
 
-/* Elements (floats, halves or bytes) per stored (position, kv head) row. */
+/* Elements (floats, halves or bytes) per stored (position, kv head) row, and the bytes of one element. */
 static inline int kv_row_width(int fmt, int hd) { return fmt == TG_KV_I8 ? hd + 2 : hd; }
+static inline int kv_elem_bytes(int fmt) { return fmt == TG_KV_I8 ? 1 : fmt == TG_KV_F16 ? 2 : 4; }
 
 static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
     double ss = 0.0;
@@ -1979,8 +1980,7 @@ static inline void load_kv_row(const void *kv, int fmt, size_t off, int nv, __m5
 /* The lines of a stored K/V row (offset `off` in the cache's elements) toward L1: decode attention reads every row
  * of a context once a step, from blocks scattered over a cache far larger than L2, and without this each row's first
  * line was a miss the loop stood waiting on (~40% of the attention's samples under perf, 16 streams x 1,024). */
-static inline void prefetch_kv_row(const void *kv, int fmt, size_t off, int row_bytes) {
-    const int esz = fmt == TG_KV_I8 ? 1 : fmt == TG_KV_F16 ? 2 : 4;
+static inline void prefetch_kv_row(const void *kv, int esz, size_t off, int row_bytes) {
     const char *b = (const char *)kv + off * (size_t)esz;
     const uintptr_t first = (uintptr_t)b & ~(uintptr_t)63, last = ((uintptr_t)b + (size_t)row_bytes - 1) & ~(uintptr_t)63;
     for (uintptr_t l = first; l <= last; l += 64) _mm_prefetch((const char *)l, _MM_HINT_T0);
@@ -1996,7 +1996,7 @@ static inline __attribute__((always_inline)) void attend_slice_fast_n(
     const tg_kv *c, size_t k_base, size_t v_base, const int32_t *table, int bs, int stride, int p0, int p1,
     const float *qh, const int group, const int nv, float scale, float *scores, float *res) {
     const int hd = 16 * nv, i8 = c->fmt == TG_KV_I8;
-    const int row_bytes = i8 ? hd + 2 : c->fmt == TG_KV_F16 ? 2 * hd : 4 * hd;
+    const int esz = kv_elem_bytes(c->fmt), row_bytes = kv_row_width(c->fmt, hd) * esz;
     size_t roff[SLICE];
     for (int p = p0, blk = p0 / bs, r = p0 % bs; p < p1; p++) {
         roff[p - p0] = ((size_t)table[blk] * bs + r) * stride;
@@ -2009,11 +2009,11 @@ static inline __attribute__((always_inline)) void attend_slice_fast_n(
     float rs[16];  /* each position's score scale: softmax scale x the int8 row's own scale */
     __m512 mxv[FAST_MAX_GROUP];
     for (int j = 0; j < group; j++) mxv[j] = _mm512_set1_ps(-INFINITY);
-    for (int i = p0; i < p1 && i < p0 + 16; i++) prefetch_kv_row(c->kv, c->fmt, k_base + roff[i - p0], row_bytes);
+    for (int i = p0; i < p1 && i < p0 + 16; i++) prefetch_kv_row(c->kv, esz, k_base + roff[i - p0], row_bytes);
     for (int p = p0; p < p1; p += 16) {
         const int n = p1 - p < 16 ? p1 - p : 16;
-        for (int i = p + 16; i < p1 && i < p + 32; i++) prefetch_kv_row(c->kv, c->fmt, k_base + roff[i - p0], row_bytes);
-        for (int i = p; i < p + n; i++) prefetch_kv_row(c->kv, c->fmt, v_base + roff[i - p0], row_bytes);
+        for (int i = p + 16; i < p1 && i < p + 32; i++) prefetch_kv_row(c->kv, esz, k_base + roff[i - p0], row_bytes);
+        for (int i = p; i < p + n; i++) prefetch_kv_row(c->kv, esz, v_base + roff[i - p0], row_bytes);
         for (int i = 0; i < 16; i++) {
             __m512 row[FAST_MAX_NV];
             if (i < n) {
