@@ -2,6 +2,7 @@
 """From how many rows would a product be faster on the matrix units than in the block kernels decode rows use?
 
     .venv/bin/python benchmarks/decode_rows_on_tiles.py      # ~2 min; writes benchmarks/results/decode_rows_on_tiles.json
+    .venv/bin/python benchmarks/decode_rows_on_tiles.py results/decode_rows_on_tiles_epyc.json   # another machine's
 
 Decode rows go through the block kernels (the GGUF's Q4_1/Q8_0 blocks, int8 activations in two passes) at any batch
 size, so that a row's numbers never depend on how many others share its step; prompt rows go through bfloat16 tiles
@@ -9,7 +10,9 @@ size, so that a row's numbers never depend on how many others share its step; pr
 the kernels' 2 threads, alternating, median of 15, and prints the ratio: below 1 the tiles win. Then the engine as
 a whole with ``--decode-rows-on-tiles`` off and at 8: requests served per second when 160 chat-sized requests
 (prompts of 100-160 tokens, 29 tokens each) arrive at once, the two engines alternating, median of 3; and how many of
-16 greedy answers of 64 tokens come out the same. A CPU without AMX prints nothing to compare.
+16 greedy answers of 64 tokens come out the same. The tiles are AMX's, or
+the kernels' software tile unit on a CPU with AVX-512 BF16 and no AMX (``kernels.tile_unit``); a CPU with neither
+prints nothing to compare. The one argument names the result file, relative to benchmarks/.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -60,12 +64,13 @@ def main() -> int:
                          "ratio": round(a / b, 3)})
             print(f"{t:4d}  {name:8}  {b:9.3f}  {a:8.3f}  {a / b:.2f}x")
     engine = saturation()
-    OUT.write_text(json.dumps({
+    out = Path(__file__).parent / sys.argv[1] if len(sys.argv) > 1 else OUT
+    out.write_text(json.dumps({
         "benchmark": "decode_rows_on_tiles", "date": datetime.date.today().isoformat(),
-        "threads": kernels.num_threads(), "load_average": [load_start, os.getloadavg()[0]], "rows": rows,
+        "threads": kernels.num_threads(), "tile_unit": kernels.tile_unit(), "load_average": [load_start, os.getloadavg()[0]], "rows": rows,
         "engine": engine,
     }, indent=2) + "\n")
-    print(f"wrote {OUT}")
+    print(f"wrote {out}")
     return 0
 
 

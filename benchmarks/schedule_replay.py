@@ -41,7 +41,7 @@ from scipy.optimize import nnls
 
 from tailguard.bench.workloads import load_trace
 from tailguard.engine.blocks import BlockPool
-from tailguard.engine.engine import EngineArgs
+from tailguard.engine.engine import DECODE_ROWS_ON_AMX_TILES, EngineArgs
 from tailguard.engine.scheduler import Scheduler, SchedulerConfig
 from tailguard.engine.sequence import FinishReason, SamplingParams, Sequence
 from tailguard.engine.step_cost import StepShape
@@ -51,7 +51,7 @@ TERMS = ("fixed", "tile_step", "decode_rows_blocks", "decode_rows_tiles", "decod
          "prompt_kilokeys")
 TEMPLATE_TOKENS = 30  # SmolLM2's chat template around a user message (vs_vllm.py measures it)
 KV_TOKENS = 67_776  # the engine's default KV cache (768 MiB of int8)
-ROWS_ON_TILES = EngineArgs.decode_rows_on_tiles  # from this many decode rows a step runs them on the matrix units
+ROWS_ON_TILES = DECODE_ROWS_ON_AMX_TILES  # from this many decode rows a step runs them on the matrix units
 
 
 def terms(shape: StepShape) -> list[float]:

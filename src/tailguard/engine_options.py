@@ -55,11 +55,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str | None = "smo
                         "prompt token still to compute: short prompts pass long ones that arrived less than that "
                         "before them, which cuts the TTFT tail of mixed prompts; 0 (the default): first come, first "
                         "served")
-    p.add_argument("--decode-rows-on-tiles", type=int, default=8, metavar="ROWS",
-                   help="a step with at least this many decoding streams runs them on the matrix units (AMX "
-                        "bfloat16 tiles) with its prompt rows: 2-4x faster products from 16 streams, but a stream's "
-                        "numbers then depend on how many share its step (default: 8; 0: never, for numbers that "
-                        "do not depend on the batch)")
+    p.add_argument("--decode-rows-on-tiles", type=int, default=None, metavar="ROWS",
+                   help="a step with at least this many decoding streams runs them on bfloat16 tiles with its prompt "
+                        "rows: on AMX 2-4x faster products from 16 streams, but a stream's numbers then depend on how "
+                        "many share its step (default: 8 on AMX, 0 on CPUs without it, where the tiles are no "
+                        "faster for decode rows; 0: never, for numbers that do not depend on the batch)")
     p.add_argument("--max-background-seqs", type=int, default=None,
                    help="while a more important request (a lower priority value: the VIP lane) runs, at most this "
                         "many less important sequences take each step; the rest pause (default: no limit)")

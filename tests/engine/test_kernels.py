@@ -769,3 +769,17 @@ def test_load_build_loads_another_library_and_leaves_the_active_one():
     other = kernels.load_build(source)  # the same source: its cached build, no compile
     assert other is not active and other.tg_abi_version() == kernels.ABI_VERSION
     assert kernels.lib() is active and source == kernels.SOURCE
+
+
+def test_the_tile_unit_is_the_one_this_cpu_offers():
+    """AMX where the CPU has its bfloat16 tiles (and the OS grants them), the software tile unit where it has AVX-512
+    BF16 without them, none elsewhere: a build that missed the CPU's instructions would quietly run prompts on the
+    block kernels, 1.2-10x slower (docs/benchmarks.md)."""
+    flags = _cpu_flags()
+    unit = kernels.tile_unit()
+    if {"amx_tile", "amx_bf16"} <= flags:
+        assert unit in ("AMX", None)  # None: the OS refused the tiles (Linux before 5.16, a hypervisor's mask)
+    elif "avx512_bf16" in flags:
+        assert unit == "AVX-512 BF16" and kernels.amx_available()
+    else:
+        assert unit is None and not kernels.amx_available()

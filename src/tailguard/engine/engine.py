@@ -97,7 +97,10 @@ class EngineArgs:
     # 1.6-1.9x the requests/s of a queue), but a decode row's numbers then depend on how many rows share its step,
     # as in most serving engines. 0: the block kernels always (batch-independent numbers, token for token what a
     # request alone computes).
-    decode_rows_on_tiles: int = 8
+    # None: 8 where the tiles are AMX's, 0 on the software tile unit (AVX-512 BF16 without AMX), where decode rows
+    # are no faster on tiles below 32 rows and 160 requests at once were served 0.91x as fast at 8
+    # (results/decode_rows_on_tiles_epyc.json).
+    decode_rows_on_tiles: int | None = None
     max_background_seqs: int | None = None  # see SchedulerConfig: the pace of important streams under batch load
     num_threads: int | None = None
     # Speculative decoding: off | ngram (prompt lookup) | self (the target's first layers, drafting.py) | draft:PATH
@@ -194,6 +197,16 @@ def resolve_weight_format(name: str, device: Any) -> str:
     return "native" if kernels.available() else "float32"
 
 
+DECODE_ROWS_ON_AMX_TILES = 8  # decode rows that go on AMX's tiles by default (benchmarks/decode_rows_on_tiles.py)
+
+
+def resolve_decode_rows_on_tiles(setting: int | None) -> int:
+    """``EngineArgs.decode_rows_on_tiles`` as the runner takes it: None is 8 on AMX's tiles, 0 (never) elsewhere."""
+    if setting is not None:
+        return setting
+    return DECODE_ROWS_ON_AMX_TILES if kernels.available() and kernels.tile_unit() == "AMX" else 0
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         bound_heap_retention()  # before the weights load: large freed blocks go back to the OS (engine/memory.py)
@@ -280,7 +293,7 @@ class LLMEngine:
         if self.native:
             assert isinstance(self.model, NativeModel)  # lean: the C step's model
             self.runner: Any = NativeRunner(self.model, num_blocks, args.block_size, kv_name, args.num_threads,
-                                            decode_rows_on_tiles=args.decode_rows_on_tiles)
+                                            decode_rows_on_tiles=resolve_decode_rows_on_tiles(args.decode_rows_on_tiles))
         else:
             from tailguard.engine.torch_model import LlamaModel
             from tailguard.engine.torch_runner import ModelRunner
@@ -334,7 +347,8 @@ class LLMEngine:
         """Where prompt rows of the C step are multiplied, when not by the block kernels."""
         step = getattr(self.runner, "_step", None)
         if step is not None and getattr(step, "prompt_bf16", False):
-            return f", prompt rows on the matrix units (AMX, {format_bytes(step.bf16_bytes)} of bfloat16 weights)"
+            return (f", prompt rows on bfloat16 tiles ({kernels.tile_unit()}, {format_bytes(step.bf16_bytes)} of "
+                    "bfloat16 weights)")
         return ""
 
     # --- requests -------------------------------------------------------------------------------------------------

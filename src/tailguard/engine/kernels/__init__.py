@@ -166,6 +166,7 @@ def lib() -> ctypes.CDLL:
             handle.tg_pack_bf16.argtypes = [p, i, i, i, p]
             handle.tg_linear_bf16.argtypes = [p, i, i, p, i, p, i]
             handle.tg_amx_available.restype = i
+            handle.tg_tile_unit.restype = i
             handle.tg_profile.argtypes = [i]
             handle.tg_profile_read.argtypes = [p]
             handle.tg_set_num_threads.argtypes = [i]
@@ -481,12 +482,19 @@ def _mat(w: PackedMatrix, bf16: np.ndarray | None = None) -> _Mat:
 
 
 def amx_available() -> bool:
-    """The kernels multiply bfloat16 on this CPU's matrix units (AMX): built for them, and the OS granted the tiles."""
+    """The kernels multiply bfloat16 tiles here: on the CPU's matrix units (AMX, built for them and the OS granted
+    the tiles), or, on a CPU with AVX-512 BF16 and no AMX, on the kernels' software tile unit (``tile_unit``)."""
     return bool(lib().tg_amx_available())
 
 
+def tile_unit() -> str | None:
+    """What multiplies the bfloat16 tiles: "AMX", "AVX-512 BF16" (the software tile unit) or None (no tile path)."""
+    return {1: "AMX", 2: "AVX-512 BF16"}.get(lib().tg_tile_unit())
+
+
 def prompt_rows_bf16() -> bool:
-    """Prompt rows of the C step go through the matrix units: AMX here, and TAILGUARD_PROMPT_BF16 is not 0."""
+    """Prompt rows of the C step go through the bfloat16 tiles (``amx_available``), unless TAILGUARD_PROMPT_BF16 is
+    0."""
     return os.environ.get(PROMPT_BF16_ENV, "1") != "0" and amx_available()
 
 

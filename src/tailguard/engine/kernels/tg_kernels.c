@@ -1220,7 +1220,73 @@ int tg_embed(const int64_t *ids, int T, const uint8_t *w, int fmt, int vocab, in
  * process. Built only where the compiler targets AMX (-march=native on such a CPU); elsewhere tg_amx_available is 0. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define TG_AMX 1
+#elif defined(__AVX512BF16__) && defined(__AVX512F__)
+#define TG_AMX 1
+#define TG_TILE_EMU 1 /* no AMX: the same tile code on the software tile unit below */
+#endif
+
+#if defined(TG_AMX)
 #define AMX_TILE_ELEMS 512 /* bfloat16 values in one 16 x 64-byte tile */
+
+#if defined(TG_TILE_EMU)
+/* The software tile unit, for CPUs with AVX-512 BF16 and no AMX (AMD Zen 4 and later): eight 1 KiB tile registers
+ * a thread, loads and stores as 16 lines of 64 bytes, and TDPBF16PS as 256 VDPBF16PS (for each of B's 16 input
+ * pairs, one pair of an A row broadcast times B's line: 16 outputs). The layouts and the order of the sums are the
+ * tiles', so the whole prompt path (products, SiLU on the way out, attention) runs unchanged; the same numbers up to
+ * the instructions' rounding. Measured against the block kernels on such a CPU: docs/benchmarks.md. */
+typedef union { float f[256]; uint32_t u[256]; } __attribute__((aligned(64))) emu_tile;
+static __thread emu_tile emu_tiles[8];
+
+static inline __attribute__((always_inline)) void emu_load(int t, const void *p, long stride) {
+    const char *src = (const char *)p;
+    uint32_t *dst = emu_tiles[t].u;
+    for (int r = 0; r < 16; r++)
+        _mm512_store_si512((void *)(dst + 16 * r), _mm512_loadu_si512((const void *)(src + (size_t)r * stride)));
+}
+
+static inline __attribute__((always_inline)) void emu_store(int t, void *p, long stride) {
+    char *dst = (char *)p;
+    const uint32_t *src = emu_tiles[t].u;
+    for (int r = 0; r < 16; r++)
+        _mm512_storeu_si512((void *)(dst + (size_t)r * stride), _mm512_load_si512((const void *)(src + 16 * r)));
+}
+
+static inline __attribute__((always_inline)) void emu_zero(int t) {
+    for (int r = 0; r < 16; r++) _mm512_store_ps(emu_tiles[t].f + 16 * r, _mm512_setzero_ps());
+}
+
+static inline __attribute__((always_inline)) void emu_dpbf16(int c, int a, int b) {
+    float *C = emu_tiles[c].f;
+    const uint32_t *A = emu_tiles[a].u, *B = emu_tiles[b].u;
+    __m512 acc[16];
+    for (int m = 0; m < 16; m++) acc[m] = _mm512_load_ps(C + 16 * m);
+    for (int i = 0; i < 16; i++) {
+        const __m512bh line = (__m512bh)_mm512_load_si512((const void *)(B + 16 * i));
+        for (int m = 0; m < 16; m++)
+            acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32((int)A[16 * m + i]), line);
+    }
+    for (int m = 0; m < 16; m++) _mm512_store_ps(C + 16 * m, acc[m]);
+}
+
+/* gcc's immintrin.h defines the AMX names as macros whatever the target: ours replace them */
+#undef _tile_loadd
+#undef _tile_stream_loadd
+#undef _tile_stored
+#undef _tile_zero
+#undef _tile_dpbf16ps
+#undef _tile_loadconfig
+#undef _tile_release
+#define _tile_loadd(t, p, stride) emu_load((t), (p), (stride))
+#define _tile_stream_loadd(t, p, stride) emu_load((t), (p), (stride))
+#define _tile_stored(t, p, stride) emu_store((t), (p), (stride))
+#define _tile_zero(t) emu_zero(t)
+#define _tile_dpbf16ps(c, a, b) emu_dpbf16((c), (a), (b))
+#define _tile_loadconfig(cfg) ((void)(cfg))
+#define _tile_release() ((void)0)
+
+int tg_amx_available(void) { return 1; }
+int tg_tile_unit(void) { return 2; }
+#else
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 static int amx_state = -1; /* -1: not asked yet, 0: refused, 1: granted */
@@ -1229,6 +1295,8 @@ int tg_amx_available(void) {
     if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return amx_state;
 }
+int tg_tile_unit(void) { return tg_amx_available(); }
+#endif
 
 static inline uint16_t f2bf(float f) { /* round to nearest even (weights; NaN does not occur in them) */
     uint32_t u;
@@ -1619,6 +1687,7 @@ int tg_linear_bf16(const float *x, int T, int K, const uint16_t *wb, int N, floa
 }
 #else
 int tg_amx_available(void) { return 0; }
+int tg_tile_unit(void) { return 0; }
 int tg_linear_bf16(const float *x, int T, int K, const uint16_t *wb, int N, float *y, int accumulate) {
     (void)x; (void)T; (void)K; (void)wb; (void)N; (void)y; (void)accumulate;
     return -1;
