@@ -142,7 +142,9 @@ def replay(requests: list[tuple[float, int, int]], config: dict, cost: Callable[
             t, n_in, n_out = requests[i]
             rid = f"r{i}"
             arrival[rid] = t
-            predicted[rid] = sched.predict_ttft(n_in)  # what admission would know of it (Scheduler.predict_ttft)
+            # what admission would know of it (Scheduler.predict_ttft): the replay takes arrivals in at the end of
+            # the step they arrived in, so the part of that step they waited for is known by then
+            predicted[rid] = now[0] - t + sched.predict_ttft(n_in)
             # distinct token ids per request: no prefix shared between requests, as vs_vllm.py's serial numbers
             sched.add(Sequence(request_id=rid, prompt_token_ids=[(i * 7919 + k) % 40000 + 100 for k in range(n_in)],
                                sampling=SamplingParams(max_tokens=n_out, temperature=0), arrival_time=t))

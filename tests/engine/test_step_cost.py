@@ -230,8 +230,8 @@ def predicting(**config) -> Scheduler:
 def test_predicted_ttft_of_a_prompt_alone_is_its_chunks_steps():
     sched = predicting(max_num_batched_tokens=512, max_prefill_chunk=512)
     want = sched.cost.predict(StepShape(0, 0, 512, chunk_keys(0, 512))) + \
-        sched.cost.predict(StepShape(0, 0, 88, chunk_keys(0, 88)))
-    assert sched.predict_ttft(600) == pytest.approx(want)
+        sched.cost.predict(StepShape(0, 0, 88, chunk_keys(512, 88)))
+    assert sched.predict_ttft(600) == pytest.approx(want, rel=1e-6)
     assert sched.predict_ttft(100) < sched.predict_ttft(600) < sched.predict_ttft(1200)
 
 
@@ -242,17 +242,45 @@ def test_predicted_ttft_counts_the_prompts_ranked_ahead_and_the_decoding_streams
     sched.add(make_seq("behind", 900, priority=2))  # less important: it does not
     queued = sched.predict_ttft(200, priority=1)
     assert queued > alone
-    assert queued == pytest.approx(predicting(max_num_batched_tokens=512, max_prefill_chunk=512).predict_ttft(1100))
+
+    def steps(*prompts: int) -> float:
+        """The prompts' tokens in 512-token steps, each step's keys its share of the prompts' own keys."""
+        total, keys = sum(prompts), sum(chunk_keys(0, n) for n in prompts)
+        sizes = [512] * (total // 512) + ([total % 512] if total % 512 else [])
+        return sum(sched.cost.predict(StepShape(0, 0, n, round(keys * n / total))) for n in sizes)
+
+    assert queued == pytest.approx(steps(900, 200))
+    # Two prompts attend to fewer keys than one prompt of both their lengths.
+    assert queued < predicting(max_num_batched_tokens=512, max_prefill_chunk=512).predict_ttft(1100)
     # A more important request is behind neither.
     assert sched.predict_ttft(200, priority=0) == pytest.approx(alone)
     # Prompts submitted but not yet taken in by the engine thread count as queued ahead.
-    assert sched.predict_ttft(200, priority=1, queued_ahead=300) == pytest.approx(
-        predicting(max_num_batched_tokens=512, max_prefill_chunk=512).predict_ttft(1400))
+    assert sched.predict_ttft(200, priority=1, queued_ahead=[300]) == pytest.approx(steps(900, 300, 200))
     # Streams decoding beside the prompts take rows of every step and lengthen it; the step in progress counts half.
     busy = predicting(max_num_batched_tokens=512, max_prefill_chunk=512, enable_prefix_caching=False)
     for i in range(8):
         busy.add(make_seq(f"s{i}", 32, max_tokens=1000))
     run_steps(busy, 2)
+    busy.schedule()  # a decode step in progress
     assert busy.step_shape is not None and busy.step_shape.decode_rows == 8
     rows = StepShape(8, sum(s.num_tokens for s in busy.running), 200, chunk_keys(0, 200))
     assert busy.predict_ttft(200) == pytest.approx(busy.cost.predict(rows) + 0.5 * busy.cost.predict(busy.step_shape))
+
+
+def test_predicted_ttft_does_not_count_the_prompt_chunk_of_the_step_in_progress_twice():
+    """While a step computes a prompt's chunk (scheduled, not yet advanced), those tokens are in the step's half that
+    is left, not also in the queue ahead."""
+    sched = predicting(max_num_batched_tokens=512, max_prefill_chunk=512, enable_prefix_caching=False)
+    sched.add(make_seq("long", 900))
+    step = sched.schedule()  # in progress: 512 of its 900 tokens
+    assert sched.step_shape is not None and sched.step_shape.prefill_tokens == 512
+    rest, mine = chunk_keys(512, 388), chunk_keys(0, 200)
+    per_key = (rest + mine) / 588
+    want = 0.5 * sched.cost.predict(sched.step_shape) + \
+        sched.cost.predict(StepShape(0, 0, 512, round(per_key * 512))) + \
+        sched.cost.predict(StepShape(0, 0, 76, round(per_key * 76)))
+    assert sched.predict_ttft(200) == pytest.approx(want)
+    sched.advance(step)  # done: the same 388 tokens are what the queue holds, and no step runs until the next
+    after = sched.cost.predict(StepShape(0, 0, 512, round(per_key * 512))) + \
+        sched.cost.predict(StepShape(0, 0, 76, round(per_key * 76)))
+    assert sched.predict_ttft(200) == pytest.approx(after)

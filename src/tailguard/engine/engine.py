@@ -48,6 +48,7 @@ from tailguard.engine.sequence import (
     SequenceStatus,
 )
 from tailguard.engine.speculative import BatchProposer, Proposer, SpeculationPolicy, make_proposer
+from tailguard.engine.step_cost import StepCostModel
 from tailguard.engine.structured import GrammarCompiler
 from tailguard.engine.tokenizer import GGUFTokenizer, IncrementalDetokenizer
 
@@ -612,13 +613,15 @@ class LLMEngine:
         )
 
     def calibrate(self) -> float:
-        """Time a few steps of the shapes serving makes (a budget-sized prompt beside short ones, then 16 streams
-        decoding) to fit the step-cost model; returns the seconds it took (SmolLM2 on two cores: about a second).
-        Its requests leave no trace in what the engine reports: the step and prefix-cache counts and the cached
-        blocks are as they were. Skipped when the KV cache or context is too small for its prompts."""
+        """Time a few steps of the shapes serving makes to fit the step-cost model; returns the seconds it took
+        (SmolLM2 on two cores: 1-3 s). Budget-sized steps of one prompt, of four short ones and of a long prompt's
+        second chunk (after one untimed prompt: first-use costs) hold the same number of prompt tokens and very different numbers of keys, which tells the
+        model's two prompt terms apart; then a few streams decode, and 16. Its requests leave no trace in what the
+        engine reports: the step and prefix-cache counts and the cached blocks are as they were. Skipped when the KV
+        cache or context is too small for its prompts."""
         t0 = time.perf_counter()
-        big = min(self.scheduler.config.max_num_batched_tokens, 512)
-        if self.kv_capacity_tokens < 4 * (big + 256) or self.scheduler.config.max_model_len < big + 16:
+        big = min(self.scheduler.config.max_num_batched_tokens, self.scheduler.config.max_prefill_chunk, 512)
+        if self.kv_capacity_tokens < 4 * (2 * big + 256) or self.scheduler.config.max_model_len < 2 * big + 16:
             return 0.0
         vocab = self.config.vocab_size
 
@@ -627,9 +630,14 @@ class LLMEngine:
 
         sched = self.scheduler
         counts = (self.steps, sched.prefix_cache_queries, sched.prefix_cache_hits, sched.num_preemptions)
+        short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        self.generate([prompt(big, 0)] + [prompt(96, k) for k in range(1, 5)], sampling)
-        self.generate([prompt(24, k) for k in range(5, 21)], sampling)
+        self.generate([prompt(big, 0)], short)  # first use: pages of the weights and tiles touched, then timed anew
+        sched.cost = StepCostModel()
+        self.generate([prompt(big, 22)], short)
+        self.generate([prompt(big // 4, k) for k in range(1, 5)], sampling)
+        self.generate([prompt(2 * big, 5)], short)
+        self.generate([prompt(24, k) for k in range(6, 22)], sampling)
         self.steps, sched.prefix_cache_queries, sched.prefix_cache_hits, sched.num_preemptions = counts
         self.pool.reset_cache()
         return time.perf_counter() - t0
@@ -805,7 +813,7 @@ class AsyncLLMEngine:
         while the engine thread steps: a sequence that starts or ends during the read may count or not, which moves
         the figure by one step at most."""
         with self._lock:
-            queued = sum(n for n, p in self._submitted.values() if p <= priority)
+            queued = [n for n, p in self._submitted.values() if p <= priority]
         return self.engine.scheduler.predict_ttft(num_prompt_tokens, priority, queued_ahead=queued)
 
     @property

@@ -21,7 +21,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -169,6 +169,7 @@ class Scheduler:
         # The step cost model behind a time budget and predict_ttft (fed by the engine with each step's measured time).
         self.cost = StepCostModel()
         self.step_shape: StepShape | None = None  # the last step scheduled (the one running, while one runs)
+        self.step_running = False  # a step was scheduled and not yet advanced: its chunks are being computed
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admissions
         self.prefix_cache_hits = 0  # of which found there (not computed again)
         # Caps asked for at run time (a planner's thread): applied at the next step's start, never within a step.
@@ -246,26 +247,40 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running or self._waiting)
 
-    def predict_ttft(self, num_prompt_tokens: int, priority: int = 0, queued_ahead: int = 0) -> float:
+    def predict_ttft(self, num_prompt_tokens: int, priority: int = 0, queued_ahead: Iterable[int] = ()) -> float:
         """Seconds from now until a prompt of ``num_prompt_tokens`` arriving now at ``priority`` would get its first
         token, by the step cost model: the prompt tokens ranked ahead of it (prefills in progress, waiting prompts
-        of its priority or a more important one, and ``queued_ahead``: such prompts submitted but not yet added,
-        which the engine thread takes between steps) and its own go in budget-sized chunks beside today's decoding
-        streams, each step costing what the model says, after half the step that runs now (on average a request
-        arrives halfway through one). What it leaves out: streams that start or end meanwhile. For knowing early
+        of its priority or a more important one, and ``queued_ahead``: the lengths of such prompts submitted but not
+        yet added, which the engine thread takes between steps) and its own go in budget-sized chunks beside today's
+        decoding streams, each step costing what the model says, after half the step that runs now (on average a
+        request arrives halfway through one; the prompt chunks it computes are not counted again). The keys those prompt tokens attend to are each prompt's own, spread
+        over the steps in proportion to their tokens (several short prompts in one step attend to far fewer keys
+        than one long prompt would). What it leaves out: streams that start or end meanwhile. For knowing early
         that a request cannot meet a TTFT target (a lane's ``ttft_target_s``)."""
         decoding = [s for s in self.running if s.in_decode]
         rows, keys = len(decoding), sum(s.num_tokens for s in decoding)
-        ahead = sum(s.num_pending_tokens for s in self.running if not s.in_decode)
-        ahead += sum(item[-1].num_pending_tokens for item in self._waiting if item[-1].priority <= priority)
-        ahead += queued_ahead
+        shape = self.step_shape if self.step_running else None
+        # The step in progress computes its prompt chunks now (they count in its half step, not again here).
+        in_step = shape.prefill_tokens if shape is not None else 0
+        ahead = [(s.num_computed_tokens, s.num_pending_tokens) for s in self.running if not s.in_decode]
+        while in_step > 0 and ahead:
+            start, n = ahead.pop(0)
+            done = min(n, in_step)
+            in_step -= done
+            if n > done:
+                ahead.insert(0, (start + done, n - done))
+        ahead += [(item[-1].num_computed_tokens, item[-1].num_pending_tokens) for item in self._waiting
+                  if item[-1].priority <= priority]
+        ahead += [(0, n) for n in queued_ahead]
+        ahead.append((0, num_prompt_tokens))
+        total = sum(n for _, n in ahead)
+        prompt_keys = sum(chunk_keys(start, n) for start, n in ahead)
         per_step = max(1, min(self.config.max_num_batched_tokens - rows, self.config.max_prefill_chunk))
-        full, last = divmod(ahead + num_prompt_tokens, per_step)
-        seconds = 0.5 * self.cost.predict(self.step_shape) if self.step_shape and self.has_unfinished() else 0.0
+        full, last = divmod(total, per_step)
+        seconds = 0.5 * self.cost.predict(shape) if shape is not None else 0.0
         for i in range(full + (last > 0)):
             n = per_step if i < full else last
-            # each chunk's keys counted as a fresh prompt's (the split of the prompts ahead is not known yet)
-            seconds += self.cost.predict(StepShape(rows, keys + rows * i, n, chunk_keys(0, n)))
+            seconds += self.cost.predict(StepShape(rows, keys + rows * i, n, round(prompt_keys * n / total)))
         return seconds
 
     def _prompts_overdue(self, budget_s: float) -> bool:
@@ -458,6 +473,7 @@ class Scheduler:
         # The runner wants decodes first (one token each, or K+1 rows for a verifying chunk), then prefill chunks.
         out.chunks.sort(key=lambda c: not (c.is_decode or c.draft))
         out.shape = self.step_shape = StepShape(*counts)
+        self.step_running = bool(out.chunks)
         return out
 
     def _cached_prefix(self, seq: Sequence, table: BlockTable) -> list[int]:
@@ -499,6 +515,7 @@ class Scheduler:
             # rolls it back (roll_back) once it knows how many. Until then, only the pending token counts.
             chunk.seq.num_computed_tokens = chunk.end - len(chunk.draft)
             self._cache_computed_blocks(chunk.seq)
+        self.step_running = False
 
     def roll_back(self, seq: Sequence, num_accepted: int) -> None:
         """Keep the KV of ``num_accepted`` verified guesses; positions past them are never read again (attention
