@@ -78,3 +78,27 @@ def test_a_request_predicted_past_its_lanes_ttft_target_is_refused_at_once(tmp_p
         settle(s)
         assert 'tailguard_lane_ttft_refused_requests_total{lane="standard"' in httpx.get(s.url + "/metrics").text
         assert _chat(s.url, 2).status_code == 200  # the slot is free again: predicted inside the target
+
+
+@pytest.mark.parametrize(("margin", "predicted", "refused"),
+                         [(1.3, 1.2, False), (1.3, 1.4, True), (1.0, 1.05, True), (1.0, 0.95, False)])
+def test_the_margin_says_how_sure_a_refusal_must_be(margin, predicted, refused):
+    """Target 1 s: with the default margin (1.3) a request predicted at 1.2 s is served and one at 1.4 s refused;
+    with 1.0 whatever is predicted past the target is refused. The wait so far counts whole."""
+    from tailguard.api_error import APIError
+    from tailguard.observe.timeline import Timeline
+    from tailguard.policy.decision import Decision, TrafficPolicy
+    from tailguard.policy.fleet_state import LocalState
+    from tailguard.policy.lanes import LaneConfig
+
+    policy = TrafficPolicy(None, LocalState(), None, None, default_lane="standard", trust_lane_header=False)
+    d = Decision(lane=LaneConfig(ttft_target_s=1.0, ttft_target_margin=margin))
+    tl = Timeline("r1", "/v1/chat/completions")
+    now = tl.received + 0.2  # it has waited 0.2 s: the prediction from here is 0.2 s less
+    if refused:
+        with pytest.raises(APIError) as err:
+            policy.refuse_late(d, tl, predicted - 0.2, now)
+        assert err.value.status == 429 and err.value.code == "ttft_target_unreachable"
+    else:
+        policy.refuse_late(d, tl, predicted - 0.2, now)
+    assert tl.gateway["predicted_ttft"] == pytest.approx(predicted)

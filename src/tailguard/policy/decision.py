@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from tailguard.api_error import APIError
 from tailguard.observe.metrics import clean_label
 from tailguard.policy.fleet_state import SharedState
-from tailguard.policy.lanes import TTFT_PREDICTION_SPREAD, LaneConfig, Lanes, Overloaded
+from tailguard.policy.lanes import LaneConfig, Lanes, Overloaded
 from tailguard.policy.tenants import RateLimited, Tenant
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ class TrafficPolicy:
     def refuse_late(self, d: Decision, tl: Timeline, predicted_s: float | None, now: float) -> None:
         """Known early: refuse with a 429 a request whose first token would come past its lane's ``ttft_target_s``
         (the time it has waited until ``now`` plus ``predicted_s``, the backend's prediction from here), when even
-        the prediction's usual overestimate (``TTFT_PREDICTION_SPREAD``) does not bring it inside. Served, it would
+        the prediction's spread (the lane's ``ttft_target_margin``) does not bring it inside. Served, it would
         take a place in the engine's queue to answer late, and lengthen the wait of every request behind it."""
         lane = d.lane
         if lane is None or lane.ttft_target_s is None or predicted_s is None:
@@ -190,7 +190,7 @@ class TrafficPolicy:
         expected = waited + predicted_s
         tl.gateway = {**(tl.gateway or {}), "predicted_ttft": round(expected, 6)}
         target = lane.ttft_target_s
-        if waited + predicted_s / TTFT_PREDICTION_SPREAD <= target:
+        if waited + predicted_s / lane.ttft_target_margin <= target:
             return
         gm = self.metrics
         if gm is not None:

@@ -71,8 +71,9 @@ UPSTREAM_TTFT_DEADLINE_S = 15.0
 UPSTREAM_ITL_DEADLINE_S = 3.0
 UPSTREAM_KEEPALIVE_S = 5.0
 
-# A lane's ttft_target_s refuses a request only when the prediction divided by this still misses it: on the replayed
-# trace (benchmarks/schedule_replay.py) predicted / actual TTFT was at most 1.19-1.29 for nine requests in ten.
+# By default a lane's ttft_target_s refuses a request only when the prediction divided by this still misses it:
+# replayed (benchmarks/schedule_replay.py) and served (benchmarks/ttft_target.py), predicted / actual TTFT was at most
+# 1.19-1.29 for nine requests in ten.
 TTFT_PREDICTION_SPREAD = 1.3
 
 FLEET_POLL_S = 0.02  # how often queued requests retry the fleet's budget (slots freed on another gateway)
@@ -108,6 +109,11 @@ class LaneConfig(BaseModel):
                                                                 "prediction's spread is refused at once with 429 + "
                                                                 "Retry-After instead of served late (null: none; "
                                                                 "not over upstreams, whose queues are their own)")
+    ttft_target_margin: float = Field(TTFT_PREDICTION_SPREAD, ge=1.0, description="with ttft_target_s: refuse when "
+                                      "the predicted TTFT passes the target times this (the prediction's spread: "
+                                      "1.3 refuses only the surely late, and lets served TTFT pass the target by up "
+                                      "to as much; 1.0 refuses whatever is predicted late, some that would have made "
+                                      "it included)")
     stall_misses: int = Field(3, ge=1, description="consecutive missed deadlines that switch to a degraded answer")
     keepalive_s: float | None = Field(None, gt=0, description="SSE comment every so often while the first token "
                                                               "is pending (keeps proxies from cutting long TTFTs; "
