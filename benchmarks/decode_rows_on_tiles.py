@@ -67,7 +67,8 @@ def main() -> int:
     out = Path(__file__).parent / sys.argv[1] if len(sys.argv) > 1 else OUT
     out.write_text(json.dumps({
         "benchmark": "decode_rows_on_tiles", "date": datetime.date.today().isoformat(),
-        "threads": kernels.num_threads(), "tile_unit": kernels.tile_unit(), "load_average": [load_start, os.getloadavg()[0]], "rows": rows,
+        "threads": kernels.num_threads(), "tile_unit": kernels.tile_unit(),
+        "load_average": [load_start, os.getloadavg()[0]], "rows": rows,
         "engine": engine,
     }, indent=2) + "\n")
     print(f"wrote {out}")

@@ -293,8 +293,9 @@ class LLMEngine:
         )
         if self.native:
             assert isinstance(self.model, NativeModel)  # lean: the C step's model
+            rows_on_tiles = resolve_decode_rows_on_tiles(args.decode_rows_on_tiles)
             self.runner: Any = NativeRunner(self.model, num_blocks, args.block_size, kv_name, args.num_threads,
-                                            decode_rows_on_tiles=resolve_decode_rows_on_tiles(args.decode_rows_on_tiles))
+                                            decode_rows_on_tiles=rows_on_tiles)
         else:
             from tailguard.engine.torch_model import LlamaModel
             from tailguard.engine.torch_runner import ModelRunner
@@ -614,11 +615,11 @@ class LLMEngine:
 
     def calibrate(self) -> float:
         """Time a few steps of the shapes serving makes to fit the step-cost model; returns the seconds it took
-        (SmolLM2 on two cores: 1-3 s). Budget-sized steps of one prompt, of four short ones and of a long prompt's
-        second chunk (after one untimed prompt: first-use costs) hold the same number of prompt tokens and very different numbers of keys, which tells the
-        model's two prompt terms apart; then a few streams decode, and 16. Its requests leave no trace in what the
-        engine reports: the step and prefix-cache counts and the cached blocks are as they were. Skipped when the KV
-        cache or context is too small for its prompts."""
+        (SmolLM2 on two cores: 1-3 s). After one untimed prompt (first-use costs), budget-sized steps of one prompt,
+        of four short ones and of a long prompt's second chunk hold the same number of prompt tokens and very
+        different numbers of keys, which tells the model's two prompt terms apart; then a few streams decode, and
+        16. Its requests leave no trace in what the engine reports: the step and prefix-cache counts and the cached
+        blocks are as they were. Skipped when the KV cache or context is too small for its prompts."""
         t0 = time.perf_counter()
         big = min(self.scheduler.config.max_num_batched_tokens, self.scheduler.config.max_prefill_chunk, 512)
         if self.kv_capacity_tokens < 4 * (2 * big + 256) or self.scheduler.config.max_model_len < 2 * big + 16:

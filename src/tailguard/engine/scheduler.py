@@ -253,31 +253,29 @@ class Scheduler:
         of its priority or a more important one, and ``queued_ahead``: the lengths of such prompts submitted but not
         yet added, which the engine thread takes between steps) and its own go in budget-sized chunks beside today's
         decoding streams, each step costing what the model says, after half the step that runs now (on average a
-        request arrives halfway through one; the prompt chunks it computes are not counted again). The keys those prompt tokens attend to are each prompt's own, spread
-        over the steps in proportion to their tokens (several short prompts in one step attend to far fewer keys
-        than one long prompt would). What it leaves out: streams that start or end meanwhile. For knowing early
-        that a request cannot meet a TTFT target (a lane's ``ttft_target_s``)."""
+        request arrives halfway through one; the prompt chunks that step computes are not counted again). The keys
+        those prompt tokens attend to are each prompt's own, spread over the steps in proportion to their tokens
+        (several short prompts in one step attend to far fewer keys than one long prompt would). What it leaves out:
+        streams that start or end meanwhile. For knowing early that a request cannot meet a TTFT target (a lane's
+        ``ttft_target_s``)."""
         decoding = [s for s in self.running if s.in_decode]
         rows, keys = len(decoding), sum(s.num_tokens for s in decoding)
-        shape = self.step_shape if self.step_running else None
-        # The step in progress computes its prompt chunks now (they count in its half step, not again here).
-        in_step = shape.prefill_tokens if shape is not None else 0
         ahead = [(s.num_computed_tokens, s.num_pending_tokens) for s in self.running if not s.in_decode]
-        while in_step > 0 and ahead:
-            start, n = ahead.pop(0)
-            done = min(n, in_step)
-            in_step -= done
-            if n > done:
-                ahead.insert(0, (start + done, n - done))
         ahead += [(item[-1].num_computed_tokens, item[-1].num_pending_tokens) for item in self._waiting
                   if item[-1].priority <= priority]
         ahead += [(0, n) for n in queued_ahead]
         ahead.append((0, num_prompt_tokens))
         total = sum(n for _, n in ahead)
         prompt_keys = sum(chunk_keys(start, n) for start, n in ahead)
+        seconds = 0.0
+        if self.step_running and self.step_shape is not None:
+            # Half the step in progress is left; its prompt chunks (not yet advanced) are computed in it.
+            shape = self.step_shape
+            seconds = 0.5 * self.cost.predict(shape)
+            total = max(num_prompt_tokens, total - shape.prefill_tokens)
+            prompt_keys = max(chunk_keys(0, num_prompt_tokens), prompt_keys - shape.prefill_keys)
         per_step = max(1, min(self.config.max_num_batched_tokens - rows, self.config.max_prefill_chunk))
         full, last = divmod(total, per_step)
-        seconds = 0.5 * self.cost.predict(shape) if shape is not None else 0.0
         for i in range(full + (last > 0)):
             n = per_step if i < full else last
             seconds += self.cost.predict(StepShape(rows, keys + rows * i, n, round(prompt_keys * n / total)))
