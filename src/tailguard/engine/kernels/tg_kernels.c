@@ -1235,9 +1235,18 @@ int tg_embed(const int64_t *ids, int T, const uint8_t *w, int fmt, int vocab, in
  * tiles', so the whole prompt path (products, SiLU on the way out, attention) runs unchanged; the same numbers up to
  * the instructions' rounding. Measured against the block kernels on such a CPU: docs/benchmarks.md. */
 typedef union { float f[256]; uint32_t u[256]; } __attribute__((aligned(64))) emu_tile;
-static __thread emu_tile emu_tiles[8];
+static __thread emu_tile emu_tiles[4]; /* the accumulators, 0-3: loaded, summed into, stored */
+/* The operands, 4-7, are read where they lie: every load of one is followed by the products that use it, with no
+ * write to its memory in between (a copy into a register file cost ~12% of a tile product's instructions). */
+static __thread const char *emu_operand[8];
+static __thread long emu_operand_stride[8];
 
 static inline __attribute__((always_inline)) void emu_load(int t, const void *p, long stride) {
+    if (t >= 4) {
+        emu_operand[t] = (const char *)p;
+        emu_operand_stride[t] = stride;
+        return;
+    }
     const char *src = (const char *)p;
     uint32_t *dst = emu_tiles[t].u;
     for (int r = 0; r < 16; r++)
@@ -1257,13 +1266,17 @@ static inline __attribute__((always_inline)) void emu_zero(int t) {
 
 static inline __attribute__((always_inline)) void emu_dpbf16(int c, int a, int b) {
     float *C = emu_tiles[c].f;
-    const uint32_t *A = emu_tiles[a].u, *B = emu_tiles[b].u;
+    const char *A = emu_operand[a], *B = emu_operand[b];
+    const long sa = emu_operand_stride[a], sb = emu_operand_stride[b];
     __m512 acc[16];
     for (int m = 0; m < 16; m++) acc[m] = _mm512_load_ps(C + 16 * m);
     for (int i = 0; i < 16; i++) {
-        const __m512bh line = (__m512bh)_mm512_load_si512((const void *)(B + 16 * i));
-        for (int m = 0; m < 16; m++)
-            acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32((int)A[16 * m + i]), line);
+        const __m512bh line = (__m512bh)_mm512_loadu_si512((const void *)(B + (size_t)i * sb));
+        for (int m = 0; m < 16; m++) {
+            int pair;
+            memcpy(&pair, A + (size_t)m * sa + 4 * i, 4);
+            acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32(pair), line);
+        }
     }
     for (int m = 0; m < 16; m++) _mm512_store_ps(C + 16 * m, acc[m]);
 }
