@@ -248,13 +248,9 @@ class FakeEngine:
         free_at = [now] * max(0, t.max_num_seqs - len(self._ends)) + [max(now, e) for e in self._ends.values()]
         heapq.heapify(free_at)
 
-        def queue_key(entry: tuple[int, int, int, int]) -> tuple[int, int]:
-            return (entry[0] if t.priority_scheduling else 0, entry[1])
-
-        me = (priority, self._order + 1, 0, 0)
-        for entry in sorted(self._queued.values(), key=queue_key):
-            if queue_key(entry) > queue_key(me):
-                break
+        ahead = [e for e in self._queued.values() if not t.priority_scheduling or e[0] <= priority]
+        ahead.sort(key=lambda e: (e[0], e[1]) if t.priority_scheduling else e[1])  # the slots' own order
+        for entry in ahead:
             start = heapq.heappop(free_at)
             heapq.heappush(free_at, start + self._duration(entry[2], entry[3]))
         start = heapq.heappop(free_at)
