@@ -1394,6 +1394,58 @@ static inline __attribute__((always_inline)) void amx_k_step(const uint16_t *a0,
  * once, one sum sequence per output, whichever block or thread computes it. The
  * activations' tiles, streamed from L2 and used once here, load with the non-temporal hint (TILELOADDT1) so they do
  * not push the weight's tiles out of L1: ~20% more products a second at K = 576 (one core, 512-1,536 rows). */
+#if defined(TG_TILE_EMU)
+/* The software tile unit's 32 x 32 block: 8 rows at a time with their 16 sums (8 rows x 2 column tiles) in
+ * registers over all of its K tiles, then into accumulators 0-3 as the tile code expects them. Per tile
+ * instruction (emu_dpbf16) the sums went through memory and each B line fed 16 products; here each B line feeds
+ * 8 rows' products straight from registers: the same sums in the same order, 1.2-1.4x the products a second
+ * (benchmarks/tile_product.py). A's rows 0-15 start at a_lo, 16-31 at a_hi, sa bytes apart; K tile k of A is
+ * ak bytes on, of B (columns 0-15 at b0, 16-31 at b1) bk bytes on; acc: the sums so far (32 rows of 32), or NULL. */
+#define EMU_ROWS 8
+static inline __attribute__((always_inline)) void emu_rows_part(const char *a, long sa, long ak, const char *b0,
+                                                                const char *b1, long bk, int k0, int k1,
+                                                                __m512 s[2 * EMU_ROWS]) {
+    for (int k = k0; k < k1; k++) {
+        const char *ka = a + k * ak, *kb0 = b0 + k * bk, *kb1 = b1 + k * bk;
+        for (int i = 0; i < 16; i++) {
+            const __m512bh l0 = (__m512bh)_mm512_loadu_si512((const void *)(kb0 + 64 * i));
+            const __m512bh l1 = (__m512bh)_mm512_loadu_si512((const void *)(kb1 + 64 * i));
+            for (int r = 0; r < EMU_ROWS; r++) {
+                int pair;
+                memcpy(&pair, ka + sa * r + 4 * i, 4);
+                const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+                s[2 * r] = _mm512_dpbf16_ps(s[2 * r], x, l0);
+                s[2 * r + 1] = _mm512_dpbf16_ps(s[2 * r + 1], x, l1);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void emu_block(const void *a_lo, const void *a_hi, long sa, long ak,
+                                                            const void *b0, const void *b1, long bk, int k0, int k1,
+                                                            const float *acc) {
+    for (int row0 = 0; row0 < 32; row0 += EMU_ROWS) { /* a pass's rows lie in one A tile */
+        __m512 s[2 * EMU_ROWS];
+        for (int r = 0; r < EMU_ROWS; r++) {
+            s[2 * r] = acc ? _mm512_load_ps(acc + (row0 + r) * 32) : _mm512_setzero_ps();
+            s[2 * r + 1] = acc ? _mm512_load_ps(acc + (row0 + r) * 32 + 16) : _mm512_setzero_ps();
+        }
+        const char *a = (const char *)(row0 < 16 ? a_lo : a_hi) + sa * (row0 % 16);
+        emu_rows_part(a, sa, ak, (const char *)b0, (const char *)b1, bk, k0, k1, s);
+        float *t0 = emu_tiles[row0 < 16 ? 0 : 2].f + 16 * (row0 % 16), *t1 = emu_tiles[row0 < 16 ? 1 : 3].f + 16 * (row0 % 16);
+        for (int r = 0; r < EMU_ROWS; r++) {
+            _mm512_store_ps(t0 + 16 * r, s[2 * r]);
+            _mm512_store_ps(t1 + 16 * r, s[2 * r + 1]);
+        }
+    }
+}
+
+static inline void amx_block_part(const uint16_t *a0, const uint16_t *b0, int kbn, int kb0, int kb1, const float *acc) {
+    const long tile = AMX_TILE_ELEMS * 2; /* bytes */
+    emu_block(a0, a0 + (size_t)kbn * AMX_TILE_ELEMS, 64, tile, b0, b0 + (size_t)kbn * AMX_TILE_ELEMS, tile, kb0, kb1,
+              acc);
+}
+#else
 static inline void amx_block_part(const uint16_t *a0, const uint16_t *b0, int kbn, int kb0, int kb1, const float *acc) {
     const uint16_t *a1 = a0 + (size_t)kbn * AMX_TILE_ELEMS, *b1 = b0 + (size_t)kbn * AMX_TILE_ELEMS;
     if (acc == NULL) {
@@ -1406,6 +1458,7 @@ static inline void amx_block_part(const uint16_t *a0, const uint16_t *b0, int kb
     }
     for (int kb = kb0; kb < kb1; kb++) amx_k_step(a0, a1, b0, b1, kb);
 }
+#endif
 
 static inline void amx_block(const uint16_t *a0, const uint16_t *b0, int kbn) { amx_block_part(a0, b0, kbn, 0, kbn, NULL); }
 
@@ -1569,11 +1622,17 @@ static void amx_silu_range(void *arg, int64_t g0, int64_t g1) {
                 const uint16_t *a0 = j->x + (size_t)(m0 / 16) * kbn * AMX_TILE_ELEMS;
                 const uint16_t *a1 = a0 + (size_t)kbn * AMX_TILE_ELEMS, *b1 = bu + (size_t)kbn * AMX_TILE_ELEMS;
                 const float *cp = prev >= 0 ? cb[((prev - mb) / 32) & 1] : NULL;
+#if defined(TG_TILE_EMU) /* one set of vector units: nothing to overlap */
+                (void)a1; (void)b1;
+                amx_block(a0, bu, kbn);
+                if (cp != NULL) silu_act_rows(j, gate, cp, mb, prev, g, 0, 32);
+#else
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 for (int kb = 0; kb < kbn; kb++) { /* amx_block's products, the same order */
                     amx_k_step(a0, a1, bu, b1, kb);
                     if (cp != NULL) silu_act_rows(j, gate, cp, mb, prev, g, 32 * kb / kbn, 32 * (kb + 1) / kbn);
                 }
+#endif
                 amx_store_block(cb[((m0 - mb) / 32) & 1], 32);
                 prev = m0;
             }
@@ -2459,6 +2518,10 @@ static void pattn_range(void *arg, int64_t t0, int64_t t1) {
         const int last_i = (m0 + rows - 1) / group;
         const int nk = j->p0 + last_i + 1, nk32 = (nk + 31) / 32;
         for (int kb = 0; kb < nk32; kb++) { /* S = Q K^T for 32 keys at a time */
+#if defined(TG_TILE_EMU)
+            emu_block(qa, qa + 16 * hd, hd * 2, 64, kt + (size_t)(2 * kb) * ndb * AMX_TILE_ELEMS,
+                      kt + (size_t)(2 * kb + 1) * ndb * AMX_TILE_ELEMS, AMX_TILE_ELEMS * 2, 0, ndb, NULL);
+#else
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int db = 0; db < ndb; db++) {
                 _tile_loadd(4, qa + db * 32, hd * 2);
@@ -2470,6 +2533,7 @@ static void pattn_range(void *arg, int64_t t0, int64_t t1) {
                 _tile_dpbf16ps(2, 5, 6);
                 _tile_dpbf16ps(3, 5, 7);
             }
+#endif
             const size_t ld = lds * 4;
             _tile_stored(0, sc + kb * 32, ld);
             _tile_stored(1, sc + kb * 32 + 16, ld);
@@ -2490,6 +2554,10 @@ static void pattn_range(void *arg, int64_t t0, int64_t t1) {
         }
         /* O = P V, 32 dims at a time */
         for (int db = 0; db < ndb; db++) {
+#if defined(TG_TILE_EMU)
+            emu_block(pb, pb + 16 * ldp, (long)ldp * 2, 64, vt + (size_t)(2 * db) * j->nkb32 * AMX_TILE_ELEMS,
+                      vt + (size_t)(2 * db + 1) * j->nkb32 * AMX_TILE_ELEMS, AMX_TILE_ELEMS * 2, 0, nk32, NULL);
+#else
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int kb = 0; kb < nk32; kb++) {
                 _tile_loadd(4, pb + kb * 32, ldp * 2);
@@ -2501,6 +2569,7 @@ static void pattn_range(void *arg, int64_t t0, int64_t t1) {
                 _tile_dpbf16ps(2, 5, 6);
                 _tile_dpbf16ps(3, 5, 7);
             }
+#endif
             _tile_stored(0, ob + db * 32, hd * 4);
             _tile_stored(1, ob + db * 32 + 16, hd * 4);
             _tile_stored(2, ob + 16 * hd + db * 32, hd * 4);
