@@ -46,10 +46,12 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str | None = "smo
                    help="a prompt's last chunk may pass the token budget and the chunk cap by this many tokens (at "
                         "most an eighth of them) so that a prompt just over the budget takes one step, not two; "
                         "0: never")
-    p.add_argument("--step-time-budget", type=_budget, default=None, metavar="SECONDS",
+    p.add_argument("--step-time-budget", type=_budget, default="auto", metavar="SECONDS",
                    help="while streams decode, size each step's prompt chunks so that the step's predicted time (a "
                         "cost model fitted online from every step's time) stays within this many seconds, the "
-                        "decoding streams' inter-token budget; off (the default): the token budget alone")
+                        "decoding streams' inter-token budget; off: the token budget alone; auto (the default): "
+                        "80 ms where the start-up calibration predicts a step with a whole prompt chunk at more "
+                        "than twice that (CPUs without matrix units), else off")
     p.add_argument("--prompt-rank", type=float, default=0.0, metavar="SECONDS_PER_TOKEN",
                    help="within a priority, waiting requests are taken by arrival time plus this many seconds per "
                         "prompt token still to compute: short prompts pass long ones that arrived less than that "
@@ -88,10 +90,12 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str | None = "smo
                         "times, hidden-state norms and attention entropy kept with the record (default 0: off)")
 
 
-def _budget(text: str) -> float | None:
-    """Seconds (> 0), or off."""
+def _budget(text: str) -> float | str | None:
+    """Seconds (> 0), off, or auto."""
     if text.lower() in ("off", "none", ""):
         return None
+    if text.lower() == "auto":
+        return "auto"
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError("a step time budget is a positive number of seconds, or off")

@@ -182,12 +182,58 @@ def test_the_time_budget_and_the_prompt_rank_are_command_line_options():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     default = engine_args_from(parser.parse_args([]))
-    assert default.step_time_budget_s is None and default.prompt_rank_s_per_token == 0.0
+    assert default.step_time_budget_s == "auto" and default.prompt_rank_s_per_token == 0.0
+    assert engine_args_from(parser.parse_args(["--step-time-budget", "auto"])).step_time_budget_s == "auto"
     args = engine_args_from(parser.parse_args(["--step-time-budget", "0.05", "--prompt-rank", "0.002"]))
     assert args.step_time_budget_s == 0.05 and args.prompt_rank_s_per_token == 0.002
     assert engine_args_from(parser.parse_args(["--step-time-budget", "off"])).step_time_budget_s is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--step-time-budget", "0"])
+
+
+def _engine_costing(tiny_gguf, seconds_per_prompt_token: float, budget):
+    """A tiny engine whose step-cost model says a prompt token costs this much (as a calibration would have found)."""
+    from tests.conftest import _make_engine
+
+    engine = _make_engine(tiny_gguf, step_time_budget_s=budget)
+    engine.scheduler.cost.theta = [2e-3, 5e-4, 1e-4, seconds_per_prompt_token, 1e-5]
+    return engine
+
+
+def test_auto_sets_a_time_budget_where_a_prompt_chunks_step_would_stall_the_streams(tiny_gguf):
+    from tailguard.engine.engine import AUTO_STEP_TIME_BUDGET_S
+
+    # the tiny engine's prompt chunk is 48 tokens: at 10 ms each its step takes ~0.5 s, as a 512-token chunk's does
+    # on a CPU without matrix units
+    slow = _engine_costing(tiny_gguf, 1e-2, "auto")
+    assert slow.scheduler.config.step_time_budget_s is None  # nothing decided before the calibration
+    line = slow.resolve_step_time_budget()
+    assert slow.scheduler.config.step_time_budget_s == AUTO_STEP_TIME_BUDGET_S
+    assert line.startswith(f"step time budget {AUTO_STEP_TIME_BUDGET_S * 1e3:.0f} ms")
+    # what the budget then does: while streams decode, a long prompt's chunks keep each step within it
+    chunk = min(slow.scheduler.config.max_num_batched_tokens, slow.scheduler.config.max_prefill_chunk)
+    full = slow.scheduler.cost.predict(StepShape(decode_rows=1, decode_keys=64, prefill_tokens=chunk,
+                                                 prefill_keys=chunk_keys(0, chunk)))
+    assert full > AUTO_STEP_TIME_BUDGET_S  # else the budget would not bind on the tiny engine's chunk
+
+
+def test_auto_leaves_the_token_budget_alone_where_a_prompt_chunks_step_is_short(tiny_gguf):
+    fast = _engine_costing(tiny_gguf, 1e-5, "auto")
+    line = fast.resolve_step_time_budget()
+    assert fast.scheduler.config.step_time_budget_s is None
+    assert line.startswith("no step time budget")
+
+
+def test_a_budget_set_by_hand_is_kept_and_a_wrong_one_refused(tiny_gguf):
+    from tailguard.engine.engine import check_step_time_budget
+
+    for budget in (0.05, None):
+        engine = _engine_costing(tiny_gguf, 1e-2, budget)
+        assert engine.resolve_step_time_budget() is None
+        assert engine.scheduler.config.step_time_budget_s == budget
+    for wrong in ("fast", 0, -0.1):
+        with pytest.raises(ValueError, match="step_time_budget_s"):
+            check_step_time_budget(wrong)
 
 
 class ManualClock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import queue
@@ -48,7 +49,7 @@ from tailguard.engine.sequence import (
     SequenceStatus,
 )
 from tailguard.engine.speculative import BatchProposer, Proposer, SpeculationPolicy, make_proposer
-from tailguard.engine.step_cost import StepCostModel
+from tailguard.engine.step_cost import StepCostModel, StepShape, chunk_keys
 from tailguard.engine.structured import GrammarCompiler
 from tailguard.engine.tokenizer import GGUFTokenizer, IncrementalDetokenizer
 
@@ -89,8 +90,11 @@ class EngineArgs:
     max_prefill_chunk: int = 512
     prefill_overrun_tokens: int = 64  # see SchedulerConfig
     # While streams decode, a step's prefill is sized to keep the step within this many seconds (the scheduler's
-    # step cost model, fitted online from every step's time). None: the token budget alone.
-    step_time_budget_s: float | None = None
+    # step cost model, fitted online from every step's time). None: the token budget alone. "auto": after the
+    # start-up calibration, AUTO_STEP_TIME_BUDGET_S where a step of one whole prompt chunk is predicted to take more
+    # than AUTO_BUDGET_TRIGGER budgets (the streams beside it would wait that long for their next token), else none
+    # (resolve_step_time_budget). Without a calibration "auto" is none.
+    step_time_budget_s: float | str | None = "auto"
     # Within a priority, waiting prompts are ordered by arrival plus this many seconds per prompt token (0: FCFS).
     prompt_rank_s_per_token: float = 0.0
     # A step with at least this many decode rows runs them on the matrix units (AMX bfloat16 tiles) with its prompt
@@ -201,6 +205,23 @@ def resolve_weight_format(name: str, device: Any) -> str:
 DECODE_ROWS_ON_AMX_TILES = 8  # decode rows that go on AMX's tiles by default (benchmarks/decode_rows_on_tiles.py)
 
 
+# The automatic step time budget. Measured on two CPUs (docs/benchmarks.md, "What does the step time budget do?"):
+# where AVX-512 BF16 without AMX takes ~0.35 s for a 512-token prompt step, a budget of 80 ms held the streams' ITL
+# P99 at 89-93 ms at 3.4 req/s (141-168 ms without) for the same TTFT P50; where AMX takes ~0.1 s for it, a budget
+# gained nothing below saturation and cost capacity near it (more, smaller steps, each reading all the weights).
+AUTO_STEP_TIME_BUDGET_S = 0.08
+AUTO_BUDGET_TRIGGER = 2.0
+
+
+def check_step_time_budget(setting: float | str | None) -> float | None:
+    """The budget the scheduler starts with: seconds, or None for none and for "auto" (settled after calibration)."""
+    if setting is None or setting == "auto":
+        return None
+    if isinstance(setting, str) or not setting > 0:
+        raise ValueError(f"step_time_budget_s is a positive number of seconds, None or 'auto', not {setting!r}")
+    return float(setting)
+
+
 def resolve_decode_rows_on_tiles(setting: int | None) -> int:
     """``EngineArgs.decode_rows_on_tiles`` as the runner takes it: None is 8 on AMX's tiles, 0 (never) elsewhere."""
     if setting is not None:
@@ -286,7 +307,7 @@ class LLMEngine:
                 prefill_overrun_tokens=args.prefill_overrun_tokens,
                 max_background_seqs=args.max_background_seqs,
                 enable_prefix_caching=args.enable_prefix_caching,
-                step_time_budget_s=args.step_time_budget_s,
+                step_time_budget_s=check_step_time_budget(args.step_time_budget_s),
                 prompt_rank_s_per_token=args.prompt_rank_s_per_token,
             ),
             self.pool,
@@ -643,6 +664,25 @@ class LLMEngine:
         self.pool.reset_cache()
         return time.perf_counter() - t0
 
+    def resolve_step_time_budget(self) -> str | None:
+        """Settle ``step_time_budget_s="auto"`` from the step-cost model (call after ``calibrate``): a budget of
+        AUTO_STEP_TIME_BUDGET_S where a step carrying one whole prompt chunk beside a few decoding streams is predicted
+        to take more than AUTO_BUDGET_TRIGGER budgets, else none. Returns a line saying what was chosen and why, or
+        None when the setting is not "auto"."""
+        if self.args.step_time_budget_s != "auto":
+            return None
+        cfg = self.scheduler.config
+        chunk = min(cfg.max_num_batched_tokens, cfg.max_prefill_chunk)
+        full = self.scheduler.cost.predict(StepShape(decode_rows=4, decode_keys=4 * 256, prefill_tokens=chunk,
+                                                     prefill_keys=chunk_keys(0, chunk)))
+        if full > AUTO_BUDGET_TRIGGER * AUTO_STEP_TIME_BUDGET_S:
+            self.scheduler.config = dataclasses.replace(cfg, step_time_budget_s=AUTO_STEP_TIME_BUDGET_S)
+            return (f"step time budget {AUTO_STEP_TIME_BUDGET_S * 1e3:.0f} ms: a step with a {chunk}-token prompt chunk "
+                    f"is predicted at {full * 1e3:.0f} ms here")
+        return (f"no step time budget: a step with a {chunk}-token prompt chunk is predicted at {full * 1e3:.0f} ms "
+                f"here (a budget of {AUTO_STEP_TIME_BUDGET_S * 1e3:.0f} ms applies from "
+                f"{AUTO_BUDGET_TRIGGER * AUTO_STEP_TIME_BUDGET_S * 1e3:.0f} ms)")
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None) -> list[list[int]]:
         """Run prompts to completion (offline use and tests); returns output token ids per prompt."""
         ids = [self.add_request(p, SamplingParams(**vars(sampling)) if sampling else None) for p in prompts]
@@ -707,6 +747,9 @@ class AsyncLLMEngine:
                         took = built_engine.calibrate()
                         logger.info("step-cost model calibrated in %.2f s: %s", took,
                                     built_engine.scheduler.cost.snapshot())
+                        chosen = built_engine.resolve_step_time_budget()
+                        if chosen is not None:
+                            logger.info("%s", chosen)
                     self._attach(built_engine)
                 except BaseException as exc:  # noqa: BLE001 - re-raised by the constructor, on the caller's thread
                     build_error.append(exc)

@@ -1232,8 +1232,9 @@ int tg_embed(const int64_t *ids, int T, const uint8_t *w, int fmt, int vocab, in
 /* The software tile unit, for CPUs with AVX-512 BF16 and no AMX (AMD Zen 4 and later): eight 1 KiB tile registers
  * a thread, loads and stores as 16 lines of 64 bytes, and TDPBF16PS as 256 VDPBF16PS (for each of B's 16 input
  * pairs, one pair of an A row broadcast times B's line: 16 outputs). The layouts and the order of the sums are the
- * tiles', so the whole prompt path (products, SiLU on the way out, attention) runs unchanged; the same numbers up to
- * the instructions' rounding. Measured against the block kernels on such a CPU: docs/benchmarks.md. */
+ * tiles', so the whole prompt path (products, SiLU on the way out, attention) runs on it; its 32 x 32 blocks, where
+ * the time goes, are computed whole by emu_block (below) rather than tile instruction by tile instruction, with the
+ * same sums. Measured against the block kernels on such a CPU: docs/benchmarks.md. */
 typedef union { float f[256]; uint32_t u[256]; } __attribute__((aligned(64))) emu_tile;
 static __thread emu_tile emu_tiles[4]; /* the accumulators, 0-3: loaded, summed into, stored */
 /* The operands, 4-7, are read where they lie: every load of one is followed by the products that use it, with no
@@ -1398,9 +1399,10 @@ static inline __attribute__((always_inline)) void amx_k_step(const uint16_t *a0,
 /* The software tile unit's 32 x 32 block: 8 rows at a time with their 16 sums (8 rows x 2 column tiles) in
  * registers over all of its K tiles, then into accumulators 0-3 as the tile code expects them. Per tile
  * instruction (emu_dpbf16) the sums went through memory and each B line fed 16 products; here each B line feeds
- * 8 rows' products straight from registers: the same sums in the same order, 1.2-1.4x the products a second
- * (benchmarks/tile_product.py). A's rows 0-15 start at a_lo, 16-31 at a_hi, sa bytes apart; K tile k of A is
- * ak bytes on, of B (columns 0-15 at b0, 16-31 at b1) bk bytes on; acc: the sums so far (32 rows of 32), or NULL. */
+ * 8 rows' products straight from registers: the same sums in the same order, 1.1-1.5x the products a second
+ * (benchmarks/tile_product.py); keeping B's lines in L1 across the four passes (K in pieces) gained nothing.
+ * A's rows 0-15 start at a_lo, 16-31 at a_hi, sa bytes apart; K tile k of A is ak bytes on, of B (columns 0-15 at
+ * b0, 16-31 at b1) bk bytes on; acc: the sums so far (32 rows of 32), or NULL. */
 #define EMU_ROWS 8
 static inline __attribute__((always_inline)) void emu_rows_part(const char *a, long sa, long ak, const char *b0,
                                                                 const char *b1, long bk, int k0, int k1,
