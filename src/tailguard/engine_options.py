@@ -51,7 +51,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str | None = "smo
                         "cost model fitted online from every step's time) stays within this many seconds, the "
                         "decoding streams' inter-token budget; off: the token budget alone; auto (the default): "
                         "80 ms where the start-up calibration predicts a step with a whole prompt chunk at more "
-                        "than twice that (CPUs without matrix units), else off")
+                        "than 2.5 times that (CPUs without matrix units), else off")
     p.add_argument("--prompt-rank", type=float, default=0.0, metavar="SECONDS_PER_TOKEN",
                    help="within a priority, waiting requests are taken by arrival time plus this many seconds per "
                         "prompt token still to compute: short prompts pass long ones that arrived less than that "

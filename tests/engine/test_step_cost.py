@@ -201,7 +201,7 @@ def _engine_costing(tiny_gguf, seconds_per_prompt_token: float, budget):
 
 
 def test_auto_sets_a_time_budget_where_a_prompt_chunks_step_would_stall_the_streams(tiny_gguf):
-    from tailguard.engine.engine import AUTO_STEP_TIME_BUDGET_S
+    from tailguard.engine.engine import AUTO_PROMPT_WAIT_GUARD_S, AUTO_STEP_TIME_BUDGET_S
 
     # the tiny engine's prompt chunk is 48 tokens: at 10 ms each its step takes ~0.5 s, as a 512-token chunk's does
     # on a CPU without matrix units
@@ -209,6 +209,7 @@ def test_auto_sets_a_time_budget_where_a_prompt_chunks_step_would_stall_the_stre
     assert slow.scheduler.config.step_time_budget_s is None  # nothing decided before the calibration
     line = slow.resolve_step_time_budget()
     assert slow.scheduler.config.step_time_budget_s == AUTO_STEP_TIME_BUDGET_S
+    assert slow.scheduler.config.prompt_wait_guard_s == AUTO_PROMPT_WAIT_GUARD_S
     assert line.startswith(f"step time budget {AUTO_STEP_TIME_BUDGET_S * 1e3:.0f} ms")
     # what the budget then does: while streams decode, a long prompt's chunks keep each step within it
     chunk = min(slow.scheduler.config.max_num_batched_tokens, slow.scheduler.config.max_prefill_chunk)

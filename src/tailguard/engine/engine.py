@@ -209,8 +209,14 @@ DECODE_ROWS_ON_AMX_TILES = 8  # decode rows that go on AMX's tiles by default (b
 # where AVX-512 BF16 without AMX takes ~0.35 s for a 512-token prompt step, a budget of 80 ms held the streams' ITL
 # P99 at 89-93 ms at 3.4 req/s (141-168 ms without) for the same TTFT P50; where AMX takes ~0.1 s for it, a budget
 # gained nothing below saturation and cost capacity near it (more, smaller steps, each reading all the weights).
+# The trigger (200 ms) sits well between the two, so that a busy moment during the calibration of an AMX machine
+# (its speed moved 1.6x within minutes) does not turn the budget on.
 AUTO_STEP_TIME_BUDGET_S = 0.08
-AUTO_BUDGET_TRIGGER = 2.0
+AUTO_BUDGET_TRIGGER = 2.5
+# With the automatic budget a prompt lifts it after waiting 8 budgets (0.64 s), not the 4 of a budget set by hand:
+# on that machine, two A/B rounds at 3.4 and 4.5 req/s gave ITL P99 86-88 and 94-133 ms against 96-99 and 190-210 ms
+# with 4, for a TTFT P99 ~10% longer (its prompt steps are compute-bound, so smaller chunks cost prompts little).
+AUTO_PROMPT_WAIT_GUARD_S = 8 * AUTO_STEP_TIME_BUDGET_S
 
 
 def check_step_time_budget(setting: float | str | None) -> float | None:
@@ -666,9 +672,9 @@ class LLMEngine:
 
     def resolve_step_time_budget(self) -> str | None:
         """Settle ``step_time_budget_s="auto"`` from the step-cost model (call after ``calibrate``): a budget of
-        AUTO_STEP_TIME_BUDGET_S where a step carrying one whole prompt chunk beside a few decoding streams is predicted
-        to take more than AUTO_BUDGET_TRIGGER budgets, else none. Returns a line saying what was chosen and why, or
-        None when the setting is not "auto"."""
+        AUTO_STEP_TIME_BUDGET_S (lifted by a prompt waiting AUTO_PROMPT_WAIT_GUARD_S) where a step carrying one whole
+        prompt chunk beside a few decoding streams is predicted to take more than AUTO_BUDGET_TRIGGER budgets, else
+        none. Returns a line saying what was chosen and why, or None when the setting is not "auto"."""
         if self.args.step_time_budget_s != "auto":
             return None
         cfg = self.scheduler.config
@@ -676,9 +682,12 @@ class LLMEngine:
         full = self.scheduler.cost.predict(StepShape(decode_rows=4, decode_keys=4 * 256, prefill_tokens=chunk,
                                                      prefill_keys=chunk_keys(0, chunk)))
         if full > AUTO_BUDGET_TRIGGER * AUTO_STEP_TIME_BUDGET_S:
-            self.scheduler.config = dataclasses.replace(cfg, step_time_budget_s=AUTO_STEP_TIME_BUDGET_S)
-            return (f"step time budget {AUTO_STEP_TIME_BUDGET_S * 1e3:.0f} ms: a step with a {chunk}-token prompt chunk "
-                    f"is predicted at {full * 1e3:.0f} ms here")
+            guard = cfg.prompt_wait_guard_s if cfg.prompt_wait_guard_s is not None else AUTO_PROMPT_WAIT_GUARD_S
+            self.scheduler.config = dataclasses.replace(cfg, step_time_budget_s=AUTO_STEP_TIME_BUDGET_S,
+                                                        prompt_wait_guard_s=guard)
+            return (f"step time budget {AUTO_STEP_TIME_BUDGET_S * 1e3:.0f} ms (lifted while a prompt has waited "
+                    f"{guard * 1e3:.0f} ms): a step with a {chunk}-token prompt chunk is predicted at "
+                    f"{full * 1e3:.0f} ms here")
         return (f"no step time budget: a step with a {chunk}-token prompt chunk is predicted at {full * 1e3:.0f} ms "
                 f"here (a budget of {AUTO_STEP_TIME_BUDGET_S * 1e3:.0f} ms applies from "
                 f"{AUTO_BUDGET_TRIGGER * AUTO_STEP_TIME_BUDGET_S * 1e3:.0f} ms)")
