@@ -197,6 +197,7 @@ def _engine_costing(tiny_gguf, seconds_per_prompt_token: float, budget):
 
     engine = _make_engine(tiny_gguf, step_time_budget_s=budget)
     engine.scheduler.cost.theta = [2e-3, 5e-4, 1e-4, seconds_per_prompt_token, 1e-5]
+    engine.scheduler.cost.observed = 8
     return engine
 
 
@@ -223,6 +224,13 @@ def test_auto_leaves_the_token_budget_alone_where_a_prompt_chunks_step_is_short(
     line = fast.resolve_step_time_budget()
     assert fast.scheduler.config.step_time_budget_s is None
     assert line.startswith("no step time budget")
+
+
+def test_auto_decides_nothing_without_a_timed_step(tiny_gguf):
+    uncalibrated = _engine_costing(tiny_gguf, 1e-2, "auto")
+    uncalibrated.scheduler.cost.observed = 0  # the generic prior alone: a slow machine's figures, but not measured
+    assert uncalibrated.resolve_step_time_budget().startswith("no step time budget")
+    assert uncalibrated.scheduler.config.step_time_budget_s is None
 
 
 def test_a_budget_set_by_hand_is_kept_and_a_wrong_one_refused(tiny_gguf):

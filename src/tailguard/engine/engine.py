@@ -677,6 +677,8 @@ class LLMEngine:
         none. Returns a line saying what was chosen and why, or None when the setting is not "auto"."""
         if self.args.step_time_budget_s != "auto":
             return None
+        if self.scheduler.cost.observed == 0:  # calibration skipped (a cache too small for its prompts): no evidence
+            return "no step time budget: no step was timed at start-up to decide by"
         cfg = self.scheduler.config
         chunk = min(cfg.max_num_batched_tokens, cfg.max_prefill_chunk)
         full = self.scheduler.cost.predict(StepShape(decode_rows=4, decode_keys=4 * 256, prefill_tokens=chunk,
