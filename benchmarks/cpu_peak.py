@@ -1,6 +1,6 @@
 """What this CPU's vector units can multiply at most: the ceiling the prompt path's products are judged against.
 
-    .venv/bin/python benchmarks/cpu_peak.py          # ~10 s; writes benchmarks/results/cpu_peak.json
+    .venv/bin/python benchmarks/cpu_peak.py          # ~20 s; writes benchmarks/results/cpu_peak.json
 
 Compiles a small C program with the machine's gcc (-O3 -march=native, as the kernels are built) that runs, on 1 and
 on all of the kernels' threads, 16 independent chains of one instruction on registers only (no memory traffic):
@@ -77,7 +77,7 @@ def cpu_flags() -> set[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--iterations", type=int, default=3_000_000, help="loop trips of 16 instructions per thread")
+    ap.add_argument("--iterations", type=int, default=30_000_000, help="loop trips of 16 instructions per thread")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     flags = cpu_flags()
