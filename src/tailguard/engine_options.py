@@ -98,7 +98,7 @@ def _budget(text: str) -> float | str | None:
         return "auto"
     value = float(text)
     if not value > 0:
-        raise argparse.ArgumentTypeError("a step time budget is a positive number of seconds, or off")
+        raise argparse.ArgumentTypeError("a step time budget is a positive number of seconds, off or auto")
     return value
 
 

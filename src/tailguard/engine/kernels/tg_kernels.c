@@ -1229,30 +1229,14 @@ int tg_embed(const int64_t *ids, int T, const uint8_t *w, int fmt, int vocab, in
 #define AMX_TILE_ELEMS 512 /* bfloat16 values in one 16 x 64-byte tile */
 
 #if defined(TG_TILE_EMU)
-/* The software tile unit, for CPUs with AVX-512 BF16 and no AMX (AMD Zen 4 and later): eight 1 KiB tile registers
- * a thread, loads and stores as 16 lines of 64 bytes, and TDPBF16PS as 256 VDPBF16PS (for each of B's 16 input
- * pairs, one pair of an A row broadcast times B's line: 16 outputs). The layouts and the order of the sums are the
- * tiles', so the whole prompt path (products, SiLU on the way out, attention) runs on it; its 32 x 32 blocks, where
- * the time goes, are computed whole by emu_block (below) rather than tile instruction by tile instruction, with the
- * same sums. Measured against the block kernels on such a CPU: docs/benchmarks.md. */
+/* The software tile unit, for CPUs with AVX-512 BF16 and no AMX (AMD Zen 4 and later). The tile code's 32 x 32
+ * blocks (products and attention) are computed whole by emu_block (below): VDPBF16PS, a pair of an A row broadcast
+ * times a line of B (16 outputs), on the tiles' layouts and in their order of sums, into four 1 KiB accumulator
+ * tiles a thread that _tile_stored then writes out as the tile code expects. So the whole prompt path (products,
+ * SiLU on the way out, attention) runs on it unchanged but for those blocks. Measured against the block kernels on
+ * such a CPU: docs/benchmarks.md. */
 typedef union { float f[256]; uint32_t u[256]; } __attribute__((aligned(64))) emu_tile;
-static __thread emu_tile emu_tiles[4]; /* the accumulators, 0-3: loaded, summed into, stored */
-/* The operands, 4-7, are read where they lie: every load of one is followed by the products that use it, with no
- * write to its memory in between (a copy into a register file cost ~12% of a tile product's instructions). */
-static __thread const char *emu_operand[8];
-static __thread long emu_operand_stride[8];
-
-static inline __attribute__((always_inline)) void emu_load(int t, const void *p, long stride) {
-    if (t >= 4) {
-        emu_operand[t] = (const char *)p;
-        emu_operand_stride[t] = stride;
-        return;
-    }
-    const char *src = (const char *)p;
-    uint32_t *dst = emu_tiles[t].u;
-    for (int r = 0; r < 16; r++)
-        _mm512_store_si512((void *)(dst + 16 * r), _mm512_loadu_si512((const void *)(src + (size_t)r * stride)));
-}
+static __thread emu_tile emu_tiles[4]; /* the accumulators 0-3 of the block emu_block computed last */
 
 static inline __attribute__((always_inline)) void emu_store(int t, void *p, long stride) {
     char *dst = (char *)p;
@@ -1261,28 +1245,8 @@ static inline __attribute__((always_inline)) void emu_store(int t, void *p, long
         _mm512_storeu_si512((void *)(dst + (size_t)r * stride), _mm512_load_si512((const void *)(src + 16 * r)));
 }
 
-static inline __attribute__((always_inline)) void emu_zero(int t) {
-    for (int r = 0; r < 16; r++) _mm512_store_ps(emu_tiles[t].f + 16 * r, _mm512_setzero_ps());
-}
-
-static inline __attribute__((always_inline)) void emu_dpbf16(int c, int a, int b) {
-    float *C = emu_tiles[c].f;
-    const char *A = emu_operand[a], *B = emu_operand[b];
-    const long sa = emu_operand_stride[a], sb = emu_operand_stride[b];
-    __m512 acc[16];
-    for (int m = 0; m < 16; m++) acc[m] = _mm512_load_ps(C + 16 * m);
-    for (int i = 0; i < 16; i++) {
-        const __m512bh line = (__m512bh)_mm512_loadu_si512((const void *)(B + (size_t)i * sb));
-        for (int m = 0; m < 16; m++) {
-            int pair;
-            memcpy(&pair, A + (size_t)m * sa + 4 * i, 4);
-            acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32(pair), line);
-        }
-    }
-    for (int m = 0; m < 16; m++) _mm512_store_ps(C + 16 * m, acc[m]);
-}
-
-/* gcc's immintrin.h defines the AMX names as macros whatever the target: ours replace them */
+/* gcc's immintrin.h defines the AMX names as macros whatever the target: the ones the emulated path still reaches
+ * are replaced, the others removed, so that tile code left outside emu_block cannot compile to AMX instructions */
 #undef _tile_loadd
 #undef _tile_stream_loadd
 #undef _tile_stored
@@ -1290,11 +1254,7 @@ static inline __attribute__((always_inline)) void emu_dpbf16(int c, int a, int b
 #undef _tile_dpbf16ps
 #undef _tile_loadconfig
 #undef _tile_release
-#define _tile_loadd(t, p, stride) emu_load((t), (p), (stride))
-#define _tile_stream_loadd(t, p, stride) emu_load((t), (p), (stride))
 #define _tile_stored(t, p, stride) emu_store((t), (p), (stride))
-#define _tile_zero(t) emu_zero(t)
-#define _tile_dpbf16ps(c, a, b) emu_dpbf16((c), (a), (b))
 #define _tile_loadconfig(cfg) ((void)(cfg))
 #define _tile_release() ((void)0)
 
@@ -1376,6 +1336,7 @@ static inline int amx_row_block(int K) {
     return rb < 32 ? 32 : rb;
 }
 
+#if !defined(TG_TILE_EMU)
 /* K tile kb of a 32 x 32 block: rows a0 / a1 (16 each) times columns b0 / b1 (16 each) into accumulators 0-3, for
  * amx_block_part and the gate/up loop that applies SiLU between K tiles. */
 static inline __attribute__((always_inline)) void amx_k_step(const uint16_t *a0, const uint16_t *a1,
@@ -1389,6 +1350,7 @@ static inline __attribute__((always_inline)) void amx_k_step(const uint16_t *a0,
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
 }
+#endif
 
 /* Accumulators 0-3 = the 32 x 32 block of rows a0 (two A tiles' rows, kbn tiles each) times the columns of b0 (two
  * column tiles), over K tiles [kb0, kb1) from the sums in acc (NULL: from zero): over the whole of K in pieces or at
