@@ -1352,19 +1352,16 @@ static inline __attribute__((always_inline)) void amx_k_step(const uint16_t *a0,
 }
 #endif
 
-/* Accumulators 0-3 = the 32 x 32 block of rows a0 (two A tiles' rows, kbn tiles each) times the columns of b0 (two
- * column tiles), over K tiles [kb0, kb1) from the sums in acc (NULL: from zero): over the whole of K in pieces or at
- * once, one sum sequence per output, whichever block or thread computes it. The
- * activations' tiles, streamed from L2 and used once here, load with the non-temporal hint (TILELOADDT1) so they do
- * not push the weight's tiles out of L1: ~20% more products a second at K = 576 (one core, 512-1,536 rows). */
+/* amx_block_part: accumulators 0-3 = the 32 x 32 block of rows a0 (two A tiles' rows, kbn tiles each) times the
+ * columns of b0 (two column tiles), over K tiles [kb0, kb1) from the sums in acc (NULL: from zero): over the whole of
+ * K in pieces or at once, one sum sequence per output, whichever block or thread computes it. */
 #if defined(TG_TILE_EMU)
 /* The software tile unit's 32 x 32 block: 8 rows at a time with their 16 sums (8 rows x 2 column tiles) in
- * registers over all of its K tiles, then into accumulators 0-3 as the tile code expects them. Per tile
- * instruction (emu_dpbf16) the sums went through memory and each B line fed 16 products; here each B line feeds
- * 8 rows' products straight from registers: the same sums in the same order, 1.1-1.5x the products a second
- * (benchmarks/tile_product.py); keeping B's lines in L1 across the four passes (K in pieces) gained nothing.
- * A's rows 0-15 start at a_lo, 16-31 at a_hi, sa bytes apart; K tile k of A is ak bytes on, of B (columns 0-15 at
- * b0, 16-31 at b1) bk bytes on; acc: the sums so far (32 rows of 32), or NULL. */
+ * registers over all of its K tiles, then into accumulators 0-3 as the tile code expects them; each line of B feeds
+ * 8 rows' products. Against emulating each tile instruction with its sums through memory: the same sums in the same
+ * order, 1.1-1.5x the products a second (benchmarks/tile_product.py); keeping B's lines in L1 across the four passes
+ * (K in pieces) gained nothing. A's rows 0-15 start at a_lo, 16-31 at a_hi, sa bytes apart; K tile k of A is ak
+ * bytes on, of B (columns 0-15 at b0, 16-31 at b1) bk bytes on; acc: the sums so far (32 rows of 32), or NULL. */
 #define EMU_ROWS 8
 static inline __attribute__((always_inline)) void emu_rows_part(const char *a, long sa, long ak, const char *b0,
                                                                 const char *b1, long bk, int k0, int k1,
@@ -1396,7 +1393,8 @@ static inline __attribute__((always_inline)) void emu_block(const void *a_lo, co
         }
         const char *a = (const char *)(row0 < 16 ? a_lo : a_hi) + sa * (row0 % 16);
         emu_rows_part(a, sa, ak, (const char *)b0, (const char *)b1, bk, k0, k1, s);
-        float *t0 = emu_tiles[row0 < 16 ? 0 : 2].f + 16 * (row0 % 16), *t1 = emu_tiles[row0 < 16 ? 1 : 3].f + 16 * (row0 % 16);
+        float *t0 = emu_tiles[row0 < 16 ? 0 : 2].f + 16 * (row0 % 16);
+        float *t1 = emu_tiles[row0 < 16 ? 1 : 3].f + 16 * (row0 % 16);
         for (int r = 0; r < EMU_ROWS; r++) {
             _mm512_store_ps(t0 + 16 * r, s[2 * r]);
             _mm512_store_ps(t1 + 16 * r, s[2 * r + 1]);
@@ -1410,6 +1408,8 @@ static inline void amx_block_part(const uint16_t *a0, const uint16_t *b0, int kb
               acc);
 }
 #else
+/* The activations' tiles, streamed from L2 and used once here, load with the non-temporal hint (TILELOADDT1) so they
+ * do not push the weight's tiles out of L1: ~20% more products a second at K = 576 (one core, 512-1,536 rows). */
 static inline void amx_block_part(const uint16_t *a0, const uint16_t *b0, int kbn, int kb0, int kb1, const float *acc) {
     const uint16_t *a1 = a0 + (size_t)kbn * AMX_TILE_ELEMS, *b1 = b0 + (size_t)kbn * AMX_TILE_ELEMS;
     if (acc == NULL) {
@@ -1584,13 +1584,12 @@ static void amx_silu_range(void *arg, int64_t g0, int64_t g1) {
             for (int m0 = mb; m0 < me; m0 += 32) {
                 amx_prefetch_group(j->w, gn, ikbn, kbn, (m0 - mb) / 32, parts); /* the next gate half */
                 const uint16_t *a0 = j->x + (size_t)(m0 / 16) * kbn * AMX_TILE_ELEMS;
-                const uint16_t *a1 = a0 + (size_t)kbn * AMX_TILE_ELEMS, *b1 = bu + (size_t)kbn * AMX_TILE_ELEMS;
                 const float *cp = prev >= 0 ? cb[((prev - mb) / 32) & 1] : NULL;
 #if defined(TG_TILE_EMU) /* one set of vector units: nothing to overlap */
-                (void)a1; (void)b1;
                 amx_block(a0, bu, kbn);
                 if (cp != NULL) silu_act_rows(j, gate, cp, mb, prev, g, 0, 32);
 #else
+                const uint16_t *a1 = a0 + (size_t)kbn * AMX_TILE_ELEMS, *b1 = bu + (size_t)kbn * AMX_TILE_ELEMS;
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 for (int kb = 0; kb < kbn; kb++) { /* amx_block's products, the same order */
                     amx_k_step(a0, a1, bu, b1, kb);
