@@ -4,8 +4,9 @@ alternating prompts, so a noisy host slows both alike and the paired ratios show
     git show a8bc588:src/tailguard/engine/kernels/tg_kernels.c > /tmp/before.c
     .venv/bin/python benchmarks/prompt_ab.py /tmp/before.c          # ~2 min; writes benchmarks/results/prompt_ab.json
 
-For each prompt length: TTFT of one prompt (max_tokens 1, one chunk, no prefix cache) and the C step's attention
-phase, before and after alternating (the order flipped every pair), medians and the median of the paired ratios.
+For each prompt length: TTFT of one prompt (max_tokens 1, one chunk, no prefix cache) and one phase of the C step
+(--phase: attention, rope + KV write, norms, o ... as benchmarks/profile_native_step.py names them), before and after
+alternating (the order flipped every pair), medians and the median of the paired ratios.
 Both builds share the engine's packed weights, so the two sources must agree on the library's ABI.
 """
 
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="512,1536")
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--phase", default="attention", choices=kernels.PROFILE_PHASES)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     libs = {"before": kernels.load_build(args.before), "after": kernels.lib()}
@@ -43,7 +45,7 @@ def main() -> None:
     one = SamplingParams(max_tokens=1, temperature=0)
     rng = np.random.default_rng(0)
     rows = []
-    print(f"{'prompt':>6} | {'before':>16} | {'after':>16} | after / before (paired): TTFT, attention", flush=True)
+    print(f"{'prompt':>6} | {'before':>16} | {'after':>16} | after / before (paired): TTFT, {args.phase}", flush=True)
     for n in lengths:
         ids = rng.integers(100, 40000, size=n).tolist()
         for lib in libs.values():  # warm both
@@ -57,20 +59,20 @@ def main() -> None:
                 t = time.perf_counter()
                 engine.generate([ids], one)
                 t = time.perf_counter() - t
-                attention = kernels.profile_read()["attention"]
+                phase = kernels.profile_read()[args.phase]
                 kernels.profile_decode(False)
-                runs[name].append((t, attention))
+                runs[name].append((t, phase))
         ttft = {k: statistics.median(r[0] for r in v) for k, v in runs.items()}
-        attn = {k: statistics.median(r[1] for r in v) for k, v in runs.items()}
+        phase = {k: statistics.median(r[1] for r in v) for k, v in runs.items()}
         r_ttft = statistics.median(a[0] / b[0] for a, b in zip(runs["after"], runs["before"], strict=True))
-        r_attn = statistics.median(a[1] / b[1] for a, b in zip(runs["after"], runs["before"], strict=True))
-        rows.append({"prompt_tokens": n, "ttft_s": ttft, "attention_s": attn, "paired_ratio_ttft": r_ttft,
-                     "paired_ratio_attention": r_attn, "runs": runs})
-        print(f"{n:>6} | {ttft['before'] * 1e3:>5.0f} ms ({attn['before'] * 1e3:>5.1f}) | "
-              f"{ttft['after'] * 1e3:>5.0f} ms ({attn['after'] * 1e3:>5.1f}) | {r_ttft:.3f}x, {r_attn:.3f}x", flush=True)
+        r_phase = statistics.median(a[1] / b[1] for a, b in zip(runs["after"], runs["before"], strict=True))
+        rows.append({"prompt_tokens": n, "ttft_s": ttft, "phase_s": phase, "paired_ratio_ttft": r_ttft,
+                     "paired_ratio_phase": r_phase, "runs": runs})
+        print(f"{n:>6} | {ttft['before'] * 1e3:>5.0f} ms ({phase['before'] * 1e3:>5.1f}) | "
+              f"{ttft['after'] * 1e3:>5.0f} ms ({phase['after'] * 1e3:>5.1f}) | {r_ttft:.3f}x, {r_phase:.3f}x", flush=True)
     kernels._lib = libs["after"]
     out = {"benchmark": "prompt_ab", "date": datetime.date.today().isoformat(), "before": str(args.before),
-           "threads": args.threads, "pairs": args.pairs, "load_average": os.getloadavg(), "rows": rows}
+           "phase": args.phase, "threads": args.threads, "pairs": args.pairs, "load_average": os.getloadavg(), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")

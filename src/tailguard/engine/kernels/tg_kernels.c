@@ -1225,6 +1225,63 @@ int tg_embed(const int64_t *ids, int T, const uint8_t *w, int fmt, int vocab, in
 #define TG_TILE_EMU 1 /* no AMX: the same tile code on the software tile unit below */
 #endif
 
+/* ---- scratch buffers ----------------------------------------------------------------------------------------- */
+
+/* This thread's scratch `slot` of at least `bytes` (64-byte aligned): a step's row buffers and the prompt path's
+ * tiles. They stay from step to step: fresh ones at these sizes (mmap'd by malloc, or heap that free hands back to
+ * the OS) cost a page fault every 4 KiB each time, ~2,200 faults in a 512-token prompt step (~6 ms at the ~2.6 us a
+ * fault costs on these machines). scratch_trim, at a step's end, frees those over SCRATCH_KEEP_BYTES, so that a
+ * rare large step does not hold its memory; a thread's buffers go when the thread ends. */
+enum { SCRATCH_X, SCRATCH_ACT, SCRATCH_K, SCRATCH_V, STEP_X, STEP_H, STEP_QKV, STEP_Q, STEP_ATTN, STEP_GU, STEP_ACT,
+       SCRATCHES };
+#define SCRATCH_KEEP_BYTES ((size_t)16 << 20)
+typedef struct {
+    void *buf[SCRATCHES];
+    size_t cap[SCRATCHES];
+} scratch_set;
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free_set(void *p) {
+    scratch_set *s = (scratch_set *)p;
+    for (int i = 0; i < SCRATCHES; i++) free(s->buf[i]);
+    free(s);
+}
+
+static void scratch_key_init(void) { pthread_key_create(&scratch_key, scratch_free_set); }
+
+static scratch_set *scratch_of_thread(void) {
+    pthread_once(&scratch_once, scratch_key_init);
+    scratch_set *s = (scratch_set *)pthread_getspecific(scratch_key);
+    if (s == NULL) {
+        s = (scratch_set *)calloc(1, sizeof(scratch_set));
+        if (s == NULL) abort();
+        pthread_setspecific(scratch_key, s);
+    }
+    return s;
+}
+
+static void *scratch(int slot, size_t bytes) {
+    scratch_set *s = scratch_of_thread();
+    if (bytes > s->cap[slot]) {
+        free(s->buf[slot]);
+        s->cap[slot] = (bytes + 65535) / 65536 * 65536;
+        s->buf[slot] = aligned_alloc(64, s->cap[slot]);
+        if (s->buf[slot] == NULL) abort();
+    }
+    return s->buf[slot];
+}
+
+static void scratch_trim(void) {
+    scratch_set *s = (scratch_set *)pthread_getspecific(scratch_key);
+    for (int i = 0; s != NULL && i < SCRATCHES; i++)
+        if (s->cap[i] > SCRATCH_KEEP_BYTES) {
+            free(s->buf[i]);
+            s->buf[i] = NULL;
+            s->cap[i] = 0;
+        }
+}
+
 #if defined(TG_AMX)
 #define AMX_TILE_ELEMS 512 /* bfloat16 values in one 16 x 64-byte tile */
 
@@ -1655,35 +1712,11 @@ static void to_tiles_range(void *arg, int64_t b0, int64_t b1) {
     free(row);
 }
 
-/* This thread's scratch `slot` of at least `bytes` (64-byte aligned), kept until amx_scratch_release: a prompt
- * step's products and attention need 0.2-6 MiB buffers ~8 times a layer, and fresh ones (mmap'd by malloc at that
- * size) cost a page fault every 4 KiB each time; the step releases them at its end. */
-enum { SCRATCH_X, SCRATCH_ACT, SCRATCH_K, SCRATCH_V, SCRATCHES };
-static _Thread_local void *scratch_buf[SCRATCHES];
-static _Thread_local size_t scratch_cap[SCRATCHES];
-
-static void *amx_scratch(int slot, size_t bytes) {
-    if (bytes > scratch_cap[slot]) {
-        free(scratch_buf[slot]);
-        scratch_cap[slot] = (bytes + 65535) / 65536 * 65536;
-        scratch_buf[slot] = aligned_alloc(64, scratch_cap[slot]);
-    }
-    return scratch_buf[slot];
-}
-
-static void amx_scratch_release(void) {
-    for (int i = 0; i < SCRATCHES; i++) {
-        free(scratch_buf[i]);
-        scratch_buf[i] = NULL;
-        scratch_cap[i] = 0;
-    }
-}
-
 /* x[T, K] as A tiles, Tp = T rounded up to 32 rows (zeros past T), in scratch `slot`; each row through the RMS norm
  * of weight norm_w (not NULL), or turned back head by head (unturn_hd > 0), first. */
 static uint16_t *amx_tiles_of(const float *x, int T, int K, int slot, const float *norm_w, float eps, int unturn_hd) {
     const int Tp = (T + 31) / 32 * 32;
-    uint16_t *xb = (uint16_t *)amx_scratch(slot, (size_t)Tp * K * 2);
+    uint16_t *xb = (uint16_t *)scratch(slot, (size_t)Tp * K * 2);
     to_tiles_job tj = {x, T, K, xb, norm_w, eps, unturn_hd};
     tg_for(Tp / 16, 2, Tp >= 64, 0, to_tiles_range, &tj);
     return xb;
@@ -1707,7 +1740,7 @@ static void linear_amx(const float *x, int T, int K, const uint16_t *wb, int N, 
  * scratch, valid until its next gate_up_amx): x as A tiles (amx_tiles), W = gate|up, [2I, K] as bfloat16 tiles. */
 static const uint16_t *gate_up_amx(const uint16_t *xb, int T, int K, const uint16_t *wb, int I) {
     const int Tp = (T + 31) / 32 * 32;
-    uint16_t *act = (uint16_t *)amx_scratch(SCRATCH_ACT, (size_t)Tp * I * 2);
+    uint16_t *act = (uint16_t *)scratch(SCRATCH_ACT, (size_t)Tp * I * 2);
     amx_silu_job j = {xb, wb, T, Tp, K, I, act};
     tg_for(I / 32, 1, 1, 0, amx_silu_range, &j);
     return act;
@@ -1717,7 +1750,7 @@ static const uint16_t *gate_up_amx(const uint16_t *xb, int T, int K, const uint1
 int tg_linear_bf16(const float *x, int T, int K, const uint16_t *wb, int N, float *y, int accumulate) {
     if (T < 1 || K % 32 || N % 32 || !tg_amx_available()) return -1;
     linear_amx(x, T, K, wb, N, y, N, accumulate);
-    amx_scratch_release();
+    scratch_trim();
     return 0;
 }
 #else
@@ -1833,19 +1866,24 @@ static inline int kv_rotated(int fmt, int hd) { return fmt == TG_KV_I8 && hd >= 
 
 #if defined(__AVX512F__)
 /* hadamard below for n = 16 .. 512 in registers: the same adds in the same order, so the same numbers. Butterflies
- * within a vector pair lane L with lane L ^ s (a permute, then a masked subtract), across vectors whole vectors. */
-static void hadamard_avx512(float *v, int n) {
-    const int nv = n / 16;
-    __m512 r[32];
-    for (int i = 0; i < nv; i++) r[i] = _mm512_loadu_ps(v + 16 * i);
+ * within a vector pair lane L with lane L ^ s: an in-lane shuffle or a swap of 128-bit lanes brings the partner, and
+ * one fused multiply-add with +-1 (exact) makes a + b in the lower lane and b - a in the upper, rounded once as the
+ * add or subtract is (a permute with an index vector, an add and a masked subtract cost 1.5x as much: the turn was
+ * most of a prompt step's RoPE + KV write). Across vectors, whole vectors. */
+static inline __m512 lanes_sign(int s) { /* +1 in lanes L with L & s == 0, -1 in the others */
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int s = 1; s < 16; s <<= 1) {
-        const __m512i partner = _mm512_xor_si512(lane, _mm512_set1_epi32(s));
-        const __mmask16 upper = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(s));
-        for (int i = 0; i < nv; i++) {
-            const __m512 p = _mm512_permutexvar_ps(partner, r[i]);
-            r[i] = _mm512_mask_sub_ps(_mm512_add_ps(r[i], p), upper, p, r[i]);
-        }
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(lane, _mm512_set1_epi32(s)), _mm512_set1_ps(1.0f),
+                                _mm512_set1_ps(-1.0f));
+}
+
+static inline __attribute__((always_inline)) void hadamard_regs(__m512 *r, int nv) {
+    const __m512 s1 = lanes_sign(1), s2 = lanes_sign(2), s4 = lanes_sign(4), s8 = lanes_sign(8);
+    for (int i = 0; i < nv; i++) {
+        __m512 v = r[i];
+        v = _mm512_fmadd_ps(v, s1, _mm512_permute_ps(v, 0xB1));
+        v = _mm512_fmadd_ps(v, s2, _mm512_permute_ps(v, 0x4E));
+        v = _mm512_fmadd_ps(v, s4, _mm512_shuffle_f32x4(v, v, 0xB1));
+        r[i] = _mm512_fmadd_ps(v, s8, _mm512_shuffle_f32x4(v, v, 0x4E));
     }
     for (int len = 1; len < nv; len <<= 1)
         for (int i = 0; i < nv; i += len << 1)
@@ -1854,8 +1892,16 @@ static void hadamard_avx512(float *v, int n) {
                 r[j] = _mm512_add_ps(a, b);
                 r[j + len] = _mm512_sub_ps(a, b);
             }
-    const __m512 sc = _mm512_set1_ps(1.0f / sqrtf((float)n));
-    for (int i = 0; i < nv; i++) _mm512_storeu_ps(v + 16 * i, _mm512_mul_ps(r[i], sc));
+    const __m512 sc = _mm512_set1_ps(1.0f / sqrtf((float)(16 * nv)));
+    for (int i = 0; i < nv; i++) r[i] = _mm512_mul_ps(r[i], sc);
+}
+
+static void hadamard_avx512(float *v, int n) {
+    const int nv = n / 16;
+    __m512 r[32];
+    for (int i = 0; i < nv; i++) r[i] = _mm512_loadu_ps(v + 16 * i);
+    hadamard_regs(r, nv);
+    for (int i = 0; i < nv; i++) _mm512_storeu_ps(v + 16 * i, r[i]);
 }
 #endif
 
@@ -1877,35 +1923,43 @@ static void hadamard(float *v, int n) {
     for (int i = 0; i < n; i++) v[i] *= s;
 }
 
+#if defined(__AVX512F__) && defined(__F16C__)
+/* One KV row of 16 * nv values held in registers, stored at element offset off (fmt F16 or I8): lane by lane the
+ * scalar code's operations below (the max of |x| is the same in any order, division is IEEE's, rounding half to
+ * even), so the same bytes. */
+static inline __attribute__((always_inline)) void kv_store_regs(void *kv, int fmt, size_t off, const __m512 *r,
+                                                                int nv) {
+    if (fmt == TG_KV_F16) {
+        uint16_t *d = (uint16_t *)kv + off;
+        for (int i = 0; i < nv; i++)
+            _mm256_storeu_si256((__m256i *)(d + 16 * i), _mm512_cvtps_ph(r[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        return;
+    }
+    int8_t *d = (int8_t *)kv + off;
+    __m512 amax = _mm512_setzero_ps();
+    for (int i = 0; i < nv; i++) amax = _mm512_max_ps(_mm512_abs_ps(r[i]), amax);
+    const uint16_t sh = f2h(_mm512_reduce_max_ps(amax) / 127.0f);
+    float s = h2f(sh);
+    if (s == 0.0f) s = 1.0f;
+    const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (int i = 0; i < nv; i++) {
+        const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(r[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(d + 16 * i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, lo), hi))));
+    }
+    memcpy(d + 16 * nv, &sh, 2);
+}
+#endif
+
 /* One (position, kv head) row of hd values at element offset off. int8: the same numbers as torch_model.py's
  * quantize_kv (scale rounded to float16 first, then q = round-half-even(x / scale), clamped to +-127). */
 static inline void kv_store(void *kv, int fmt, size_t off, const float *src, int hd) {
 #if defined(__AVX512F__) && defined(__F16C__)
-    /* 16 values at a time, lane by lane the scalar code's operations (the max of |x| is the same in any order,
-     * division is IEEE's, rounding half to even), so the same bytes: the scalar loops were ~2/3 of a prompt
-     * step's RoPE + KV write (a divide and a rounding per value, a serial max). */
-    if (hd % 16 == 0 && fmt != TG_KV_F32) {
-        if (fmt == TG_KV_F16) {
-            uint16_t *d = (uint16_t *)kv + off;
-            for (int i = 0; i < hd; i += 16)
-                _mm256_storeu_si256((__m256i *)(d + i), _mm512_cvtps_ph(_mm512_loadu_ps(src + i),
-                                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            return;
-        }
-        int8_t *d = (int8_t *)kv + off;
-        __m512 amax = _mm512_setzero_ps();
-        for (int i = 0; i < hd; i += 16) amax = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(src + i)), amax);
-        const uint16_t sh = f2h(_mm512_reduce_max_ps(amax) / 127.0f);
-        float s = h2f(sh);
-        if (s == 0.0f) s = 1.0f;
-        const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-        for (int i = 0; i < hd; i += 16) {
-            const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(src + i), sv),
-                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            _mm_storeu_si128((__m128i *)(d + i),
-                             _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi))));
-        }
-        memcpy(d + hd, &sh, 2);
+    /* 16 values at a time: the scalar loops were ~2/3 of a prompt step's RoPE + KV write (a divide and a rounding
+     * per value, a serial max). */
+    if (hd % 16 == 0 && hd <= 512 && fmt != TG_KV_F32) {
+        __m512 r[32];
+        for (int i = 0; i < hd / 16; i++) r[i] = _mm512_loadu_ps(src + 16 * i);
+        kv_store_regs(kv, fmt, off, r, hd / 16);
         return;
     }
 #endif
@@ -2557,8 +2611,8 @@ static void prompt_attention_amx(const tg_model *m, const tg_kv *c, int layer, c
     pattn_job j = {c, q, out, table, p0, n, ctx, ctx_pad, H, G, hd, H / G, bs, rw, c->fmt == TG_KV_I8, ctx_pad / 16,
                    ctx_pad / 32, (size_t)layer * 2 * c->num_blocks * bs * G * rw, (size_t)c->num_blocks * bs * G * rw,
                    1.0f / sqrtf((float)hd), NULL, NULL};
-    j.kt = (uint16_t *)amx_scratch(SCRATCH_K, sizeof(uint16_t) * (size_t)G * ctx_pad * hd);
-    j.vt = (uint16_t *)amx_scratch(SCRATCH_V, sizeof(uint16_t) * (size_t)G * ctx_pad * hd);
+    j.kt = (uint16_t *)scratch(SCRATCH_K, sizeof(uint16_t) * (size_t)G * ctx_pad * hd);
+    j.vt = (uint16_t *)scratch(SCRATCH_V, sizeof(uint16_t) * (size_t)G * ctx_pad * hd);
     tg_for((int64_t)G * j.nkb32, 1, 1, 0, pattn_pack_range, &j);
     const int64_t tasks = (int64_t)G * ((n * (H / G) + PA_ROWS - 1) / PA_ROWS);
     tg_for(tasks, 1, 1, 1, pattn_range, &j);
@@ -2687,10 +2741,54 @@ static void norm_range(void *arg, int64_t d0, int64_t d1) {
     for (int64_t d = d0; d < d1; d++) rms_norm(j->in + (size_t)d * Hd, j->norm_w, Hd, j->m->eps, j->out + (size_t)d * Hd);
 }
 
+#if defined(__AVX512F__) && defined(__F16C__)
+/* rope_kv_range below with each head in registers from load to store: RoPE, the Hadamard turn, then the query's
+ * float row or the KV row's bytes, where the loop below makes three passes over the row and a copy. The same
+ * operations in the same order (RoPE as x * cos + x_rolled * sin with the first product fused, as GCC contracts the
+ * loop below), so the same numbers. */
+static void rope_kv_rows_avx512(const rows_job *j, int64_t d0, int64_t d1) {
+    const tg_model *m = j->m;
+    const int H = m->n_heads, G = m->n_kv, hd = m->head_dim, qd = H * hd, kvd = G * hd, qkv_w = qd + 2 * kvd;
+    const int nv = hd / 16, nh = nv / 2;
+    for (int64_t d = d0; d < d1; d++) {
+        const float *row = j->out + (size_t)d * qkv_w;
+        const float *cs = m->cos + (size_t)j->positions[d] * hd, *sn = m->sin + (size_t)j->positions[d] * hd;
+        for (int i = 0; i < H + 2 * G; i++) {
+            __m512 r[32];
+            for (int v = 0; v < nv; v++) r[v] = _mm512_loadu_ps(row + (size_t)i * hd + 16 * v);
+            if (i < H + G)
+                for (int v = 0; v < nh; v++) {
+                    const __m512 lo = r[v], hi = r[v + nh];
+                    r[v] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(cs + 16 * v), _mm512_mul_ps(hi, _mm512_loadu_ps(sn + 16 * v)));
+                    r[v + nh] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(cs + 16 * (v + nh)),
+                                                _mm512_mul_ps(lo, _mm512_loadu_ps(sn + 16 * (v + nh))));
+                }
+            if (j->rotated) hadamard_regs(r, nv);
+            if (i < H) {
+                for (int v = 0; v < nv; v++) _mm512_storeu_ps(j->q + (size_t)d * qd + (size_t)i * hd + 16 * v, r[v]);
+            } else {
+                const int g = i < H + G ? i - H : i - H - G;
+                const size_t at = j->layer_off + ((size_t)j->slots[d] * G + g) * j->rw + (i < H + G ? 0 : j->v_off);
+                if (j->c->fmt == TG_KV_F32)
+                    for (int v = 0; v < nv; v++) _mm512_storeu_ps((float *)j->c->kv + at + 16 * v, r[v]);
+                else
+                    kv_store_regs(j->c->kv, j->c->fmt, at, r, nv);
+            }
+        }
+    }
+}
+#endif
+
 static void rope_kv_range(void *arg, int64_t d0, int64_t d1) {
     const rows_job *j = (const rows_job *)arg;
     const tg_model *m = j->m;
     const int H = m->n_heads, G = m->n_kv, hd = m->head_dim, qd = H * hd, kvd = G * hd, qkv_w = qd + 2 * kvd;
+#if defined(__AVX512F__) && defined(__F16C__)
+    if (hd % 32 == 0 && hd <= 512) {
+        rope_kv_rows_avx512(j, d0, d1);
+        return;
+    }
+#endif
     for (int64_t d = d0; d < d1; d++) {
         float *row = j->out + (size_t)d * qkv_w;
         const float *cs = m->cos + (size_t)j->positions[d] * hd, *sn = m->sin + (size_t)j->positions[d] * hd;
@@ -2755,7 +2853,7 @@ static void step_mlp(const float *h, const uint16_t *hb, int D, int n_dec, int H
     PHASE(P_DOWN, step_linear(act, D, n_dec, I, &L->down, x, Hd, 1));
 }
 
-static float *step_buffer(size_t floats) { return (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64); }
+static float *step_buffer(int slot, size_t floats) { return (float *)scratch(slot, floats * sizeof(float)); }
 
 int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, const int64_t *positions,
               const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *ctx_lens, int n_out,
@@ -2773,13 +2871,13 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
     for (int o = 0; out_rows != NULL && o < n_out; o++)
         if (out_rows[o] < 0 || out_rows[o] >= D) return -5;
     /* on 64-byte lines: the matrix units store 64-byte tile rows straight into these */
-    float *x = step_buffer((size_t)D * Hd);
-    float *h = step_buffer((size_t)D * Hd);
-    float *qkv = step_buffer((size_t)D * qkv_w);
-    float *q = step_buffer((size_t)D * qd);
-    float *attn = step_buffer((size_t)D * qd);
-    float *gu = step_buffer((size_t)D * 2 * I);
-    float *act = step_buffer((size_t)D * I);
+    float *x = step_buffer(STEP_X, (size_t)D * Hd);
+    float *h = step_buffer(STEP_H, (size_t)D * Hd);
+    float *qkv = step_buffer(STEP_QKV, (size_t)D * qkv_w);
+    float *q = step_buffer(STEP_Q, (size_t)D * qd);
+    float *attn = step_buffer(STEP_ATTN, (size_t)D * qd);
+    float *gu = step_buffer(STEP_GU, (size_t)D * 2 * I);
+    float *act = step_buffer(STEP_ACT, (size_t)D * I);
     const int64_t erb = row_bytes(m->embed.fmt, Hd);
     for (int d = 0; d < D; d++) dequant_row_at(m->embed.data, m->embed.fmt, Hd, erb, tokens[d], x + (size_t)d * Hd);
     const int rw = kv_row_width(c->fmt, hd);
@@ -2814,9 +2912,6 @@ int tg_decode(const tg_model *m, const tg_kv *c, int D, const int64_t *tokens, c
     }
     if (n_out > 0) PHASE(P_HEAD, linear(h, n_out, Hd, m->lm_head.data, m->lm_head.fmt, m->vocab, logits, m->vocab, 0));
     pool_park();
-#if defined(TG_AMX)
-    amx_scratch_release();
-#endif
-    free(x); free(h); free(qkv); free(q); free(attn); free(gu); free(act);
+    scratch_trim();
     return 0;
 }
