@@ -34,6 +34,10 @@ class BlockPool:
         self._block_of_hash: dict[bytes, int] = {}
         self._hash_of_block: dict[int, bytes] = {}
         self.num_evictions = 0  # cached blocks whose content was dropped to hand them out again
+        # Blocks >= this were never handed out. The free list keeps them as one ascending run between the reused
+        # blocks at its head and the cached ones at its tail, and hands them out in that order, so this is all it
+        # takes to know them (the KV cache's pages of those blocks were never written: engine.warm_kv).
+        self._fresh_from = 0
 
     @property
     def num_free(self) -> int:
@@ -50,6 +54,11 @@ class BlockPool:
         """Blocks registered in the prefix cache (referenced or not)."""
         return len(self._hash_of_block)
 
+    @property
+    def fresh_from(self) -> int:
+        """The lowest block never handed out; every block from it on was never handed out either."""
+        return self._fresh_from
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -63,6 +72,7 @@ class BlockPool:
         for _ in range(num_blocks):
             block, _ = self._free.popitem(last=False)
             self._forget(block)  # its old content is about to be overwritten
+            self._fresh_from = max(self._fresh_from, block + 1)
             self._holders[block] = [owner]
             blocks.append(block)
         return blocks

@@ -88,6 +88,13 @@ def allocate_kv_cache(config, num_blocks: int, block_size: int, kv_dtype: str) -
     return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.dtype(kv_dtype), count=math.prod(shape)).reshape(shape)
 
 
+def touch_kv_blocks(kv_cache, first: int, end: int) -> None:
+    """Write zeros into blocks [first, end) of every layer's K and V (a numpy array or a CPU tensor laid out [layer,
+    k|v, block, ...]): their pages become resident now instead of at a step's first write. Only for blocks that were
+    never handed out, which read as zeros anyway."""
+    kv_cache[:, :, first:end] = 0
+
+
 def rope_tables(config) -> tuple[np.ndarray, np.ndarray]:
     """cos and signed sin [max_position, head_dim] float32: x * cos + rotate_half(x) * sin == x * cos + roll(x, half)
     * [-sin, sin], the sign kept in the table (torch_model.py and tg_kernels.c read these same tables)."""

@@ -29,6 +29,7 @@ from tailguard.engine.kv_layout import (
     decode_step_fits,
     kv_bytes_per_token,
     rope_tables,
+    touch_kv_blocks,
 )
 from tailguard.engine.loader import ModelWeights
 from tailguard.engine.sampling import SampledToken, Sampler
@@ -90,6 +91,10 @@ class NativeRunner:
             final_norm=w.norm, embed_w=w.embed, lm_head=w.lm_head, cos=model.cos, sin=model.sin,
             kv_cache=self.kv_cache)
         self._torch_runner: ModelRunner | None = None
+
+    def touch_kv_blocks(self, first: int, end: int) -> None:
+        """Make never-used blocks [first, end) of the KV cache resident (engine.warm_kv)."""
+        touch_kv_blocks(self.kv_cache, first, end)
 
     # --- the torch runner, for the steps this one does not take -----------------------------------------------------
     def _needs_torch(self, chunks: list[ScheduledChunk]) -> bool:

@@ -6,7 +6,7 @@ import torch
 
 from tailguard.engine.blocks import BlockTable
 from tailguard.engine.internals import StepProbe
-from tailguard.engine.kv_layout import NATIVE_PREFILL_MAX_CONTEXT
+from tailguard.engine.kv_layout import NATIVE_PREFILL_MAX_CONTEXT, touch_kv_blocks
 from tailguard.engine.sampling import SampledToken, banned_tokens, failed_row
 from tailguard.engine.scheduler import ScheduledChunk, leading_decode_rows
 from tailguard.engine.sequence import SamplingParams, Sequence
@@ -25,6 +25,11 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache = kv_cache if kv_cache is not None else model.allocate_kv_cache(num_blocks, block_size, kv_dtype)
         self._generators: dict[str, torch.Generator] = {}
+
+    def touch_kv_blocks(self, first: int, end: int) -> None:
+        """Make never-used blocks [first, end) of a CPU KV cache resident (engine.warm_kv); a GPU's is already."""
+        if self.kv_cache.device.type == "cpu":
+            touch_kv_blocks(self.kv_cache, first, end)
 
     # --- batch building -------------------------------------------------------------------------------------------
     def _build(self, chunks: list[ScheduledChunk], tables: dict[str, BlockTable], in_torch: bool = False):
