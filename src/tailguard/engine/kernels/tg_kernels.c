@@ -1665,7 +1665,9 @@ static void amx_silu_range(void *arg, int64_t g0, int64_t g1) {
 }
 
 static void rms_norm(const float *x, const float *w, int n, float eps, float *out);
+static float rms_scale(const float *x, int n, float eps);
 static void hadamard(float *v, int n);
+static inline __attribute__((always_inline)) void hadamard_regs(__m512 *r, int nv);
 
 /* x's rows into A tiles, each first through the RMS norm of weight norm_w where that is set, or turned back by the
  * Hadamard transform head by head (heads of unturn_hd values) where that is set: the step's norms and the attention
@@ -1679,34 +1681,51 @@ typedef struct {
     int unturn_hd;
 } to_tiles_job;
 
-/* Rows [16 b0, 16 b1) of x into A tiles (rows past T are zeros). */
+static inline void tile_row_store(uint16_t *dst, __m512 lo, __m512 hi) { /* 32 values, one 64-byte tile row */
+    _mm512_store_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* Rows [16 b0, 16 b1) of x into A tiles (rows past T are zeros). A row's 32-value blocks go from registers to the
+ * tiles through the norm (its scale, then its weight: rms_norm's products in rms_norm's order) or each head's turn
+ * back, with no float row in between; heads that are not a whole number of blocks take the float row. */
 static void to_tiles_range(void *arg, int64_t b0, int64_t b1) {
     const to_tiles_job *j = (const to_tiles_job *)arg;
-    const int K = j->K, kbn = K / 32;
-    float *row = NULL;
-    if (j->norm_w != NULL || j->unturn_hd > 0) row = (float *)aligned_alloc(64, sizeof(float) * (size_t)K);
+    const int K = j->K, kbn = K / 32, hd = j->unturn_hd;
+    const int in_regs = hd == 0 || (hd % 32 == 0 && hd <= 512);
+    float *row = in_regs ? NULL : (float *)aligned_alloc(64, sizeof(float) * (size_t)K);
     for (int64_t b = b0; b < b1; b++)
         for (int r = 0; r < 16; r++) {
             const int64_t t = b * 16 + r;
-            const float *x = t < j->T ? j->x + (size_t)t * K : NULL;
-            if (t < j->T && row != NULL) {
-                if (j->norm_w != NULL) {
-                    rms_norm(x, j->norm_w, K, j->eps, row);
-                } else {
-                    memcpy(row, x, sizeof(float) * (size_t)K);
-                    for (int i = 0; i < K; i += j->unturn_hd) hadamard(row + i, j->unturn_hd);
+            uint16_t *dst = j->xb + (size_t)b * kbn * AMX_TILE_ELEMS + r * 32; /* block kb: + kb * AMX_TILE_ELEMS */
+            if (t >= j->T) {
+                for (int kb = 0; kb < kbn; kb++) memset(dst + (size_t)kb * AMX_TILE_ELEMS, 0, 64);
+                continue;
+            }
+            const float *x = j->x + (size_t)t * K;
+            if (hd > 0 && in_regs) {
+                __m512 v[32];
+                for (int h = 0; h < K; h += hd) {
+                    for (int i = 0; i < hd / 16; i++) v[i] = _mm512_loadu_ps(x + h + 16 * i);
+                    hadamard_regs(v, hd / 16);
+                    for (int i = 0; i < hd / 32; i++)
+                        tile_row_store(dst + (size_t)(h / 32 + i) * AMX_TILE_ELEMS, v[2 * i], v[2 * i + 1]);
                 }
+                continue;
+            }
+            if (hd > 0) {
+                memcpy(row, x, sizeof(float) * (size_t)K);
+                for (int i = 0; i < K; i += hd) hadamard(row + i, hd);
                 x = row;
             }
+            const float *w = j->norm_w;
+            const __m512 sv = _mm512_set1_ps(w != NULL ? rms_scale(x, K, j->eps) : 1.0f);
             for (int kb = 0; kb < kbn; kb++) {
-                uint16_t *dst = j->xb + ((size_t)b * kbn + kb) * AMX_TILE_ELEMS + r * 32;
-                if (t < j->T) {
-                    const float *src = x + kb * 32;
-                    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
-                    _mm512_store_si512((void *)dst, (__m512i)v);
-                } else {
-                    memset(dst, 0, 64);
+                __m512 lo = _mm512_loadu_ps(x + kb * 32), hi = _mm512_loadu_ps(x + kb * 32 + 16);
+                if (w != NULL) {
+                    lo = _mm512_mul_ps(_mm512_mul_ps(lo, sv), _mm512_loadu_ps(w + kb * 32));
+                    hi = _mm512_mul_ps(_mm512_mul_ps(hi, sv), _mm512_loadu_ps(w + kb * 32 + 16));
                 }
+                tile_row_store(dst + (size_t)kb * AMX_TILE_ELEMS, lo, hi);
             }
         }
     free(row);
@@ -1831,7 +1850,8 @@ typedef struct {
 static inline int kv_row_width(int fmt, int hd) { return fmt == TG_KV_I8 ? hd + 2 : hd; }
 static inline int kv_elem_bytes(int fmt) { return fmt == TG_KV_I8 ? 1 : fmt == TG_KV_F16 ? 2 : 4; }
 
-static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
+/* 1 / sqrt(mean(x^2) + eps), the sum of squares in double */
+static float rms_scale(const float *x, int n, float eps) {
     double ss = 0.0;
     int i0 = 0;
 #if defined(__AVX512F__)
@@ -1843,7 +1863,11 @@ static void rms_norm(const float *x, const float *w, int n, float eps, float *ou
     ss = _mm512_reduce_add_pd(acc);
 #endif
     for (int i = i0; i < n; i++) ss += (double)x[i] * x[i];
-    const float r = 1.0f / sqrtf((float)(ss / n) + eps);
+    return 1.0f / sqrtf((float)(ss / n) + eps);
+}
+
+static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
+    const float r = rms_scale(x, n, eps);
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
