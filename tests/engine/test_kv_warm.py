@@ -136,3 +136,11 @@ def test_a_warmed_engines_prompt_steps_take_almost_no_page_faults(real_engine):
     real_engine.generate([rng.integers(100, 40000, size=256).tolist()], one)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < 400, faults
+
+
+def test_a_large_step_budget_warms_at_most_an_eighth_of_the_cache(tiny_gguf):
+    engine = _make_engine(tiny_gguf, kv_cache_tokens=8192, max_num_batched_tokens=4096, max_prefill_chunk=512)
+    while engine.warm_kv():
+        pass
+    pool = engine.pool
+    assert engine._kv_warm_to - pool.fresh_from == pool.num_blocks // 8  # not two steps' 8,192 tokens: the whole cache

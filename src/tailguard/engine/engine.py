@@ -66,7 +66,9 @@ MAX_FAILED_STEPS = 3
 # The KV cache is anonymous memory that becomes resident as blocks are first written, so the process holds what its
 # traffic needs; a page's first write is a fault (~2.6 us here), ~1,500 of them (~4 ms) in the step of a 512-token
 # prompt with int8 KV. While idle, the server writes the next never-used blocks ahead of demand (LLMEngine.warm_kv):
-# a window of at least this many tokens, or four steps' budget, this many blocks at a time between looks for work.
+# a window of at least this many tokens or two steps' budget (at most an eighth of the cache, so that a large step
+# budget does not make most of the cache resident before any traffic), this many blocks at a time between looks for
+# work.
 KV_WARM_AHEAD_MIN_TOKENS = 2048
 KV_WARM_BLOCKS_PER_CALL = 16
 
@@ -311,7 +313,8 @@ class LLMEngine:
         max_len = min(args.max_model_len or self.config.max_position, self.config.max_position, self.kv_capacity_tokens)
         self.pool = BlockPool(num_blocks, args.block_size)
         self._kv_warm_to = 0  # blocks below this are resident (warm_kv)
-        self._kv_warm_ahead = self.pool.blocks_for(max(KV_WARM_AHEAD_MIN_TOKENS, 4 * args.max_num_batched_tokens))
+        self._kv_warm_ahead = min(self.pool.blocks_for(max(KV_WARM_AHEAD_MIN_TOKENS, 2 * args.max_num_batched_tokens)),
+                                  num_blocks // 8)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=max_len,
@@ -435,8 +438,8 @@ class LLMEngine:
 
     def warm_kv(self, max_blocks: int = KV_WARM_BLOCKS_PER_CALL) -> bool:
         """Make up to ``max_blocks`` of the never-used KV blocks that come next resident, so that a prompt's step
-        does not take their page faults; False once a window of KV_WARM_AHEAD_MIN_TOKENS (or four steps' budget)
-        past the highest block ever handed out is ready. Only never-used blocks are written (with the zeros they
+        does not take their page faults; False once a window of KV_WARM_AHEAD_MIN_TOKENS (or two steps' budget, at
+        most an eighth of the cache) past the highest block ever handed out is ready. Only never-used blocks are written (with the zeros they
         read as), and only from the thread that steps (AsyncLLMEngine calls it while idle)."""
         touch = getattr(self.runner, "touch_kv_blocks", None)
         if touch is None:
