@@ -83,9 +83,11 @@ def test_warming_makes_the_next_blocks_resident_and_leaves_every_used_block_as_i
     assert not resident(block_addr(kv, inside)) and not resident(block_addr(kv, inside, layer=1, kv_index=1))
 
     calls = 0
-    while engine.warm_kv():
+    while engine.warm_kv(16):
         calls += 1
     assert calls == -(-window // 16)  # a bounded piece at a time, then done
+    block_bytes = kv[:, :, :1].nbytes
+    assert engine._kv_warm_piece == max(1, (3 << 20) // block_bytes)  # by default, 3 MiB a piece
     assert resident(block_addr(kv, inside)) and resident(block_addr(kv, inside, layer=1, kv_index=1))
     assert not resident(block_addr(kv, beyond))  # the window, not the whole cache
     assert np.array_equal(kv[:, :, :fresh], used)

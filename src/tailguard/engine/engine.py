@@ -67,10 +67,10 @@ MAX_FAILED_STEPS = 3
 # traffic needs; a page's first write is a fault (~2.6 us here), ~1,500 of them (~4 ms) in the step of a 512-token
 # prompt with int8 KV. While idle, the server writes the next never-used blocks ahead of demand (LLMEngine.warm_kv):
 # a window of at least this many tokens or two steps' budget (at most an eighth of the cache, so that a large step
-# budget does not make most of the cache resident before any traffic), this many blocks at a time between looks for
-# work.
+# budget does not make most of the cache resident before any traffic), this many bytes at a time between looks for
+# work (~2 ms: the most a request that arrives meanwhile waits).
 KV_WARM_AHEAD_MIN_TOKENS = 2048
-KV_WARM_BLOCKS_PER_CALL = 16
+KV_WARM_PIECE_BYTES = 3 << 20
 
 
 @dataclass
@@ -314,7 +314,8 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, args.block_size)
         self._kv_warm_to = 0  # blocks below this are resident (warm_kv)
         self._kv_warm_ahead = min(self.pool.blocks_for(max(KV_WARM_AHEAD_MIN_TOKENS, 2 * args.max_num_batched_tokens)),
-                                  num_blocks // 8)
+                                  num_blocks // 8) if self.device.type == "cpu" else 0  # a GPU's cache is resident
+        self._kv_warm_piece = max(1, KV_WARM_PIECE_BYTES // (per_token * args.block_size))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=max_len,
@@ -436,8 +437,9 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def warm_kv(self, max_blocks: int = KV_WARM_BLOCKS_PER_CALL) -> bool:
-        """Make up to ``max_blocks`` of the never-used KV blocks that come next resident, so that a prompt's step
+    def warm_kv(self, max_blocks: int | None = None) -> bool:
+        """Make up to ``max_blocks`` (default: KV_WARM_PIECE_BYTES' worth) of the never-used KV blocks that come next
+        resident, so that a prompt's step
         does not take their page faults; False once a window of KV_WARM_AHEAD_MIN_TOKENS (or two steps' budget, at
         most an eighth of the cache) past the highest block ever handed out is ready. Only never-used blocks are written (with the zeros they
         read as), and only from the thread that steps (AsyncLLMEngine calls it while idle)."""
@@ -446,7 +448,7 @@ class LLMEngine:
             return False
         fresh = self.pool.fresh_from
         first = max(fresh, self._kv_warm_to)
-        end = min(self.pool.num_blocks, fresh + self._kv_warm_ahead, first + max_blocks)
+        end = min(self.pool.num_blocks, fresh + self._kv_warm_ahead, first + (max_blocks or self._kv_warm_piece))
         if first >= end:
             return False
         touch(first, end)

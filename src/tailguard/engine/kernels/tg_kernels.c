@@ -1230,11 +1230,12 @@ int tg_embed(const int64_t *ids, int T, const uint8_t *w, int fmt, int vocab, in
 /* This thread's scratch `slot` of at least `bytes` (64-byte aligned): a step's row buffers and the prompt path's
  * tiles. They stay from step to step: fresh ones at these sizes (mmap'd by malloc, or heap that free hands back to
  * the OS) cost a page fault every 4 KiB each time, ~2,200 faults in a 512-token prompt step (~6 ms at the ~2.6 us a
- * fault costs on these machines). scratch_trim, at a step's end, frees those over SCRATCH_KEEP_BYTES, so that a
- * rare large step does not hold its memory; a thread's buffers go when the thread ends. */
+ * fault costs on these machines). scratch_trim, at a step's end, frees the largest until the thread keeps at most
+ * SCRATCH_KEEP_BYTES (a 512-token step's ~19 MiB stay), so that a large step budget does not hold its memory
+ * between steps; a thread's buffers go when the thread ends. */
 enum { SCRATCH_X, SCRATCH_ACT, SCRATCH_K, SCRATCH_V, STEP_X, STEP_H, STEP_QKV, STEP_Q, STEP_ATTN, STEP_GU, STEP_ACT,
        SCRATCHES };
-#define SCRATCH_KEEP_BYTES ((size_t)16 << 20)
+#define SCRATCH_KEEP_BYTES ((size_t)32 << 20)
 typedef struct {
     void *buf[SCRATCHES];
     size_t cap[SCRATCHES];
@@ -1273,13 +1274,19 @@ static void *scratch(int slot, size_t bytes) {
 }
 
 static void scratch_trim(void) {
-    scratch_set *s = (scratch_set *)pthread_getspecific(scratch_key);
-    for (int i = 0; s != NULL && i < SCRATCHES; i++)
-        if (s->cap[i] > SCRATCH_KEEP_BYTES) {
-            free(s->buf[i]);
-            s->buf[i] = NULL;
-            s->cap[i] = 0;
+    scratch_set *s = scratch_of_thread();
+    for (;;) {
+        size_t kept = 0;
+        int largest = 0;
+        for (int i = 0; i < SCRATCHES; i++) {
+            kept += s->cap[i];
+            if (s->cap[i] > s->cap[largest]) largest = i;
         }
+        if (kept <= SCRATCH_KEEP_BYTES) return;
+        free(s->buf[largest]);
+        s->buf[largest] = NULL;
+        s->cap[largest] = 0;
+    }
 }
 
 #if defined(TG_AMX)
