@@ -1899,8 +1899,8 @@ static inline int kv_rotated(int fmt, int hd) { return fmt == TG_KV_I8 && hd >= 
 /* hadamard below for n = 16 .. 512 in registers: the same adds in the same order, so the same numbers. Butterflies
  * within a vector pair lane L with lane L ^ s: an in-lane shuffle or a swap of 128-bit lanes brings the partner, and
  * one fused multiply-add with +-1 (exact) makes a + b in the lower lane and b - a in the upper, rounded once as the
- * add or subtract is (a permute with an index vector, an add and a masked subtract cost 1.5x as much: the turn was
- * most of a prompt step's RoPE + KV write). Across vectors, whole vectors. */
+ * add or subtract is (a permute with an index vector, an add and a masked subtract took about three times as long
+ * on the EPYC machine: the turn was most of a prompt step's RoPE + KV write). Across vectors, whole vectors. */
 static inline __m512 lanes_sign(int s) { /* +1 in lanes L with L & s == 0, -1 in the others */
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return _mm512_mask_blend_ps(_mm512_test_epi32_mask(lane, _mm512_set1_epi32(s)), _mm512_set1_ps(1.0f),
