@@ -1955,11 +1955,15 @@ static void hadamard(float *v, int n) {
 }
 
 #if defined(__AVX512F__) && defined(__F16C__)
-/* One KV row of 16 * nv values held in registers, stored at element offset off (fmt F16 or I8): lane by lane the
- * scalar code's operations below (the max of |x| is the same in any order, division is IEEE's, rounding half to
- * even), so the same bytes. */
+/* One KV row of 16 * nv values held in registers, stored at element offset off: lane by lane the scalar code's
+ * operations below (the max of |x| is the same in any order, division is IEEE's, rounding half to even), so the same
+ * bytes. */
 static inline __attribute__((always_inline)) void kv_store_regs(void *kv, int fmt, size_t off, const __m512 *r,
                                                                 int nv) {
+    if (fmt == TG_KV_F32) {
+        for (int i = 0; i < nv; i++) _mm512_storeu_ps((float *)kv + off + 16 * i, r[i]);
+        return;
+    }
     if (fmt == TG_KV_F16) {
         uint16_t *d = (uint16_t *)kv + off;
         for (int i = 0; i < nv; i++)
@@ -2800,10 +2804,7 @@ static void rope_kv_rows_avx512(const rows_job *j, int64_t d0, int64_t d1) {
             } else {
                 const int g = i < H + G ? i - H : i - H - G;
                 const size_t at = j->layer_off + ((size_t)j->slots[d] * G + g) * j->rw + (i < H + G ? 0 : j->v_off);
-                if (j->c->fmt == TG_KV_F32)
-                    for (int v = 0; v < nv; v++) _mm512_storeu_ps((float *)j->c->kv + at + 16 * v, r[v]);
-                else
-                    kv_store_regs(j->c->kv, j->c->fmt, at, r, nv);
+                kv_store_regs(j->c->kv, j->c->fmt, at, r, nv);
             }
         }
     }
