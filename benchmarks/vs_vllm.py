@@ -19,6 +19,9 @@ its own default reserves most of the host's memory and touches it all. Its threa
 4. the peak resident memory of the server's process tree (RSS summed over the server and its children, sampled;
    PSS beside it, which does not count pages the processes share twice).
 
+The report also lists what tailguard chose at start-up (its start-up log's lines on the matrix units prompt rows use
+and on the step time budget), so that a run says which paths it measured.
+
 Why the trace is sent as a JSONL workload rather than ``--workload trace``: with ``--rate`` the bench rescales the
 trace's own arrival times, which are burstier than Poisson and, over the first minute, offer ~0.6x the nominal rate.
 The prompts are the bench's own synthetic text at the trace's lengths, each opened by a serial number: the bench's
@@ -389,8 +392,12 @@ def measure_server(name: str, rnd: int, args: argparse.Namespace, workdir: Path,
             out["memory"] = memory.stop()
         server.stop()
         log(f"[{name} r{rnd}] stopped")
-        kv = re.search(r"KV cache [^\n]*?([\d,]+) tokens", server.log_path.read_text(errors="replace"))
+        server_log = server.log_path.read_text(errors="replace")
+        kv = re.search(r"KV cache [^\n]*?([\d,]+) tokens", server_log)
         out["kv_cache_tokens"] = int(kv.group(1).replace(",", "")) if kv else None
+        # what the engine chose at start-up (its matrix units, its step time budget), so a run says what it ran
+        out["engine_settings"] = [m.group(1) for m in re.finditer(
+            r"tailguard\.engine: (.*(?:prompt rows on|step time budget).*)", server_log)]
     return out
 
 
@@ -594,6 +601,7 @@ def markdown(result: dict, args: argparse.Namespace) -> str:
                         for p in sorted(get(s_run, "sweep", "points") or [], key=lambda p: p["rate"]))
         lines.append(f"- {s_run['server']} (round {s_run['round']}, KV cache {s_run.get('kv_cache_tokens') or 0:,} "
                      f"tokens, started in {s_run.get('start_s') or 0:.0f} s): {pts}")
+        lines += [f"  - start-up: {setting}" for setting in s_run.get("engine_settings") or []]
     if both:
         lines += ["", "**Targets**", "", "| target | tailguard | status |", "| --- | ---: | --- |"]
         lines += [f"| {a} | {b} | {c} |" for a, b, c in result["targets"]]
