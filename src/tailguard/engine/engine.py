@@ -439,10 +439,10 @@ class LLMEngine:
 
     def warm_kv(self, max_blocks: int | None = None) -> bool:
         """Make up to ``max_blocks`` (default: KV_WARM_PIECE_BYTES' worth) of the never-used KV blocks that come next
-        resident, so that a prompt's step
-        does not take their page faults; False once a window of KV_WARM_AHEAD_MIN_TOKENS (or two steps' budget, at
-        most an eighth of the cache) past the highest block ever handed out is ready. Only never-used blocks are written (with the zeros they
-        read as), and only from the thread that steps (AsyncLLMEngine calls it while idle)."""
+        resident, so that a prompt's step does not take their page faults; False once a window of
+        KV_WARM_AHEAD_MIN_TOKENS (or two steps' budget, at most an eighth of the cache) past the highest block ever
+        handed out is ready. Only never-used blocks are written (with the zeros they read as), and only from the
+        thread that steps (AsyncLLMEngine calls it while idle)."""
         touch = getattr(self.runner, "touch_kv_blocks", None)
         if touch is None:
             return False

@@ -1671,7 +1671,6 @@ static void amx_silu_range(void *arg, int64_t g0, int64_t g1) {
     _tile_release();
 }
 
-static void rms_norm(const float *x, const float *w, int n, float eps, float *out);
 static float rms_scale(const float *x, int n, float eps);
 static void hadamard(float *v, int n);
 static inline __attribute__((always_inline)) void hadamard_regs(__m512 *r, int nv);
@@ -1991,7 +1990,7 @@ static inline void kv_store(void *kv, int fmt, size_t off, const float *src, int
 #if defined(__AVX512F__) && defined(__F16C__)
     /* 16 values at a time: the scalar loops were ~2/3 of a prompt step's RoPE + KV write (a divide and a rounding
      * per value, a serial max). */
-    if (hd % 16 == 0 && hd <= 512 && fmt != TG_KV_F32) {
+    if (hd % 16 == 0 && hd <= 512) {
         __m512 r[32];
         for (int i = 0; i < hd / 16; i++) r[i] = _mm512_loadu_ps(src + 16 * i);
         kv_store_regs(kv, fmt, off, r, hd / 16);
