@@ -146,3 +146,33 @@ def test_a_large_step_budget_warms_at_most_an_eighth_of_the_cache(tiny_gguf):
         pass
     pool = engine.pool
     assert engine._kv_warm_to - pool.fresh_from == pool.num_blocks // 8  # not two steps' 8,192 tokens: the whole cache
+
+
+def test_the_warm_window_follows_a_step_budget_changed_at_run_time(tiny_gguf):
+    engine = _make_engine(tiny_gguf, kv_cache_tokens=65536, max_num_batched_tokens=512, max_prefill_chunk=512)
+    pool = engine.pool
+    while engine.warm_kv():
+        pass
+    assert engine._kv_warm_to - pool.fresh_from == pool.blocks_for(2048)  # the floor: 2,048 tokens
+    engine.set_caps(64, 3072)
+    assert engine.warm_kv()  # a larger budget: more to warm
+    while engine.warm_kv():
+        pass
+    assert engine._kv_warm_to - pool.fresh_from == pool.blocks_for(2 * 3072)
+    engine.set_caps(64, 256)
+    assert not engine.warm_kv()  # a smaller budget warms nothing more (what is warm stays warm)
+
+
+def test_a_separate_draft_models_cache_is_warmed_over_the_same_blocks(tiny_gguf):
+    engine = _make_engine(tiny_gguf, kv_cache_tokens=16384, kv_cache_dtype="int8", speculative=f"draft:{tiny_gguf}",
+                          num_speculative_tokens=3)
+    draft_kv = engine.speculation.proposer.runner.kv_cache
+    assert draft_kv.data_ptr() != engine.runner.kv_cache.data_ptr()  # its own cache, not a view of the target's
+    first = engine.pool.fresh_from
+    last = first + engine._kv_warm_ahead - 1
+    addr = draft_kv.data_ptr() + last * draft_kv.stride(2) * draft_kv.element_size()
+    assert not resident(addr)
+    while engine.warm_kv():
+        pass
+    assert resident(addr)
+    assert not draft_kv.any()  # zeros, as never-used blocks read

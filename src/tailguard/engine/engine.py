@@ -313,8 +313,7 @@ class LLMEngine:
         max_len = min(args.max_model_len or self.config.max_position, self.config.max_position, self.kv_capacity_tokens)
         self.pool = BlockPool(num_blocks, args.block_size)
         self._kv_warm_to = 0  # blocks below this are resident (warm_kv)
-        self._kv_warm_ahead = min(self.pool.blocks_for(max(KV_WARM_AHEAD_MIN_TOKENS, 2 * args.max_num_batched_tokens)),
-                                  num_blocks // 8) if self.device.type == "cpu" else 0  # a GPU's cache is resident
+        self._kv_warm_ahead = self._warm_window(args.max_num_batched_tokens)
         self._kv_warm_piece = max(1, KV_WARM_PIECE_BYTES // (per_token * args.block_size))
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -452,12 +451,26 @@ class LLMEngine:
         if first >= end:
             return False
         touch(first, end)
+        # A separate draft model keeps its own cache over the same block ids: its pages fault on the same blocks.
+        proposer = getattr(self.speculation, "proposer", None)
+        if proposer is not None and getattr(proposer, "shares_target_kv", True) is False:
+            proposer.runner.touch_kv_blocks(first, end)
         self._kv_warm_to = end
         return True
 
+    def _warm_window(self, step_tokens: int) -> int:
+        """Blocks kept warm past the highest ever handed out: two steps' budget, at least KV_WARM_AHEAD_MIN_TOKENS, at
+        most an eighth of the cache; none for a GPU's cache, which is resident from the start."""
+        if self.device.type != "cpu":
+            return 0
+        return min(self.pool.blocks_for(max(KV_WARM_AHEAD_MIN_TOKENS, 2 * step_tokens)), self.pool.num_blocks // 8)
+
     def set_caps(self, max_num_seqs: int, max_num_batched_tokens: int | None = None) -> None:
-        """Running-sequence cap and per-step token budget, from any thread; applied at the next step (scheduler)."""
+        """Running-sequence cap and per-step token budget, from any thread; applied at the next step (scheduler).
+        The warm window follows the budget."""
         self.scheduler.set_caps(max_num_seqs, max_num_batched_tokens)
+        if max_num_batched_tokens is not None:
+            self._kv_warm_ahead = self._warm_window(max_num_batched_tokens)
 
     def set_background(self, max_background_seqs: int | None, protected_priority: int | None = None) -> None:
         """The background cap (SchedulerConfig.max_background_seqs) from any thread; applied at the next step."""
