@@ -323,6 +323,23 @@ def test_specs_compile_once_each(engines):
     assert grammars.compiles == before + 1
 
 
+def test_the_compiled_specs_kept_are_bounded_by_their_size_too(engines):
+    from tailguard.engine.structured import GrammarCompiler
+
+    engine = engines["torch"]
+    grammars = GrammarCompiler(engine.tokenizer, engine.grammars.vocab_size, set(engine.stop_ids),
+                               cache_entries=100, cache_spec_chars=3000)
+    specs = [StructuredOutput("regex", f"(a{i}|" + "b" * 995 + ")") for i in range(5)]  # ~1,000 characters each
+    for so in specs:
+        grammars.compiled(so)
+    assert grammars.compiles == 5
+    grammars.compiled(specs[-1])  # the newest stayed
+    grammars.compiled(specs[2])  # within 3,000 characters: the last three stayed
+    assert grammars.compiles == 5
+    grammars.compiled(specs[0])  # an old one was dropped
+    assert grammars.compiles == 6
+
+
 @pytest.mark.parametrize("spec", [
     StructuredOutput("json_schema", '{"type": "objekt"}'), StructuredOutput("json_schema", "{not json"),
     StructuredOutput("json_schema", "[1, 2]"), StructuredOutput("regex", "a(b"),

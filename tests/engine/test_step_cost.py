@@ -253,10 +253,7 @@ class ManualClock:
         return self.t
 
 
-def test_a_prompt_queue_lifts_the_time_budget_until_it_drains():
-    """With streams decoding, a prompt goes in chunks the budget allows; once it has waited longer than the guard
-    since it arrived, prefill takes the whole token budget."""
-    clock = ManualClock()
+def _budgeted_with_streams(clock: ManualClock) -> Scheduler:
     sched = Scheduler(SchedulerConfig(max_model_len=8192, max_num_batched_tokens=2048, max_prefill_chunk=2048,
                                       step_time_budget_s=0.02, prompt_wait_guard_s=0.5),
                       BlockPool(1024, 16), clock=clock)
@@ -264,13 +261,42 @@ def test_a_prompt_queue_lifts_the_time_budget_until_it_drains():
     for i in range(8):
         sched.add(make_seq(f"s{i}", 32, max_tokens=1000, arrival=clock.t))
     run_steps(sched, 2)
+    return sched
+
+
+def tokens_of_in(sched: Scheduler, seq) -> int:
+    return sum(c.num_tokens for c in run_steps(sched, 1)[0].chunks if c.seq is seq)
+
+
+def test_a_prompt_queue_lifts_the_time_budget_until_it_drains():
+    """With streams decoding, a prompt goes in chunks the budget allows; once a prompt has waited longer than the
+    guard without a chunk, prefill takes the whole token budget."""
+    clock = ManualClock()
+    sched = _budgeted_with_streams(clock)
     long = make_seq("long", 3000, max_tokens=4, arrival=clock.t)
     sched.add(long)
-    first = sum(c.num_tokens for c in run_steps(sched, 1)[0].chunks if c.seq is long)
+    first = tokens_of_in(sched, long)
     assert 0 < first < 2048  # within the guard: the budget's chunk
-    clock.t += 0.6  # the prompt has waited past the guard
-    lifted = sum(c.num_tokens for c in run_steps(sched, 1)[0].chunks if c.seq is long)
-    assert lifted == 2048 - 8  # the token budget, less the decodes
+    queued = make_seq("queued", 600, max_tokens=4, arrival=clock.t)
+    sched.add(queued)  # no room left in the budgeted steps: it waits behind the long prompt's chunks
+    assert tokens_of_in(sched, queued) == 0
+    clock.t += 0.6  # it has waited past the guard
+    assert tokens_of_in(sched, long) == 2048 - 8  # prefill takes the token budget, less the decodes (first come first)
+
+
+def test_one_long_prompt_whose_prefill_progresses_keeps_the_time_budget():
+    """A prompt part-way through its prefill, getting a chunk every step, is no queue: however long ago it arrived,
+    the streams keep their budgeted steps (one request's prompt must not stall every stream)."""
+    clock = ManualClock()
+    sched = _budgeted_with_streams(clock)
+    long = make_seq("long", 6000, max_tokens=4, arrival=clock.t)
+    sched.add(long)
+    chunks = []
+    for _ in range(6):
+        chunks.append(tokens_of_in(sched, long))
+        clock.t += 0.3  # slow steps: 1.8 s in all, past the 0.5 s guard since it arrived
+    assert all(0 < n < 2048 - 8 for n in chunks), chunks
+    assert long.num_computed_tokens < long.num_prompt_tokens  # still part-way
 
 
 # --- predicted TTFT ---------------------------------------------------------------------------------------------------

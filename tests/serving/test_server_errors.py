@@ -77,6 +77,9 @@ def test_malformed_json_is_400(server, body):
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a digit to str.isdigit(), not to int()
+    ({"logit_bias": {"--5": 1}}, "logit_bias"),
+    ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
 ])
 def test_wrong_types_and_values_are_400(server, patch, param):
     _assert_error(_post(server, {**OK, **patch}), 400, param=param)
@@ -102,6 +105,39 @@ def test_lone_surrogate_in_the_prompt_is_a_plain_400(server):
     body = b'{"model": "fake", "max_tokens": 2, "messages": [{"role": "user", "content": "hi \\ud800 there"}]}'
     err = _assert_error(_post(server, body), 400, param="messages")
     assert "lone surrogate \\ud800" in err["message"] and "Error" not in err["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    (b'{"model": "fake", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "stop": ["\\udc00"]}',
+     "stop"),
+    (b'{"model": "fake\\ud800", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}', "model"),
+    (b'{"model": "fake", "user\\ud800": 1, "messages": [{"role": "user", "content": "hi"}]}', "user\\ud800"),
+])
+def test_a_lone_surrogate_anywhere_in_the_body_is_a_400_naming_its_field(server, body, param):
+    err = _assert_error(_post(server, body), 400, param=param)
+    assert "lone surrogate \\ud" in err["message"] or "lone surrogate \\udc" in err["message"]
+    ok = b'{"model": "fake", "max_tokens": 2, "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'
+    assert _post(server, ok).status_code == 200  # a surrogate pair is an emoji: fine
+
+
+def test_a_tool_calls_arguments_nested_past_the_parsers_depth_are_kept_as_text(server):
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 5000}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    assert _post(server, {**OK, "messages": history}).status_code == 200
+
+
+@pytest.mark.parametrize("body,path,param", [
+    ({"model": "fake", "prompt": [5] * 20_000, "max_tokens": 1}, "/v1/completions", "prompt"),
+    ({"model": "fake", "prompt": [[5] * 20_000], "max_tokens": 1}, "/v1/completions", "prompt"),
+    ({**OK, "messages": [{"role": "user"}] * 9000}, CHAT, "messages"),  # (this server takes 200 KB bodies)
+    ({**OK, "messages": [{"role": "user", "content": [{}] * 9000}]}, CHAT, "messages"),
+    ({**OK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {f"p{i}": {} for i in range(4200)}}}}] * 2}, CHAT, "tools"),
+])
+def test_lists_that_cannot_fit_the_context_window_are_refused_before_validation(server, body, path, param):
+    err = _assert_error(_post(server, body, path=path), 400, param=param, code="context_length_exceeded")
+    assert "8,192" in err["message"]
 
 
 def test_unknown_model_is_404(server):

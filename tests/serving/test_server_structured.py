@@ -117,6 +117,19 @@ def test_tool_calls_come_back_in_openais_shape(tiny, stream, choice):
         jsonschema.validate(args, schema)
 
 
+def test_a_schema_past_the_grammar_engines_limits_is_the_clients_400_and_the_server_goes_on(tiny):
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": wide}}
+    with pytest.raises(openai.BadRequestError) as err:  # its first key passes 2,000 Earley items in a row
+        tiny.chat.completions.create(model="tiny", messages=_ask("JSON"), max_tokens=16, temperature=0,
+                                     response_format=fmt, logit_bias={"39428": 100})  # '{"'
+    assert err.value.body["code"] == "grammar_too_complex"
+    assert "grammar engine's limits" in err.value.body["message"] and "\n" not in err.value.body["message"]
+    out = tiny.chat.completions.create(model="tiny", messages=_ask("JSON"), max_tokens=8, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert out.choices[0].message.content.startswith("{")
+
+
 def test_tools_refused_by_name_when_they_cannot_be_honoured(tiny):
     with pytest.raises(openai.BadRequestError) as err:
         tiny.chat.completions.create(model="tiny", messages=_ask("x"), tools=TOOLS,

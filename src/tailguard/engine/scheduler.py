@@ -58,9 +58,11 @@ class SchedulerConfig:
     step_time_budget_s: float | None = None
     # The least prompt tokens a step carries while prefills wait, whatever the time budget: prompts always progress.
     min_prefill_chunk: int = 16
-    # The time budget yields while a prompt has waited longer than this since it arrived: past it, a queue of prompts
-    # is building up (the budget caps how fast prompts go in), and their TTFT matters more than the decoding streams'
-    # next gap, so prefill takes the token budget until the queue drains. None: PROMPT_WAIT_GUARD_STEPS budgets.
+    # The time budget yields while a prompt has waited longer than this without progress (since it arrived, or since
+    # its prefill's last chunk): past it, a queue of prompts is building up (the budget caps how fast prompts go in),
+    # and their TTFT matters more than the decoding streams' next gap, so prefill takes the token budget until the
+    # queue drains. A long prompt whose prefill progresses every step is no queue: it keeps the budget, so that one
+    # request's prompt never stalls every stream. None: PROMPT_WAIT_GUARD_STEPS budgets.
     prompt_wait_guard_s: float | None = None
     # Within a priority, waiting requests are taken in the order of their arrival plus this many seconds per prompt
     # token still to compute: short prompts pass long ones that arrived less than that long before them, which cuts
@@ -282,14 +284,16 @@ class Scheduler:
         return seconds
 
     def _prompts_overdue(self, budget_s: float) -> bool:
-        """A prompt still to compute (waiting, or part-way through its prefill) arrived longer ago than the guard."""
+        """A prompt still to compute has gone longer than the guard without progress: waiting since it arrived, or
+        part-way through its prefill since its last chunk (since it arrived, if it has had none)."""
         guard = self.config.prompt_wait_guard_s
         if guard is None:
             guard = PROMPT_WAIT_GUARD_STEPS * budget_s
         oldest = now = self.clock()
         for seq in self.running:
-            if not seq.in_decode and seq.arrival_time < oldest:
-                oldest = seq.arrival_time
+            if not seq.in_decode:
+                since = seq.arrival_time if seq.prefill_progress_at is None else seq.prefill_progress_at
+                oldest = min(oldest, since)
         for item in self._waiting:
             seq = item[-1]
             if seq.arrival_time < oldest:
@@ -468,6 +472,10 @@ class Scheduler:
             budget -= n
             count(seq, chunk.start, n)
 
+        now = self.clock()
+        for chunk in out.chunks:
+            if not chunk.seq.in_decode:
+                chunk.seq.prefill_progress_at = now  # its prefill progresses: not overdue (_prompts_overdue)
         # The runner wants decodes first (one token each, or K+1 rows for a verifying chunk), then prefill chunks.
         out.chunks.sort(key=lambda c: not (c.is_decode or c.draft))
         out.shape = self.step_shape = StepShape(*counts)

@@ -46,6 +46,32 @@ MAX_SPEC_CHARS = 1 << 20  # 1 MiB of schema or grammar text
 # JSON as json.dumps writes it: ", " between items, ": " after keys, no other whitespace.
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_CACHE_ENTRIES = 128
+# The compiled specs kept hold at most this many characters of spec text in all (a compiled grammar's memory grows
+# with its spec: 128 specs of up to 1 MiB could hold gigabytes).
+DEFAULT_CACHE_SPEC_CHARS = 8 << 20
+# A grammar that grows past the grammar engine's limits as the output goes (a schema this large or this ambiguous):
+# the request's own doing, so its error is the client's (a 400 at the API), not the service's. Engine errors carry
+# this text (``is_grammar_limit``).
+GRAMMAR_LIMIT_ERROR = "the structured output's grammar passed the grammar engine's limits"
+# llguidance's words for its limits (max items in an Earley row, lexer fuel, lexer states, grammar size).
+_LIMIT_MARKERS = ("max is", "fuel", "(limit", "too many", "too big")
+
+
+def is_grammar_limit(message: str) -> bool:
+    """Whether an engine error says that a request's grammar passed the grammar engine's limits."""
+    return GRAMMAR_LIMIT_ERROR in message
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    """The first line of a grammar engine's message (its later lines are parser state or a backtrace)."""
+    return text.strip().split("\n", 1)[0][:limit]
+
+
+def _matcher_failure(matcher: Any, what: str) -> ValueError:
+    text = first_line(str(matcher.get_error()))
+    if any(marker in text for marker in _LIMIT_MARKERS):
+        return ValueError(f"{GRAMMAR_LIMIT_ERROR} ({text}); a smaller or less ambiguous schema or grammar avoids it")
+    return ValueError(f"{what}: {text}")
 # llguidance's grammar options (Lark syntax): let the model choose the tokenization of text the grammar fixes.
 NO_FORCING = '%llguidance {"no_forcing": true}\n'
 
@@ -108,7 +134,7 @@ class GrammarMatcher:
         accepts). A view of this matcher's own buffer, valid until the next call."""
         m = self._matcher
         if m.is_error():
-            raise ValueError(f"grammar matcher failed: {m.get_error()[:200]}")
+            raise _matcher_failure(m, "grammar matcher failed")
         m.unsafe_compute_mask_ptr(self._words_ptr, self._words.nbytes)
         bits = np.unpackbits(self._words.view(np.uint8), bitorder="little", count=self.vocab_size)
         return bits.view(np.bool_)
@@ -121,12 +147,16 @@ class GrammarMatcher:
         """Take the sampled token; True once the grammar is complete (nothing but EOS may follow, or EOS came)."""
         m = self._matcher
         if not m.consume_token(token_id) or m.is_error():
-            raise ValueError(f"the grammar refused token {token_id}: {m.get_error()[:200]}")
+            raise _matcher_failure(m, f"the grammar refused token {token_id}")
         return bool(m.is_stopped())
 
     @property
     def accepting(self) -> bool:
         return bool(self._matcher.is_accepting())
+
+
+def _spec_chars(key: tuple[str, str]) -> int:
+    return len(key[1] or "")
 
 
 class GrammarCompiler:
@@ -136,12 +166,14 @@ class GrammarCompiler:
     thread (whose steps a compile would otherwise hold up), which then finds it in the cache."""
 
     def __init__(self, tokenizer: GGUFTokenizer, vocab_size: int, stop_ids: set[int],
-                 cache_entries: int = DEFAULT_CACHE_ENTRIES) -> None:
+                 cache_entries: int = DEFAULT_CACHE_ENTRIES, cache_spec_chars: int = DEFAULT_CACHE_SPEC_CHARS) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_ids = sorted(stop_ids)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # a template LLMatcher, or the error text
         self._cache_entries = cache_entries
+        self._cache_spec_chars = cache_spec_chars
+        self._cached_chars = 0  # spec characters of the entries kept
         self._lock = threading.Lock()  # the cache's; never held while compiling
         self._library_lock = threading.Lock()
         self._llg: Any = None
@@ -191,14 +223,14 @@ class GrammarCompiler:
             grammar = self._grammar(llg, so)
             matcher = llg.LLMatcher(lltok, grammar, log_level=0)
         except Exception as exc:  # noqa: BLE001 - any failure of a spec is that request's error
-            return f"{exc}"[:500] or type(exc).__name__
+            return first_line(f"{exc}") or type(exc).__name__
         if matcher.is_error():
-            return str(matcher.get_error())[:500]
+            return first_line(str(matcher.get_error()))
         # The first mask builds the lexer's states lazily (~2 ms for a nested schema); copies share what it built,
         # so each request's first mask costs what the others do.
         matcher.compute_bitmask()
         if matcher.is_error():
-            return str(matcher.get_error())[:500]
+            return first_line(str(matcher.get_error()))
         return matcher
 
     def compiled(self, so: StructuredOutput) -> Any:
@@ -214,9 +246,15 @@ class GrammarCompiler:
             compiled = self._compile(so)
             with self._lock:
                 self.compiles += 1
+                if key not in self._cache:
+                    self._cached_chars += _spec_chars(key)
                 self._cache[key] = compiled
-                while len(self._cache) > self._cache_entries:
-                    self._cache.popitem(last=False)
+                self._cache.move_to_end(key)
+                # by count and by spec size, oldest first; the newest stays whatever its size
+                while len(self._cache) > 1 and (len(self._cache) > self._cache_entries
+                                                or self._cached_chars > self._cache_spec_chars):
+                    old, _ = self._cache.popitem(last=False)
+                    self._cached_chars -= _spec_chars(old)
         if isinstance(compiled, str):
             raise RequestError(f"the {so.kind} for structured output does not compile: {compiled}")
         return compiled

@@ -34,6 +34,7 @@ from tailguard.backends.base import Backend, EventStream, Submission, Submitted
 from tailguard.backends.stall_watch import watch
 from tailguard.backends.upstream.events import UpstreamError
 from tailguard.engine.sequence import EngineClosed, RequestError, SamplingParams, SequenceFailed
+from tailguard.engine.structured import is_grammar_limit
 from tailguard.observe.metrics import clean_label
 from tailguard.observe.sealing import TokenSeal, load_key, sampling_to_json
 from tailguard.observe.timeline import Outcome, Timeline
@@ -59,6 +60,7 @@ from tailguard.serving.protocol import (
     parse_chat,
     parse_completion,
     parse_passthrough,
+    refuse_oversized,
 )
 from tailguard.serving.respond import FallbackRecord, Responder
 from tailguard.serving.state import ServerState
@@ -131,9 +133,14 @@ class Endpoint:
             tl.finalize(exc.status, outcome_of(passed_on) if exc.status < 500 else Outcome.ERROR)
         except SequenceFailed as exc:  # this request alone failed inside the engine; the engine goes on
             tl.error = clean_text(str(exc), 1000)
-            await ex.fail(APIError(500, f"the engine failed on this request ({exc}); request id {tl.request_id}",
-                                   code="engine_request_failed"))
-            tl.finalize(500, Outcome.ERROR)
+            if is_grammar_limit(str(exc)):  # its own schema or grammar grew too complex: the client's error
+                await ex.fail(APIError(400, f"{exc}; request id {tl.request_id}",
+                                       code="grammar_too_complex"))
+                tl.finalize(400, Outcome.INVALID)
+            else:
+                await ex.fail(APIError(500, f"the engine failed on this request ({exc}); request id "
+                                            f"{tl.request_id}", code="engine_request_failed"))
+                tl.finalize(500, Outcome.ERROR)
         except EngineClosed as exc:  # the engine stopped under this request: say so, as a 503 the client may retry
             tl.error = clean_text(str(exc), 1000)
             await ex.fail(APIError(503, f"the engine is not running ({exc}); request id {tl.request_id}",
@@ -345,11 +352,10 @@ class CompletionEndpoint(Endpoint):
         takes_text = backend.tokenizer is None
         if takes_text:  # upstream replicas: the API passes through; only the gateway's own fields are checked
             p = parse_passthrough(data, self.chat)
-        elif self.chat:
-            p = parse_chat(data)
         else:
             assert backend.tokenizer is not None
-            p = parse_completion(data, backend.tokenizer.vocab_size)
+            refuse_oversized(data, self.chat, backend.max_model_len, backend.tokenizer.vocab_size)
+            p = parse_chat(data) if self.chat else parse_completion(data, backend.tokenizer.vocab_size)
         tl.stream = p.stream
         if p.model not in st.model_names:
             raise APIError(404, f"The model `{clean_text(p.model, 200)}` does not exist; this server has: "

@@ -12,6 +12,7 @@ from a trusted proxy (``trust_lane_header``: a tailguard gateway in front, with 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -214,6 +215,10 @@ class Parsed:
         }
 
 
+# A \u escape of a UTF-16 surrogate (a pair's half, or a lone one) in a body's bytes.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def decode_json(body: bytes) -> dict[str, Any]:
     if not body:
         raise APIError(400, "the request body is empty; expected a JSON object")
@@ -223,7 +228,89 @@ def decode_json(body: bytes) -> dict[str, Any]:
         raise APIError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(body) is not None:  # rare: only then is the whole body looked through
+        for key, value in data.items():
+            bad = _lone_surrogate(key) or _lone_surrogate(value)
+            if bad is not None:
+                escape = bad.encode("unicode_escape").decode()
+                raise APIError(400, f"the request body is not valid Unicode text: '{clean_field(key)}' holds the "
+                                    f"lone surrogate {escape}", param=clean_field(key))
     return data
+
+
+def clean_field(key: str) -> str:
+    """A field name as an error may quote it: valid Unicode, at most 80 characters."""
+    return key.encode("utf-8", "backslashreplace").decode()[:80]
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """The first lone surrogate in any string (keys included) of a decoded JSON value, or None. JSON allows one as an
+    escape; it is not Unicode text, so no tokenizer, upstream or log can take it."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return x[exc.start:exc.end][:1]
+        elif isinstance(x, dict):
+            stack.extend(x)
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return None
+
+
+def _more_nodes_than(obj: Any, limit: int) -> bool:
+    """Whether a decoded JSON value holds more than ``limit`` keys and items in all, looking at ``limit`` at most."""
+    stack, seen = [obj], 0
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict | list):
+            seen += len(x)
+            if seen > limit:
+                return True
+            stack.extend(x.values() if isinstance(x, dict) else x)
+    return False
+
+
+def refuse_oversized(data: dict[str, Any], chat: bool, max_model_len: int, vocab_size: int) -> None:
+    """Refuse, before any validation, the lists that cannot fit the context window: a body within the size limit
+    can hold millions of token ids or messages, and validating them would hold the event loop for seconds. Each
+    token id, message, content part or tool call is at least one token of the prompt; a logit bias names at most
+    the vocabulary."""
+    limit = max_model_len
+    if chat:
+        messages = data.get("messages")
+        if type(messages) is list:
+            items = len(messages)
+            if items <= limit:
+                for m in messages:
+                    if type(m) is dict:
+                        items += sum(len(m[k]) for k in ("content", "tool_calls") if type(m.get(k)) is list)
+            if items > limit:
+                raise APIError(400, f"the conversation has more than {limit:,} messages, content parts and tool "
+                                    f"calls; this model's context window is {limit:,} tokens", param="messages",
+                               code="context_length_exceeded")
+    else:
+        prompt = data.get("prompt")
+        if type(prompt) is list and prompt:
+            if len(prompt) > 1 and isinstance(prompt[0], list | str):
+                raise APIError(400, "batched prompts are not supported: send one request per prompt", param="prompt",
+                               code="unsupported_parameter")
+            ids = prompt[0] if type(prompt[0]) is list else prompt
+            if len(ids) > limit:
+                raise APIError(400, f"the prompt has {len(ids):,} token ids; this model's context window is "
+                                    f"{limit:,} tokens", param="prompt", code="context_length_exceeded")
+    tools = data.get("tools")
+    if type(tools) is list and _more_nodes_than(tools, limit):  # rendered into the prompt: every name a token at least
+        raise APIError(400, f"the tools' definitions hold more than {limit:,} names and values; this model's context "
+                            f"window is {limit:,} tokens", param="tools", code="context_length_exceeded")
+    bias = data.get("logit_bias")
+    if type(bias) is dict and len(bias) > vocab_size:
+        raise APIError(400, f"logit_bias names {len(bias):,} tokens; the vocabulary has {vocab_size:,}",
+                       param="logit_bias", code="invalid_value")
 
 
 def _check_unsupported(data: dict[str, Any], model_cls: type[BaseModel]) -> dict[str, Any]:
@@ -394,7 +481,7 @@ def _parse_chat_schema(data: dict[str, Any]) -> Parsed:
 def _arguments(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth: kept as the text it is
         return text
 
 
@@ -410,12 +497,15 @@ def _response_format(fmt: ResponseFormat | None) -> StructuredOutput | None:
     return StructuredOutput("json_schema", json.dumps(fmt.json_schema.json_schema))
 
 
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,18}")
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
     out: dict[int, float] = {}
     for key, value in bias.items():
-        if not key.lstrip("-").isdigit():
+        if _TOKEN_ID_KEY.fullmatch(key) is None:  # ASCII digits only: str.isdigit() also takes '²'
             raise APIError(400, f"logit_bias keys are token ids, not {key[:40]!r}", param="logit_bias",
                            code="invalid_value")
         if not -100 <= value <= 100:
