@@ -120,6 +120,49 @@ def test_a_head_over_the_limit_is_answered_431_and_one_under_it_served(server):
     assert re.search(r"^tailguard_server_connections [1-9]", metrics, re.M)
 
 
+def test_a_request_offering_an_upgrade_we_do_not_speak_is_served_as_http_1_1(server):
+    """curl --http2 and Java's HttpClient offer h2c on plain HTTP; the HTTP parser would take the body as the new
+    protocol's bytes. The offer is ignored (RFC 9110 allows it) and the request answered, body and all."""
+    _, port, _ = server
+    body = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+            b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    for parts in ([head + body], [head, body]):  # the body with the head, and in a later packet
+        with _connect(port) as s:
+            for part in parts:
+                s.sendall(part)
+                time.sleep(0.05)
+            status, headers, answer = _response(s)
+        assert status == 200, answer
+        assert headers["content-type"].startswith("application/json")
+        assert json.loads(answer)["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("raw", [
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\nhello",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\nhello\r\n",
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHo\x01st: x\r\n\r\n",
+])
+def test_bytes_that_are_not_http_get_a_json_400_and_are_counted(server, raw):
+    _, port, _ = server
+    before = _refused(port, "bad_request")
+    with _connect(port) as s:
+        s.sendall(raw)
+        status, headers, body = _response(s)
+        assert status == 400 and headers["content-type"] == "application/json"
+        assert _error(body)["code"] == "invalid_http_request" and _closed(s)
+    assert _refused(port, "bad_request") == before + 1
+
+
+def _refused(port: int, reason: str) -> float:
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    m = re.search(r'tailguard_server_connections_refused_total\{reason="' + reason + r'"\} (\S+)', metrics)
+    assert m is not None
+    return float(m.group(1))
+
+
 def test_huge_heads_are_refused_without_growing_the_server(server):
     """16 clients each sending a 64 MB header, as in the report: each is cut after the limit, and the server's peak
     RSS barely moves (before: the head was buffered whole, +1 GB, and answered 200)."""

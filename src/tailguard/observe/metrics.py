@@ -93,9 +93,11 @@ class _ConnectionCollector:
         yield opened
         refused = CounterMetricFamily(
             "tailguard_server_connections_refused", "Client connections refused or closed by the connection guard, "
-            "by reason: head_too_large (431), head_timeout and body_timeout (408), evicted (idle, closed to make "
-            "room at the cap), over_cap (503), dropped (closed at once past the cap).", labels=["reason"])
-        for reason in ("head_too_large", "head_timeout", "body_timeout", "evicted", "over_cap", "dropped"):
+            "by reason: bad_request (400, not valid HTTP/1.1), head_too_large (431), head_timeout and body_timeout "
+            "(408), evicted (idle, closed to make room at the cap), over_cap (503), dropped (closed at once past the "
+            "cap).", labels=["reason"])
+        for reason in ("bad_request", "head_too_large", "head_timeout", "body_timeout", "evicted", "over_cap",
+                       "dropped"):
             refused.add_metric([reason], src.counts.get(reason, 0))
         yield refused
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import resource
 from collections import Counter
 from dataclasses import dataclass
@@ -135,8 +136,12 @@ class ConnectionGuard:
         self.deadlines: dict[GuardedHttpToolsProtocol, float] = {}
         self.tick = max(0.05, min(1.0, limits.header_timeout_s / 4, limits.body_timeout_s / 4))
         self._sweeping: asyncio.TimerHandle | None = None
-        self.counts: Counter[str] = Counter()  # head_too_large, head_timeout, body_timeout, evicted, over_cap, dropped
+        # bad_request, head_too_large, head_timeout, body_timeout, evicted, over_cap, dropped
+        self.counts: Counter[str] = Counter()
         lim = limits
+        self.bad_request = _raw_response(
+            400, "Bad Request", "the request is not valid HTTP/1.1 (its framing: the request line, a header, "
+                                "Content-Length or Transfer-Encoding, a chunk size)", "invalid_http_request")
         self.head_too_large = _raw_response(
             431, "Request Header Fields Too Large", f"the request head is larger than {lim.max_header_bytes} bytes",
             "request_header_fields_too_large")
@@ -178,6 +183,25 @@ class ConnectionGuard:
             cycle = getattr(conn, "cycle", None)
             if cycle is not None and not cycle.response_complete:
                 cycle.keep_alive = False
+
+
+# An ``Upgrade`` header line of a request head (its value up to the line's end).
+_UPGRADE_LINE = re.compile(rb"\r\n[Uu][Pp][Gg][Rr][Aa][Dd][Ee][ \t]*:([^\r\n]*)")
+
+
+def ignore_unsupported_upgrade(data: bytes) -> bytes:
+    """A request that offers to switch to a protocol the server does not speak (``Upgrade: h2c`` from curl --http2
+    or Java's HttpClient) is served as the HTTP/1.1 request it also is (RFC 9110: a server may ignore an Upgrade).
+    The HTTP parser would take the bytes after its head as the new protocol's: the body lost, or read as a request
+    of its own. So the header is renamed in the head that begins this read (a head split across reads is left as
+    it is); a WebSocket upgrade is left alone."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return data
+    m = _UPGRADE_LINE.search(data, 0, end + 2)
+    if m is None or b"websocket" in m.group(1).lower():
+        return data
+    return data[:m.start()] + b"\r\nX-Ignored-Upgrade:" + data[m.start(1):]
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -272,6 +296,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     # --- reads ------------------------------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        if self._in_head and b"pgrade" in data:
+            data = ignore_unsupported_upgrade(data)
         if self._body_pending:
             self._body_bytes += len(data)
         self._head_split = False
@@ -295,6 +321,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if self not in g.deadlines and not self.transport.is_closing():
                 self._body_start = now = self.loop.time()
                 g.watch(self, now + g.limits.body_timeout_s, self.loop)
+
+    def send_400_response(self, msg: str) -> None:
+        """Bytes the HTTP parser refuses: the API's JSON error (uvicorn's is plain text), counted, and closed."""
+        self._cut(self.guard.bad_request, "bad_request")
 
     def _parsed_head_size(self) -> int:
         return len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers or ())
