@@ -299,6 +299,20 @@ def test_one_long_prompt_whose_prefill_progresses_keeps_the_time_budget():
     assert long.num_computed_tokens < long.num_prompt_tokens  # still part-way
 
 
+def test_a_prompt_past_the_guard_that_one_full_chunk_finishes_gets_it():
+    """Part-way through its prefill, a prompt whose rest fits one chunk still counts from its arrival: past the guard,
+    one lifted step ends its TTFT (what a queue of the trace's short prompts needs)."""
+    clock = ManualClock()
+    sched = _budgeted_with_streams(clock)
+    mid = make_seq("mid", 1500, max_tokens=4, arrival=clock.t)
+    sched.add(mid)
+    first = tokens_of_in(sched, mid)
+    assert 0 < first < mid.num_pending_tokens
+    clock.t += 0.6
+    rest = mid.num_pending_tokens
+    assert rest > 1000 and tokens_of_in(sched, mid) == rest  # the rest, in one step
+
+
 # --- predicted TTFT ---------------------------------------------------------------------------------------------------
 
 

@@ -58,11 +58,12 @@ class SchedulerConfig:
     step_time_budget_s: float | None = None
     # The least prompt tokens a step carries while prefills wait, whatever the time budget: prompts always progress.
     min_prefill_chunk: int = 16
-    # The time budget yields while a prompt has waited longer than this without progress (since it arrived, or since
-    # its prefill's last chunk): past it, a queue of prompts is building up (the budget caps how fast prompts go in),
-    # and their TTFT matters more than the decoding streams' next gap, so prefill takes the token budget until the
-    # queue drains. A long prompt whose prefill progresses every step is no queue: it keeps the budget, so that one
-    # request's prompt never stalls every stream. None: PROMPT_WAIT_GUARD_STEPS budgets.
+    # The time budget yields while a prompt has waited longer than this since it arrived: past it, a queue of prompts
+    # is building up (the budget caps how fast prompts go in), and their TTFT matters more than the decoding streams'
+    # next gap, so prefill takes the token budget until the queue drains. A prompt part-way through its prefill that
+    # needs more than one full chunk still counts from its last chunk instead: a long prompt that progresses every
+    # step is no queue, and lifting the budget for it would stall every stream step after step (one request's prompt
+    # must not do that). None: PROMPT_WAIT_GUARD_STEPS budgets.
     prompt_wait_guard_s: float | None = None
     # Within a priority, waiting requests are taken in the order of their arrival plus this many seconds per prompt
     # token still to compute: short prompts pass long ones that arrived less than that long before them, which cuts
@@ -284,16 +285,20 @@ class Scheduler:
         return seconds
 
     def _prompts_overdue(self, budget_s: float) -> bool:
-        """A prompt still to compute has gone longer than the guard without progress: waiting since it arrived, or
-        part-way through its prefill since its last chunk (since it arrived, if it has had none)."""
+        """A prompt still to compute is past the guard: waiting since it arrived, or part-way through its prefill
+        since it arrived if one full chunk finishes it (the lifted step ends its TTFT), else since its last chunk (a
+        long prompt that progresses every step keeps the budget: lifting it would stall every stream for step after
+        step, and its own TTFT is long either way)."""
         guard = self.config.prompt_wait_guard_s
         if guard is None:
             guard = PROMPT_WAIT_GUARD_STEPS * budget_s
         oldest = now = self.clock()
+        one_chunk = min(self.config.max_num_batched_tokens, self.config.max_prefill_chunk) + \
+            self.config.max_prefill_overrun
         for seq in self.running:
             if not seq.in_decode:
-                since = seq.arrival_time if seq.prefill_progress_at is None else seq.prefill_progress_at
-                oldest = min(oldest, since)
+                progressing = seq.prefill_progress_at is not None and seq.num_pending_tokens > one_chunk
+                oldest = min(oldest, seq.prefill_progress_at if progressing else seq.arrival_time)
         for item in self._waiting:
             seq = item[-1]
             if seq.arrival_time < oldest:
