@@ -72,7 +72,7 @@ def test_plain_tokens_go_to_the_relay_and_the_rest_to_the_reader_in_order():
     # With the queue empty, plain tokens go straight out; the last chunk (a finish reason) and [DONE] do not.
     feed(b"".join(sse(_upstream_chunk({"content": t})) for t in ("c", "d")) + LAST + sse(b"[DONE]"))
     assert relay.written == [] and feed.ended  # [DONE] came before: nothing after it is relayed
-    feed2 = UpstreamFeed(chat=True, relay=relay, replica=rep)
+    feed2 = UpstreamFeed(chat=True, relay=relay, replica=rep, charge=10)
     # An attempt's first token is the reader's, even with the relay armed and nothing queued (the stall watch's
     # first-token phase must see it: a fallback's continuation starts with the relay armed).
     feed2(sse(_upstream_chunk({"content": "b0"})))
@@ -88,6 +88,21 @@ def test_plain_tokens_go_to_the_relay_and_the_rest_to_the_reader_in_order():
     feed2(b"".join(sse(_upstream_chunk({"content": t})) for t in ("c", "d")) + LAST + sse(b"[DONE]"))
     assert relay.written == ["c", "d"] and feed2.relayed == 2 and rep.outstanding_tokens == 8
     assert [json.loads(p)["choices"][0]["finish_reason"] for p in payloads(feed2)[:1]] == ["stop"]
+
+
+def test_a_replica_answering_past_its_charge_never_counts_below_what_the_attempt_added():
+    """An upstream that sends more tokens than max_tokens (the attempt's charge) must not leave its replica with
+    negative outstanding tokens: routing takes the least loaded, and would send it everything from then on."""
+    relay, rep = ScriptedRelay(), Replica()
+    rep.outstanding_tokens = 3
+    feed = UpstreamFeed(chat=True, relay=relay, replica=rep, charge=3)
+    feed(sse(_upstream_chunk({"content": "t0"})))
+    payloads(feed)
+    relay.armed = True
+    feed(b"".join(sse(_upstream_chunk({"content": f"t{i}"})) for i in range(1, 50)))
+    assert feed.relayed == 49 and rep.outstanding_tokens == 0 and feed.left == 0
+    feed.release(5)
+    assert rep.outstanding_tokens == 0
 
 
 def test_the_first_token_is_written_at_once_when_the_stream_waits_for_it_and_still_goes_to_the_reader():

@@ -17,7 +17,7 @@ from tailguard.backends.upstream.pool import (
     UpstreamPool,
     queue_gauges,
 )
-from tailguard.backends.upstream.sse import SSELines, TokenTexts, read_chunk, token_text
+from tailguard.backends.upstream.sse import SSELines, SSELineTooLong, TokenTexts, read_chunk, token_text
 from tailguard.policy.lanes import CapacityConfig, LaneConfig, Lanes, Overloaded, default_lanes
 from tailguard.policy.tenants import (
     KeyFile,
@@ -404,6 +404,43 @@ def test_sse_lines_give_the_same_payloads_however_the_reads_cut_the_stream():
     lines = SSELines()
     assert lines.feed(b'data: {"a"') == [] and lines.pending == b'data: {"a"'
     assert lines.feed(b": 1}\n") == [b'{"a": 1}']
+
+
+@pytest.mark.parametrize("payload", [
+    b'{"choices": [5]}', b'{"choices": "abc"}', b'{"choices": [{"delta": {"content": 5}}]}',
+    b'{"choices": [{"delta": "x"}]}', b'{"choices": [{"delta": {}, "finish_reason": {"a": 1}}]}',
+])
+def test_a_chunk_of_the_wrong_shape_is_refused_as_unparsable(payload):
+    with pytest.raises(ValueError):
+        read_chunk(payload, chat=True)
+
+
+def test_usage_counts_that_cannot_be_true_are_dropped():
+    for bad in ('"abc"', "-20", "1e30", "1000000000000000000000000000000", "true", "[1]"):
+        chunk = read_chunk(b'{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": %s}}' % bad.encode(),
+                           chat=True)
+        assert chunk.usage == {"prompt_tokens": 3}, bad
+    assert read_chunk(b'{"choices": [], "usage": "lots"}', chat=True).usage is None
+    good = read_chunk(b'{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, '
+                      b'"prompt_tokens_details": {"cached_tokens": 2}}}', chat=True)
+    assert good.usage == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                          "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+def test_a_line_that_never_ends_is_refused_at_its_limit_in_linear_time():
+    lines = SSELines(max_line=1 << 20)
+    piece = b"x" * 65536
+    lines.feed(b"data: ")
+    for _ in range(15):  # 15 x 64 KiB: under the limit, buffered, each read scanned once
+        assert lines.feed(piece) == []
+    with pytest.raises(SSELineTooLong):
+        lines.feed(piece + piece)
+    # A long line that ends within the limit is a payload like any other.
+    ok = SSELines(max_line=1 << 20)
+    assert ok.feed(b"data: " + piece) == [] and ok.feed(b"\n") == [piece]
+    # And a read that ends a line over the limit is refused too, not passed on.
+    with pytest.raises(SSELineTooLong):
+        SSELines(max_line=1000).feed(b"data: " + b"y" * 2000 + b"\n")
 
 
 def test_token_texts_learn_the_streams_plain_shape_and_still_agree_with_the_parse():

@@ -98,6 +98,8 @@ def test_cli_sweep_finds_the_highest_passing_rate(tmp_path, capsys):
     (["--url", "http://127.0.0.1:9", "--model", "m", "--warmup-seconds", "nan"], "--warmup-seconds must be a number"),
     (["--url", "http://127.0.0.1:9", "--model", "m", "--temperature", "nan"], "--temperature must be a number"),
     (["--url", "http://127.0.0.1:9", "--model", "m", "--temperature", "-1"], "--temperature must be from 0 to 2"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--rate", "inf"], "--rate must be finite"),
+    (["--url", "http://127.0.0.1:9", "--model", "m", "--rate", "1e-300"], "--rate must be at least 0.001"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert main(["bench", *argv]) == 2
@@ -107,11 +109,16 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
 
 def test_bad_jsonl_and_profile_files(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "hi"}\n{"nothing": 1}\n')
     with FakeServerProcess(FakeScript(ttft=0.001, itl=0.001, max_lifetime=60)) as srv:
-        assert main(["bench", "--url", srv.url, "--model", "fake", "--jsonl", str(bad), "--tokenizer",
-                     "approx"]) == 2
-        assert "bad.jsonl:2: needs 'prompt' or 'messages'" in capsys.readouterr().err
+        for second, message in (('{"nothing": 1}', "bad.jsonl:2: needs 'prompt' or 'messages'"),
+                                ("[1, 2]", "bad.jsonl:2: a request is a JSON object, not list"),
+                                ("null", "bad.jsonl:2: a request is a JSON object, not NoneType"),
+                                ('{"prompt": "x", "max_tokens": [4]}', "bad.jsonl:2: 'max_tokens' must be a positive")):
+            bad.write_text('{"prompt": "hi"}\n' + second + "\n")
+            assert main(["bench", "--url", srv.url, "--model", "fake", "--jsonl", str(bad), "--tokenizer",
+                         "approx"]) == 2
+            err = capsys.readouterr().err
+            assert message in err and "Traceback" not in err
     yml = tmp_path / "p.yaml"
     yml.write_text("name: x\nobjectives:\n  - {metric: latency, percentile: 99, threshold: 1s}\n")
     assert main(["bench", "--url", "http://127.0.0.1:9", "--model", "m", "--profiles-file", str(yml)]) == 2

@@ -116,3 +116,22 @@ def test_every_percentile_table_shows_the_excluded_count(tmp_path):
     assert "<th>failed excluded</th>" in doc and f"{FAILED} failed counted as misses" in doc
     assert f"{FAILED} failed, cut-off or refused requests are left out of every percentile" in doc
     assert res["by_language"]["en"]["failed_excluded"] == FAILED
+
+
+class _SlowTransport(ScriptedTransport):
+    """Each request takes 20 ms of real time (the scripted stream's own times stay virtual)."""
+
+    async def post(self, url, body, headers, res, stream, chat) -> None:
+        await asyncio.sleep(0.02)
+        await super().post(url, body, headers, res, stream, chat)
+
+
+def test_a_closed_loop_runs_its_whole_count_past_the_drain_timeout(tmp_path):
+    """The drain timeout applies to the requests still in flight when the run stops sending, not to the run itself:
+    a closed loop that lasted longer than it (by default the request timeout + 5 s) was cut short, its unsent
+    requests never sent and its in-flight ones counted as failed."""
+    tr = _SlowTransport(FakeScript(), latency=lambda i: (0.010, 0.002))
+    cfg = bench_config(concurrency=2, num_requests=60, output_tokens=12, timeout=5.0, drain_timeout=0.2)
+    res, _ = asyncio.run(execute(cfg, transport=tr, display=False))  # ~0.6 s of requests, 3x the drain timeout
+    s = res["summary"]["requests"]
+    assert s["failed"] == 0 and s["sent"] == 60, s

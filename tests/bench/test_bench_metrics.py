@@ -116,6 +116,44 @@ def test_sse_parser_survives_events_split_across_reads_and_errors_in_stream():
     assert res.error == "engine died"
 
 
+def _streamed(chunks: list[str], usage: str) -> RequestResult:
+    res = RequestResult(0, "r", None, 0.0)
+    p = SSEParser(res, chat=True)
+    for i, x in enumerate(chunks):
+        p.feed(f'data: {{"choices":[{{"delta":{{"content":"{x}"}}}}]}}\n\n'.encode(), 0.01 * (i + 1))
+    p.feed(f'data: {{"choices":[],"usage":{usage}}}\n\ndata: [DONE]\n\n'.encode(), 0.1)
+    res.status, res.end = 200, 0.1
+    return res
+
+
+@pytest.mark.parametrize("usage", ['{"completion_tokens": "abc"}', '{"completion_tokens": -20}',
+                                   '{"completion_tokens": 1e30, "prompt_tokens": -3}', '"lots"',
+                                   '{"completion_tokens": 300000000}'])
+def test_usage_that_cannot_be_true_is_set_aside_for_the_benchs_own_count(usage):
+    """A server's usage is trusted only where it can be true: a count that is not a non-negative integer, or more
+    tokens than the streamed text has bytes, would give negative throughput, crash the run, or make the bench
+    allocate an ITL gap per claimed token (300M of them)."""
+    res = _streamed([" alpha", " beta", " gamma"], usage)
+    m = request_metrics(res, 0.0, ApproxTokenizer())
+    assert m.ok and m.output_tokens == 3 and m.output_tokens_source == "recount"
+    assert m.prompt_tokens is None and len(m.itl) == 2
+
+
+def test_an_answer_that_never_ends_fails_alone_at_the_limit():
+    from tailguard.bench import client
+
+    res = RequestResult(0, "r", None, 0.0)
+    p = SSEParser(res, chat=True)
+    piece = b"x" * (1 << 20)
+    assert p.feed(b"data: " + piece, 0.0)  # a line that never ends: buffered, scanned once a read
+    fed = 1
+    while p.feed(piece, 0.0):
+        fed += 1
+    assert fed * len(piece) <= client.MAX_ANSWER_BYTES < (fed + 1) * len(piece) + 6  # stopped at the limit, not before
+    assert "stopped reading" in res.error
+    assert len(p.buf) <= client.MAX_ANSWER_BYTES
+
+
 def test_server_timing_header_is_parsed_to_seconds():
     st = parse_server_timing("tokenize;dur=1.5, queue;dur=20, prefill;desc=x;dur=3, bad, total;dur=40")
     assert st == {"tokenize": 0.0015, "queue": 0.02, "prefill": 0.003, "total": 0.04}

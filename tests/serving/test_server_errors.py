@@ -316,3 +316,9 @@ def test_unhandled_route_error_echoes_only_a_valid_request_id(tmp_path, monkeypa
         r = httpx.get(s.url + "/v1/requests/x", headers={"X-Request-ID": "ok-id-1", **ADMIN}, timeout=10)
         assert r.status_code == 500 and "ok-id-1" in r.json()["error"]["message"]
         assert httpx.get(s.url + "/health").status_code == 200
+
+
+def test_a_path_without_its_trailing_slash_is_not_redirected_to_the_clients_host(server):
+    r = httpx.get(server.url + "/v1/requests", headers={"Host": "evil.example"}, timeout=10, follow_redirects=False)
+    assert r.status_code == 404 and "evil.example" not in r.headers.get("location", "")
+    assert r.headers["content-type"].startswith("application/json") and r.json()["error"]["message"]

@@ -280,9 +280,16 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 # --- validation -----------------------------------------------------------------------------------------------
 
+# The lowest --rate taken: below it a run waits hours for its first requests.
+MIN_RATE = 0.001
+
+
 def _positive(name: str, v: float | None, allow_zero: bool = False) -> None:
     if v is not None and math.isnan(v):  # NaN passes every comparison below: a run with it measures nonsense
         raise UsageError(f"{name} must be a number, got nan")
+    if v is not None and math.isinf(v):
+        hint = " (to send every request at once: --concurrency N --num-requests N)" if name == "--rate" else ""
+        raise UsageError(f"{name} must be finite, got {v:g}{hint}")
     if v is not None and (v < 0 or (v == 0 and not allow_zero)):
         raise UsageError(f"{name} must be {'non-negative' if allow_zero else 'positive'}, got {v:g}")
 
@@ -346,6 +353,9 @@ def config_from_args(args: argparse.Namespace, target: bool = True) -> Any:
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     for name in ("warmup_requests", "warmup_seconds", "trace_start", "input_spread", "output_spread", "bootstrap"):
         _positive("--" + name.replace("_", "-"), getattr(args, name), allow_zero=True)
+    if args.rate is not None and args.rate < MIN_RATE:
+        raise UsageError(f"--rate must be at least {MIN_RATE:g} requests/s (one every {1 / MIN_RATE:g} s), got "
+                         f"{args.rate:g}")
     if math.isnan(args.temperature):
         raise UsageError("--temperature must be a number, got nan")
     if not 0 <= args.temperature <= 2:

@@ -74,19 +74,56 @@ def parse_server_timing(value: str | None) -> dict[str, float] | None:
     return out or None
 
 
-class SSEParser:
-    """Feeds raw bytes (with the time they arrived) and fills a RequestResult."""
+# The most one answer may send before the bench stops reading it: its text and its chunks' times stay in memory until
+# the report, so a server that streams without end fails that request, not the bench.
+MAX_ANSWER_BYTES = 32 << 20
+# A usage count past this, negative, or not an integer cannot be true: it is dropped (the bench counts for itself).
+MAX_USAGE_TOKENS = 1 << 31
 
-    __slots__ = ("res", "buf", "chat", "done")
+
+def usage_count(value: Any) -> int | None:
+    """A usage count the bench can use, or None."""
+    return value if type(value) is int and 0 <= value <= MAX_USAGE_TOKENS else None
+
+
+def clean_usage(usage: Any) -> dict | None:
+    """A server's ``usage`` with only the counts that can be true (None if it is not an object)."""
+    if not isinstance(usage, dict):
+        return None
+    return {k: v for k, v in usage.items()
+            if k not in ("prompt_tokens", "completion_tokens", "total_tokens") or usage_count(v) is not None}
+
+
+def too_long(res: RequestResult) -> None:
+    res.error = res.error or f"the answer passed {MAX_ANSWER_BYTES >> 20} MiB; the bench stopped reading it"
+
+
+class SSEParser:
+    """Feeds raw bytes (with the time they arrived) and fills a RequestResult. Each read's bytes are scanned once
+    (a line that never ends costs its length, not its square); ``feed`` returns False once the answer passed
+    MAX_ANSWER_BYTES (the caller stops reading)."""
+
+    __slots__ = ("res", "buf", "chat", "done", "seen")
 
     def __init__(self, res: RequestResult, chat: bool) -> None:
         self.res = res
-        self.buf = b""
+        self.buf = bytearray()
         self.chat = chat
         self.done = False
+        self.seen = 0
 
-    def feed(self, data: bytes, t: float) -> None:
-        buf = self.buf + data if self.buf else data
+    def feed(self, data: bytes, t: float) -> bool:
+        self.seen += len(data)
+        if self.seen > MAX_ANSWER_BYTES:
+            too_long(self.res)
+            return False
+        if self.buf:
+            if b"\n" not in data:
+                self.buf += data
+                return True
+            buf = bytes(self.buf) + data
+        else:
+            buf = data
         start = 0
         while True:
             nl = buf.find(b"\n", start)
@@ -96,7 +133,8 @@ class SSEParser:
             start = nl + 1
             if line.startswith(b"data:"):
                 self._event(line[5:].strip(), t)
-        self.buf = buf[start:]
+        self.buf = bytearray(buf[start:])
+        return True
 
     def _event(self, payload: bytes, t: float) -> None:
         res = self.res
@@ -108,21 +146,30 @@ class SSEParser:
         except ValueError:
             res.error = res.error or f"unparsable SSE data: {payload[:80]!r}"
             return
+        if not isinstance(obj, dict):
+            res.error = res.error or f"SSE data that is not a JSON object: {payload[:80]!r}"
+            return
         if "error" in obj and not obj.get("choices"):
             err = obj["error"]
             res.error = str(err.get("message", err) if isinstance(err, dict) else err)
             return
-        usage = obj.get("usage")
+        usage = clean_usage(obj.get("usage"))
         choices = obj.get("choices") or ()
         text = ""
-        for ch in choices:
-            if self.chat:
-                delta = ch.get("delta") or {}
-                text += (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
-            else:
-                text += ch.get("text") or ""
-            if ch.get("finish_reason"):
-                res.finish_reason = ch["finish_reason"]
+        try:
+            for ch in choices:
+                if self.chat:
+                    delta = ch.get("delta") or {}
+                    parts = (delta.get("content"), delta.get("reasoning_content") or delta.get("reasoning"))
+                else:
+                    parts = (ch.get("text"),)
+                text += "".join(x for x in parts if isinstance(x, str))
+                finish = ch.get("finish_reason")
+                if finish:
+                    res.finish_reason = str(finish)[:40]
+        except AttributeError:  # choices, or a choice's delta, that are not objects
+            res.error = res.error or f"a chunk of an unexpected shape: {payload[:80]!r}"
+            return
         if text:
             if res.first_token_at is None:
                 res.first_token_at = t
@@ -176,6 +223,17 @@ class _Transport:
         raise NotImplementedError
 
 
+async def _read_capped(pieces: Any, res: RequestResult) -> bytes | None:
+    """A whole answer's bytes, or None (and the request's error) once it passes MAX_ANSWER_BYTES."""
+    out = bytearray()
+    async for piece in pieces:
+        out += piece
+        if len(out) > MAX_ANSWER_BYTES:
+            too_long(res)
+            return None
+    return bytes(out)
+
+
 def _finish_nonstream(res: RequestResult, data: bytes, t: float, chat: bool) -> None:
     res.streamed = False
     try:
@@ -183,10 +241,17 @@ def _finish_nonstream(res: RequestResult, data: bytes, t: float, chat: bool) -> 
     except ValueError:
         res.error = "unparsable JSON response"
         return
-    ch = (obj.get("choices") or [{}])[0]
-    text = ((ch.get("message") or {}).get("content") or "") if chat else (ch.get("text") or "")
-    res.finish_reason = ch.get("finish_reason")
-    res.usage = obj.get("usage")
+    try:
+        ch = (obj.get("choices") or [{}])[0]
+        text = ((ch.get("message") or {}).get("content") or "") if chat else (ch.get("text") or "")
+        res.finish_reason = ch.get("finish_reason")
+    except (AttributeError, KeyError, IndexError, TypeError):
+        res.error = "a JSON answer of an unexpected shape"
+        return
+    if not isinstance(text, str):
+        res.error = "a JSON answer whose text is not a string"
+        return
+    res.usage = clean_usage(obj.get("usage"))
     if isinstance(obj.get("tailguard"), dict):
         res.tailguard = obj["tailguard"]
     if isinstance(obj.get("timings"), dict):
@@ -240,14 +305,16 @@ class AiohttpTransport(_Transport):
             if stream and h.get("content-type", "").startswith("text/event-stream"):
                 parser = SSEParser(res, chat)
                 async for data in resp.content.iter_any():
-                    parser.feed(data, perf())
+                    if not parser.feed(data, perf()):
+                        break
                 res.end = perf()
                 if not parser.done and res.error is None:
                     res.error = "stream ended without [DONE]"
             else:
-                data = await resp.read()
+                data = await _read_capped(resp.content.iter_any(), res)
                 res.end = perf()
-                _finish_nonstream(res, data, res.end, chat)
+                if data is not None:
+                    _finish_nonstream(res, data, res.end, chat)
 
     async def get_json(self, url, headers=None):
         async with self.session.get(url, headers=headers) as resp:
@@ -286,14 +353,16 @@ class HttpxTransport(_Transport):
             if stream and h.get("content-type", "").startswith("text/event-stream"):
                 parser = SSEParser(res, chat)
                 async for data in resp.aiter_raw():
-                    parser.feed(data, perf())
+                    if not parser.feed(data, perf()):
+                        break
                 res.end = perf()
                 if not parser.done and res.error is None:
                     res.error = "stream ended without [DONE]"
             else:
-                data = await resp.aread()
+                data = await _read_capped(resp.aiter_bytes(), res)
                 res.end = perf()
-                _finish_nonstream(res, data, res.end, chat)
+                if data is not None:
+                    _finish_nonstream(res, data, res.end, chat)
 
     async def get_json(self, url, headers=None):
         resp = await self.client.get(url, headers=headers)

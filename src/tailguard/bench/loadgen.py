@@ -226,6 +226,7 @@ async def run_load(transport, ep: Endpoint, workload, plan: LoadPlan, opts: Requ
     started_unix = time.time()
     t0 = perf() + 0.01
     tasks: list[asyncio.Task] = []
+    sending_over: asyncio.Event | None = None  # a closed loop's: set once its workers send no more
 
     if plan.mode == "open":
         offsets = plan.offsets if plan.offsets is not None else np.zeros(0)
@@ -262,9 +263,16 @@ async def run_load(transport, ep: Endpoint, workload, plan: LoadPlan, opts: Requ
     else:
         counter = 0
         limit = plan.num_requests
+        sending_over = asyncio.Event()
         deadline = t0 + plan.duration if plan.duration is not None else None
 
         async def worker() -> None:
+            try:
+                await send_until_done()
+            finally:
+                sending_over.set()  # the run's end: its drain timeout counts from here, not from the start
+
+        async def send_until_done() -> None:
             nonlocal counter
             while True:
                 if limit is not None and counter >= limit:
@@ -295,6 +303,8 @@ async def run_load(transport, ep: Endpoint, workload, plan: LoadPlan, opts: Requ
         tasks = [loop.create_task(worker()) for _ in range(plan.concurrency)]
 
     if tasks:
+        if sending_over is not None:  # closed loop: the workers send until the count or the duration is reached
+            await sending_over.wait()
         drain = plan.drain_timeout if plan.drain_timeout is not None else ep.timeout + 5
         done, pending = await asyncio.wait(tasks, timeout=drain)
         for t in pending:

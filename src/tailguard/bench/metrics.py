@@ -114,6 +114,15 @@ def request_metrics(res: RequestResult, t0: float, tokenizer, local_output_token
     m.output_tokens_local = local_output_tokens
     total = usage.get("completion_tokens")
     cont = res.chunk_usage
+    # A streamed answer's tokens cannot outnumber its text's bytes by much (a token is at least a byte of it, bar a
+    # few special ones): a count past that is the server's error, and would make the bench allocate an ITL gap for
+    # each claimed token. It is set aside for the bench's own count.
+    if n and res.streamed:
+        most = sum(len(t.encode("utf-8", "surrogatepass")) for t in res.chunk_texts) + n + 16
+        if total is not None and int(total) > most:
+            total = None
+        if cont and cont[-1] is not None and int(cont[-1]) > most:
+            cont = [None] * n
     # per-chunk recounts only where they are needed: no exact per-chunk usage, and more tokens than chunks
     need = n and not all(c is not None for c in cont) and (total is None or int(total) > n)
     recount = [len(tokenizer.encode(t)) for t in res.chunk_texts] if need else [1] * n

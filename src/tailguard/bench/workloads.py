@@ -232,6 +232,8 @@ class JsonlWorkload:
                     obj = json.loads(line)
                 except ValueError as exc:
                     raise ValueError(f"{self.path}:{lineno}: not JSON: {exc}") from None
+                if not isinstance(obj, dict):
+                    raise ValueError(f"{self.path}:{lineno}: a request is a JSON object, not {type(obj).__name__}")
                 self.items.append(self._spec(obj, lineno))
         if not self.items:
             raise ValueError(f"{self.path}: no requests")
@@ -246,6 +248,10 @@ class JsonlWorkload:
                                      not all(isinstance(m, dict) and "content" in m for m in messages)):
             raise ValueError(f"{self.path}:{lineno}: 'messages' must be a list of {{role, content}} objects")
         max_tokens = obj.get("max_tokens") or obj.get("output_tokens") or self.default_max_tokens
+        if isinstance(max_tokens, float) and max_tokens.is_integer():  # 64.0, as a data frame writes it
+            max_tokens = int(max_tokens)
+        if type(max_tokens) is not int or max_tokens < 1:
+            raise ValueError(f"{self.path}:{lineno}: 'max_tokens' must be a positive integer, not {max_tokens!r:.40}")
         spec = RequestSpec(prompt=None if prompt is None else str(prompt), messages=messages,
                            max_tokens=int(max_tokens), business_type=obj.get("business_type"), user=obj.get("user"))
         spec.lang = obj.get("lang") or language_of(spec.text())

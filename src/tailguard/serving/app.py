@@ -95,6 +95,9 @@ def create_app(
         exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Exception: on_server_error},
     )
     app.state.tailguard = state
+    # No 307 to the path with(out) its trailing slash: Starlette builds that redirect from the client's Host header
+    # (GET /v1/requests sent a client on to wherever its Host said); a path that is not a route is a 404.
+    app.router.redirect_slashes = False
     if not middleware:  # a middleware of ours (tracing) must see every request: then Starlette routes them all
         app.hot = {r.path: r.endpoint for r in routes[:2]}
     return app

@@ -38,6 +38,9 @@ from urllib.parse import unquote, urlsplit
 import httptools
 
 HIGH_WATER = 1 << 20  # body bytes waiting for the reader (or the tap's) before the socket stops being read
+# The largest answer head taken from an upstream (the server's own limit for a client's head is 64 KiB): a replica
+# that sends headers without end fails its request instead of growing the gateway.
+MAX_HEAD_BYTES = 256 * 1024
 DRAIN_TIMEOUT_S = 1.0  # the longest an answer's unread end is waited for before its connection is closed instead
 
 
@@ -69,6 +72,7 @@ class Connection(asyncio.Protocol):
         self.keep_alive = False
         self.framed = False  # the body's end is marked (a length or chunks), not the connection's close
         self.received = False  # any byte of an answer came back
+        self._head_bytes = 0  # bytes read before the answer's head was complete
         self.exc: BaseException | None = None
         self._body: list[bytes] = []
         self._buffered = 0
@@ -95,6 +99,11 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamProtocolError(f"the upstream's answer is not valid HTTP/1.1: {exc}"))
             self.close()
+        if not self.headers_done and self.exc is None:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._fail(UpstreamProtocolError(f"the upstream's answer head is larger than {MAX_HEAD_BYTES:,} bytes"))
+                self.close()
         if self._news or self.complete or self.exc is not None or not self.headers_done:
             self._wake()
 

@@ -405,7 +405,7 @@ class UpstreamBackend:
                                             implicates=resp.status != 503)
                     # The body goes to the feed as it arrives: plain tokens straight to the client when the relay
                     # is armed, everything else queued here, in order.
-                    feed = UpstreamFeed(chat, relay, resp, r)
+                    feed = UpstreamFeed(chat, relay, resp, r, charge=est_tokens)
                     resp.set_tap(feed)
                     yield [UpstreamEvent(request_id, None, "", perf_counter(), accepted=True)]
                     token_text = feed.token_text
@@ -413,6 +413,9 @@ class UpstreamBackend:
                         # Whatever arrived since the last wake-up, at once: one resumption for the tokens it holds.
                         batch = feed.take()
                         if not batch:
+                            if feed.failed is not None:
+                                raise UpstreamError(502, f"upstream {r.name}: {feed.failed}", code="upstream_error",
+                                                    before_first_token=first is None, implicates=True)
                             if resp.exc is not None:
                                 raise resp.exc
                             if not resp.complete:
@@ -459,7 +462,7 @@ class UpstreamBackend:
                             tokens.append(UpstreamEvent(request_id, UNKNOWN_TOKEN, text, now))
                         if tokens:
                             n_out += len(tokens)
-                            r.outstanding_tokens -= len(tokens)
+                            feed.release(len(tokens))
                             yield tokens
                         if failed is not None:
                             raise failed
@@ -501,7 +504,9 @@ class UpstreamBackend:
             span.__exit__(*sys.exc_info())
             r.breaker.trial = False  # a trial the client abandoned decides nothing
             r.in_flight -= 1
-            r.outstanding_tokens -= max(0, est_tokens - n_out - (feed.relayed if feed is not None else 0))
+            # what this attempt added and its tokens have not counted down (never more: a replica that answers
+            # past max_tokens must not come out with less than nothing outstanding, and so draw all the traffic)
+            r.outstanding_tokens -= feed.left if feed is not None else est_tokens
             if self.on_attempt is not None:
                 self.on_attempt(r.name, outcome, None if first is None else first - sent)
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from tailguard.backends.upstream.http1 import HIGH_WATER
-from tailguard.backends.upstream.sse import DONE, SSELines, TokenTexts
+from tailguard.backends.upstream.sse import DONE, SSELines, SSELineTooLong, TokenTexts
 
 log = logging.getLogger("tailguard.gateway")
 
@@ -56,10 +56,10 @@ class UpstreamFeed:
     this matters for a stall fallback's continuation, which starts while the relay is already armed."""
 
     __slots__ = ("lines", "token_text", "relay", "queue", "queued_bytes", "relayed", "ended", "opened", "_conn",
-                 "_replica")
+                 "_replica", "failed", "left")
 
-    def __init__(self, chat: bool, relay: Relay | None, conn: object | None = None, replica: object | None = None
-                 ) -> None:
+    def __init__(self, chat: bool, relay: Relay | None, conn: object | None = None, replica: object | None = None,
+                 charge: int = 0) -> None:
         self.lines = SSELines()
         self.token_text = TokenTexts(chat)
         self.relay = relay
@@ -70,19 +70,29 @@ class UpstreamFeed:
         self.opened = False  # the attempt's first token was queued for the reader: later ones may be relayed
         self._conn = conn  # paused while the reader is behind (``pause_reading``)
         self._replica = replica  # its outstanding tokens count down as they come (routing reads them)
+        self.failed: SSELineTooLong | None = None  # the stream broke the SSE rules: nothing more is read of it
+        self.left = charge  # of the tokens this attempt added to the replica's outstanding ones, not yet counted down
 
     def __call__(self, data: bytes) -> bool:
         """Take one piece of the body; True when something was queued for the reader."""
+        if self.failed is not None:
+            return False
         now = time.perf_counter()
         queue, relay = self.queue, self.relay
         queued = False
-        for payload in self.lines.feed(data):
+        try:
+            payloads = self.lines.feed(data)
+        except SSELineTooLong as exc:  # inside the connection's read callback: the reader raises it
+            self.failed = exc
+            if self._conn is not None:
+                self._conn.pause_reading(True)  # type: ignore[attr-defined]
+            return True
+        for payload in payloads:
             if relay is not None and relay.armed and not queue and not self.ended and self.opened:
                 text = self.token_text(payload)
                 if text and self._relayed(relay, text, now):
                     self.relayed += 1
-                    if self._replica is not None:
-                        self._replica.outstanding_tokens -= 1  # type: ignore[attr-defined]
+                    self.release(1)
                     continue
             if payload == DONE:
                 self.ended = True
@@ -100,6 +110,14 @@ class UpstreamFeed:
         if self.queued_bytes > HIGH_WATER and self._conn is not None:
             self._conn.pause_reading(True)  # type: ignore[attr-defined]
         return queued
+
+    def release(self, n: int) -> None:
+        """Count ``n`` tokens that came down from the replica's outstanding ones, never past what this attempt added."""
+        n = min(n, self.left)
+        if n > 0:
+            self.left -= n
+            if self._replica is not None:
+                self._replica.outstanding_tokens -= n  # type: ignore[attr-defined]
 
     @staticmethod
     def _relayed(relay: Relay, text: str, now: float) -> bool:

@@ -29,28 +29,45 @@ _LOGPROBS_NULL = re.compile(rb'"logprobs"\s*:\s*null')
 _PASSED_ON = (b'"tool_calls"', b'"reasoning', b'"function_call"', b'"refusal"', b'"audio"')
 
 
+# The longest SSE line taken from an upstream (a chunk with logprobs and tool calls is a few KiB): past it the stream
+# is the upstream's fault, not something to buffer without end.
+MAX_LINE_BYTES = 4 << 20
+
+
+class SSELineTooLong(ValueError):
+    """An upstream sent a line longer than MAX_LINE_BYTES."""
+
+
 class SSELines:
     """Splits the bytes of an event stream into ``data:`` payloads, whatever the TCP reads cut.
 
     ``feed`` takes the bytes of one read and returns the payloads of the lines it completed; a line cut by the read
-    waits for the next one. Comments, ``event:``/``id:`` fields and blank lines are dropped (the gateway needs only
-    the data)."""
+    waits for the next one, each read's bytes scanned once (a line that never ends costs its length, not its length
+    squared), and one longer than ``max_line`` raises SSELineTooLong. Comments, ``event:``/``id:`` fields and blank
+    lines are dropped (the gateway needs only the data)."""
 
-    __slots__ = ("_rest",)
+    __slots__ = ("_rest", "max_line")
 
-    def __init__(self) -> None:
-        self._rest = b""
+    def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
+        self._rest = bytearray()
+        self.max_line = max_line
 
     def feed(self, data: bytes) -> list[bytes]:
-        if self._rest:
-            data = self._rest + data
         end = data.rfind(b"\n")
         if end < 0:
-            self._rest = data
+            self._rest += data
+            if len(self._rest) > self.max_line:
+                raise SSELineTooLong(f"the upstream sent an SSE line longer than {self.max_line:,} bytes")
             return []
-        self._rest = data[end + 1:]
+        if self._rest:
+            self._rest += data[:end]
+            lines, self._rest = bytes(self._rest).split(b"\n"), bytearray(data[end + 1:])
+        else:
+            lines, self._rest = data[:end].split(b"\n"), bytearray(data[end + 1:])
+        if len(self._rest) > self.max_line or (len(lines[0]) > self.max_line):
+            raise SSELineTooLong(f"the upstream sent an SSE line longer than {self.max_line:,} bytes")
         out = []
-        for line in data[:end].split(b"\n"):
+        for line in lines:
             if line.startswith(b"data:"):
                 out.append(line[5:].strip())  # also drops the \r of CRLF line ends
         return out
@@ -58,7 +75,7 @@ class SSELines:
     @property
     def pending(self) -> bytes:
         """Bytes of an unfinished line (the stream should end on a line end)."""
-        return self._rest
+        return bytes(self._rest)
 
 
 @dataclass(slots=True)
@@ -142,8 +159,28 @@ class TokenTexts:
         return _decode(m.group(1))
 
 
+# The most tokens a usage count may say (2**31: no request comes near it); a count past it, negative, or not an
+# integer is the upstream's error, and is dropped (the gateway's own count stands in for it).
+MAX_USAGE_TOKENS = 1 << 31
+USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def clean_usage(usage: Any) -> dict | None:
+    """An upstream's ``usage`` with only counts that can be true: a dict, each count an integer in
+    [0, MAX_USAGE_TOKENS] (others dropped); None if it is not a dict."""
+    if not isinstance(usage, dict):
+        return None
+    out = dict(usage)
+    for key in USAGE_COUNTS:
+        v = out.get(key)
+        if v is not None and (type(v) is not int or not 0 <= v <= MAX_USAGE_TOKENS):
+            del out[key]
+    return out
+
+
 def read_chunk(payload: bytes, chat: bool) -> Chunk:
-    """Parse one payload in full (raises ``ValueError`` for data that is not JSON)."""
+    """Parse one payload in full (raises ``ValueError`` for data that is not JSON, or not a chunk's shape: choices
+    that are not objects, a text or finish reason that is not a string)."""
     obj: Any = fast_json.loads(payload)
     if not isinstance(obj, dict):
         raise ValueError("an SSE data payload that is not a JSON object")
@@ -154,17 +191,26 @@ def read_chunk(payload: bytes, chat: bool) -> Chunk:
         out.error_body = err if isinstance(err, dict) else None
         return out
     if obj.get("usage"):
-        out.usage = obj["usage"]
+        out.usage = clean_usage(obj["usage"])
+    choices = obj.get("choices") or []
+    if not isinstance(choices, list):
+        raise ValueError("a chunk's 'choices' that is not a list")
     texts = []
-    for ch in obj.get("choices") or ():
+    for ch in choices:
+        if not isinstance(ch, dict):
+            raise ValueError("a chunk's choice that is not an object")
         delta = (ch.get("delta") or {}) if chat else {}
+        if not isinstance(delta, dict):
+            raise ValueError("a chunk's 'delta' that is not an object")
         text = delta.get("content") if chat else ch.get("text")
-        if ch.get("finish_reason"):
-            out.finish_reason = ch["finish_reason"]
+        finish = ch.get("finish_reason")
+        if not (text is None or isinstance(text, str)) or not (finish is None or isinstance(finish, str)):
+            raise ValueError("a chunk's text or finish reason that is not a string")
+        if finish:
+            out.finish_reason = finish
         if text:
             texts.append(text)
-        extra = {k: v for k, v in delta.items() if k not in ("role", "content") and v is not None} \
-            if isinstance(delta, dict) else {}
+        extra = {k: v for k, v in delta.items() if k not in ("role", "content") and v is not None}
         lp = ch.get("logprobs")
         if extra or lp:
             out.passthrough = {"delta": extra or None, "logprobs": lp or None}
