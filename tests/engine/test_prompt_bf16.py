@@ -170,3 +170,18 @@ def test_a_rows_tile_product_depends_on_its_own_values_only():
         np.testing.assert_array_equal(linear_bf16_raw(np.ascontiguousarray(x[lo:hi]), tiles, 96), full[lo:hi])
     base = np.random.default_rng(5).standard_normal((300, 96)).astype(np.float32)
     np.testing.assert_array_equal(linear_bf16_raw(x, tiles, 96, base.copy()), base + full)
+
+
+def test_with_prompt_rows_on_the_tiles_long_prompts_stay_in_the_c_step(monkeypatch):
+    """The hand-off to torch past 2,048 positions was for the block kernels, which read each key once per query row;
+    on the tiles a chunk reads its keys once a layer, and the C step is faster at every length measured
+    (benchmarks/prefill_handoff.py). So a long prompt never loads torch there; the block kernels keep the rule."""
+    from tailguard.engine.kv_layout import NATIVE_PREFILL_MAX_CONTEXT
+
+    blocks = tiny_engine(monkeypatch, prompt_bf16=False)
+    assert blocks.runner.native_prefill_max_context == NATIVE_PREFILL_MAX_CONTEXT
+    tiles = tiny_engine(monkeypatch, prompt_bf16=True, model="smollm2")  # (the tiny model's context is 2,048)
+    assert tiles.runner.native_prefill_max_context == tiles.config.max_position > NATIVE_PREFILL_MAX_CONTEXT + 300
+    prompt = np.random.default_rng(3).integers(100, 40000, size=NATIVE_PREFILL_MAX_CONTEXT + 300).tolist()
+    out = tiles.generate([prompt], SamplingParams(max_tokens=2, temperature=0))[0]
+    assert len(out) == 2 and tiles.runner._torch_runner is None  # every chunk in C: torch never loaded

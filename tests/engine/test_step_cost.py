@@ -299,6 +299,24 @@ def test_one_long_prompt_whose_prefill_progresses_keeps_the_time_budget():
     assert long.num_computed_tokens < long.num_prompt_tokens  # still part-way
 
 
+def test_slow_steps_do_not_make_a_progressing_long_prompt_look_stalled():
+    """Its progress counts at each step's end: steps slower than the guard (a long context on a slow CPU) must not
+    lift the budget, which would make the next steps slower still."""
+    clock = ManualClock()
+    sched = _budgeted_with_streams(clock)
+    long = make_seq("long", 6000, max_tokens=4, arrival=clock.t)
+    sched.add(long)
+    for _ in range(4):
+        out = sched.schedule()
+        clock.t += 0.8  # the step takes longer than the 0.5 s guard
+        sched.advance(out)
+        for c in out.chunks:
+            if c.samples:
+                c.seq.output_token_ids.append(FAKE_TOKEN)
+        n = sum(c.num_tokens for c in out.chunks if c.seq is long)
+        assert 0 < n < 2048 - 8, n
+
+
 def test_a_prompt_past_the_guard_that_one_full_chunk_finishes_gets_it():
     """Part-way through its prefill, a prompt whose rest fits one chunk still counts from its arrival: past the guard,
     one lifted step ends its TTFT (what a queue of the trace's short prompts needs)."""

@@ -460,3 +460,48 @@ def test_the_quarantine_keys_requests_by_their_canonical_body_and_forgets_in_tim
     now[0] = 601.0
     assert not q.holding  # failures are forgotten after the ttl
     assert Quarantine(after=0).failed(a, "r1") is False  # off
+
+
+# --- (f) what an upstream sends is bounded and checked -----------------------------------------------------------------
+async def _endless_line(up: Upstream, request: web.Request, body: dict) -> web.StreamResponse:
+    """A data line that never ends: 6 MiB of it, 64 KiB a write, then the replica waits."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    with contextlib.suppress(ConnectionError):
+        await resp.write(b'data: {"choices": [{"index": 0, "delta": {"content": "')
+        for _ in range(96):
+            await resp.write(b"x" * 65536)
+        assert up.release is not None
+        await up.release.wait()
+    return resp
+
+
+async def _past_max_tokens(up: Upstream, request: web.Request, body: dict) -> web.StreamResponse:
+    up.text = "y" * 400  # 400 tokens for max_tokens 8
+    return await tokens(up, request, body)
+
+
+def test_an_upstream_line_that_never_ends_fails_its_attempt_and_nobody_else_waits(tmp_path):
+    bad, good = Upstream(answer=_endless_line), Upstream()
+    with bad.running(), good.running(), gateway(tmp_path, [bad.url], routing={"retries": 0}) as gw:
+        t = time.perf_counter()
+        r = chat(gw.url, "endless", stream=True)
+        assert time.perf_counter() - t < 10
+        assert r.status_code == 200 and '"error"' in r.text and r.text.rstrip().endswith("data: [DONE]")
+        assert "SSE line longer than" in r.text
+        assert record(gw, r)["status"] == 502
+        assert httpx.get(gw.url + "/health", timeout=5).status_code == 200
+
+
+def test_a_replica_that_answers_past_max_tokens_does_not_draw_all_the_traffic(tmp_path):
+    over, fair = Upstream(answer=_past_max_tokens), Upstream()
+    with over.running(), fair.running(), gateway(tmp_path, [over.url, fair.url],
+                                                 routing={"health_interval_s": 60}) as gw:
+        for i in range(6):
+            assert chat(gw.url, f"warm {i}", stream=True).status_code == 200
+        replicas = gw.state.engine.pool.replicas
+        assert all(r.outstanding_tokens == 0 for r in replicas), [(r.name, r.outstanding_tokens) for r in replicas]
+        before = len(fair.hits)
+        for i in range(20):
+            assert chat(gw.url, f"after {i}").status_code == 200
+        assert len(fair.hits) - before >= 4  # both replicas still share the load

@@ -13,11 +13,12 @@ import numpy as np
 
 from tailguard.engine import kernels
 
-# A step whose prefill chunks all end within this many positions runs as rows of the one-call C step (faster at short
-# contexts: 2.4x at 256 tokens, 1.3x at 2K); beyond it the step runs in torch, whose flash attention reuses each key
-# across a chunk's query rows where the C step reads it once per row. Measured (benchmarks/prefill_paths.py, TTFT of
-# one prompt, every chunk in C vs torch, same process): 256 tokens 0.34 vs 0.82 s, 1K 1.95 vs 3.54 s, 2K 5.47 vs
-# 7.21 s, 4K 18.32 vs 18.11 s.
+# Where prompt rows go through the block kernels (no bfloat16 tiles), a step whose prefill chunks all end within this
+# many positions runs as rows of the one-call C step (faster at short contexts: 2.4x at 256 tokens, 1.3x at 2K);
+# beyond it the step runs in torch, whose flash attention reuses each key across a chunk's query rows where the block
+# kernels read it once per row. Measured (benchmarks/prefill_paths.py, TTFT of one prompt, every chunk in C vs torch,
+# same process): 256 tokens 0.34 vs 0.82 s, 1K 1.95 vs 3.54 s, 2K 5.47 vs 7.21 s, 4K 18.32 vs 18.11 s. With prompt
+# rows on the tiles there is no hand-off (native_runner.py).
 NATIVE_PREFILL_MAX_CONTEXT = 2048
 
 # Attention over a context longer than this many keys runs in slices of about this size (whole KV blocks), merged by

@@ -477,10 +477,6 @@ class Scheduler:
             budget -= n
             count(seq, chunk.start, n)
 
-        now = self.clock()
-        for chunk in out.chunks:
-            if not chunk.seq.in_decode:
-                chunk.seq.prefill_progress_at = now  # its prefill progresses: not overdue (_prompts_overdue)
         # The runner wants decodes first (one token each, or K+1 rows for a verifying chunk), then prefill chunks.
         out.chunks.sort(key=lambda c: not (c.is_decode or c.draft))
         out.shape = self.step_shape = StepShape(*counts)
@@ -521,7 +517,11 @@ class Scheduler:
 
     # --- after the step -------------------------------------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> None:
+        now = self.clock()
         for chunk in out.chunks:
+            if not (chunk.is_decode or chunk.draft):
+                # its prefill progressed, as of the step's end: a slow step does not make it look stalled
+                chunk.seq.prefill_progress_at = now
             # A verifying chunk's KV is valid up to its pending token and the guesses that were accepted; the engine
             # rolls it back (roll_back) once it knows how many. Until then, only the pending token counts.
             chunk.seq.num_computed_tokens = chunk.end - len(chunk.draft)

@@ -159,8 +159,8 @@ class Sequence:
     # Penalties, logit bias and grammar matcher (sampling.py), set at admission only for a request that has any of
     # them: None is the whole per-step cost for every other request.
     logits_state: LogitsState | None = field(default=None, repr=False)
-    # When its prefill last got a chunk (scheduler clock; None: never): a prompt part-way through its prefill that
-    # progresses is not overdue, however long ago it arrived (SchedulerConfig.prompt_wait_guard_s).
+    # When its prefill's last chunk was computed (the scheduler's clock, at the step's end; None: never): a long
+    # prompt part-way through its prefill that progresses is not overdue (SchedulerConfig.prompt_wait_guard_s).
     prefill_progress_at: float | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
