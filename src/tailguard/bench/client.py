@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tailguard.usage import clean_usage
+
 perf = time.perf_counter
 
 
@@ -77,23 +79,6 @@ def parse_server_timing(value: str | None) -> dict[str, float] | None:
 # The most one answer may send before the bench stops reading it: its text and its chunks' times stay in memory until
 # the report, so a server that streams without end fails that request, not the bench.
 MAX_ANSWER_BYTES = 32 << 20
-# A usage count past this, negative, or not an integer cannot be true: it is dropped (the bench counts for itself).
-MAX_USAGE_TOKENS = 1 << 31
-
-
-def usage_count(value: Any) -> int | None:
-    """A usage count the bench can use, or None."""
-    return value if type(value) is int and 0 <= value <= MAX_USAGE_TOKENS else None
-
-
-def clean_usage(usage: Any) -> dict | None:
-    """A server's ``usage`` with only the counts that can be true (None if it is not an object)."""
-    if not isinstance(usage, dict):
-        return None
-    return {k: v for k, v in usage.items()
-            if k not in ("prompt_tokens", "completion_tokens", "total_tokens") or usage_count(v) is not None}
-
-
 def too_long(res: RequestResult) -> None:
     res.error = res.error or f"the answer passed {MAX_ANSWER_BYTES >> 20} MiB; the bench stopped reading it"
 

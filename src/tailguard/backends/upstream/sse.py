@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tailguard import fast_json
+from tailguard.usage import clean_usage
 
 DONE = b"[DONE]"
 # The token's text: a chat chunk's ``delta.content`` or a completion chunk's ``text``, a JSON string with its escapes.
@@ -157,25 +158,6 @@ class TokenTexts:
         if m.end(1) > m.start(1):  # the role chunk's shape (empty text, a role) is not the tokens'
             self._head, self._tail = payload[:m.start(1)], payload[m.end(1):]
         return _decode(m.group(1))
-
-
-# The most tokens a usage count may say (2**31: no request comes near it); a count past it, negative, or not an
-# integer is the upstream's error, and is dropped (the gateway's own count stands in for it).
-MAX_USAGE_TOKENS = 1 << 31
-USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
-
-
-def clean_usage(usage: Any) -> dict | None:
-    """An upstream's ``usage`` with only counts that can be true: a dict, each count an integer in
-    [0, MAX_USAGE_TOKENS] (others dropped); None if it is not a dict."""
-    if not isinstance(usage, dict):
-        return None
-    out = dict(usage)
-    for key in USAGE_COUNTS:
-        v = out.get(key)
-        if v is not None and (type(v) is not int or not 0 <= v <= MAX_USAGE_TOKENS):
-            del out[key]
-    return out
 
 
 def read_chunk(payload: bytes, chat: bool) -> Chunk:
