@@ -295,14 +295,12 @@ def refuse_oversized(data: dict[str, Any], chat: bool, max_model_len: int, vocab
                                code="context_length_exceeded")
     else:
         prompt = data.get("prompt")
-        if type(prompt) is list and prompt:
-            if len(prompt) > 1 and isinstance(prompt[0], list | str):
-                raise APIError(400, "batched prompts are not supported: send one request per prompt", param="prompt",
-                               code="unsupported_parameter")
-            ids = prompt[0] if type(prompt[0]) is list else prompt
+        if type(prompt) is list and prompt:  # token ids, or one prompt's ids in a list (batches: parse_completion)
+            ids = prompt[0] if len(prompt) == 1 and type(prompt[0]) is list else prompt
             if len(ids) > limit:
-                raise APIError(400, f"the prompt has {len(ids):,} token ids; this model's context window is "
-                                    f"{limit:,} tokens", param="prompt", code="context_length_exceeded")
+                what = "token ids" if type(ids[0]) is int else "entries"
+                raise APIError(400, f"the prompt has {len(ids):,} {what}; this model's context window is {limit:,} "
+                                    "tokens", param="prompt", code="context_length_exceeded")
     tools = data.get("tools")
     if type(tools) is list and _more_nodes_than(tools, limit):  # rendered into the prompt: every name a token at least
         raise APIError(400, f"the tools' definitions hold more than {limit:,} names and values; this model's context "
