@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,6 +249,47 @@ def _finish_nonstream(res: RequestResult, data: bytes, t: float, chat: bool) -> 
         res.chunk_usage.append((res.usage or {}).get("completion_tokens"))
 
 
+# An error answer is read this far: its message is all the bench keeps (a hostile endpoint's endless error body
+# must not fill the bench's memory).
+ERROR_BODY_BYTES = 64 << 10
+
+
+async def _head_of(pieces: AsyncIterator[bytes], limit: int) -> bytes:
+    out = bytearray()
+    async for piece in pieces:
+        out += piece
+        if len(out) >= limit:
+            break
+    return bytes(out[:limit])
+
+
+async def _take_answer(res: RequestResult, status: int, headers: Any,
+                       pieces: Callable[[bool], AsyncIterator[bytes]], stream: bool, chat: bool) -> None:
+    """Read an answer whose head has come (either transport): an error's message, an event stream token by token,
+    or a whole JSON body. ``pieces(sse)`` gives the body's chunks."""
+    res.headers_at = perf()
+    res.status = status
+    res.server_request_id = headers.get("x-request-id")
+    res.server_timing = parse_server_timing(headers.get("server-timing"))
+    if status != 200:
+        res.error = _error_text(status, await _head_of(pieces(False), ERROR_BODY_BYTES))
+        res.end = perf()
+        return
+    if stream and headers.get("content-type", "").startswith("text/event-stream"):
+        parser = SSEParser(res, chat)
+        async for data in pieces(True):
+            if not parser.feed(data, perf()):
+                break
+        res.end = perf()
+        if not parser.done and res.error is None:
+            res.error = "stream ended without [DONE]"
+    else:
+        data = await _read_capped(pieces(False), res)
+        res.end = perf()
+        if data is not None:
+            _finish_nonstream(res, data, res.end, chat)
+
+
 def _error_text(status: int, data: bytes) -> str:
     try:
         obj = json.loads(data)
@@ -278,28 +320,7 @@ class AiohttpTransport(_Transport):
     async def post(self, url, body, headers, res, stream, chat) -> None:
         res.sent = perf()
         async with self.session.post(url, data=body, headers=headers) as resp:
-            res.headers_at = perf()
-            res.status = resp.status
-            h = resp.headers
-            res.server_request_id = h.get("x-request-id")
-            res.server_timing = parse_server_timing(h.get("server-timing"))
-            if resp.status != 200:
-                res.error = _error_text(resp.status, await resp.read())
-                res.end = perf()
-                return
-            if stream and h.get("content-type", "").startswith("text/event-stream"):
-                parser = SSEParser(res, chat)
-                async for data in resp.content.iter_any():
-                    if not parser.feed(data, perf()):
-                        break
-                res.end = perf()
-                if not parser.done and res.error is None:
-                    res.error = "stream ended without [DONE]"
-            else:
-                data = await _read_capped(resp.content.iter_any(), res)
-                res.end = perf()
-                if data is not None:
-                    _finish_nonstream(res, data, res.end, chat)
+            await _take_answer(res, resp.status, resp.headers, lambda _sse: resp.content.iter_any(), stream, chat)
 
     async def get_json(self, url, headers=None):
         async with self.session.get(url, headers=headers) as resp:
@@ -326,28 +347,9 @@ class HttpxTransport(_Transport):
     async def post(self, url, body, headers, res, stream, chat) -> None:
         res.sent = perf()
         async with self.client.stream("POST", url, content=body, headers=headers) as resp:
-            res.headers_at = perf()
-            res.status = resp.status_code
-            h = resp.headers
-            res.server_request_id = h.get("x-request-id")
-            res.server_timing = parse_server_timing(h.get("server-timing"))
-            if resp.status_code != 200:
-                res.error = _error_text(resp.status_code, await resp.aread())
-                res.end = perf()
-                return
-            if stream and h.get("content-type", "").startswith("text/event-stream"):
-                parser = SSEParser(res, chat)
-                async for data in resp.aiter_raw():
-                    if not parser.feed(data, perf()):
-                        break
-                res.end = perf()
-                if not parser.done and res.error is None:
-                    res.error = "stream ended without [DONE]"
-            else:
-                data = await _read_capped(resp.aiter_bytes(), res)
-                res.end = perf()
-                if data is not None:
-                    _finish_nonstream(res, data, res.end, chat)
+            # An event stream's bytes as they came (no decoder in the way of each chunk's arrival time).
+            await _take_answer(res, resp.status_code, resp.headers,
+                               lambda sse: resp.aiter_raw() if sse else resp.aiter_bytes(), stream, chat)
 
     async def get_json(self, url, headers=None):
         resp = await self.client.get(url, headers=headers)
