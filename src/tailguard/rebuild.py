@@ -78,7 +78,10 @@ def fetch(request_id: str, store: str) -> tuple[dict[str, Any], list[dict[str, A
     """The record, and the records whose engine time overlapped it (the batch it shared), from a store."""
     from tailguard.observe.stores import open_store
 
-    st = open_store(store)
+    try:
+        st = open_store(store, read_only=True)
+    except (OSError, RuntimeError, ValueError) as exc:  # not there, not a store, unreachable, a newer schema
+        raise RebuildError(f"cannot read the store: {exc}") from exc
     try:
         rec = st.get(request_id)
         if rec is None:

@@ -65,3 +65,25 @@ def test_replay_says_what_it_cannot_do(tmp_path, redactor):
         assert rec["prompt_redacted"] is True and "jo@example.com" not in rec["prompt_text"]
         _, body, notes = build_request(rec, "fake")
         assert "jo@example.com" not in body["prompt"] and any("redacted" in n for n in notes)
+
+
+def test_replay_and_rebuild_fail_with_one_line_where_nothing_answers(tmp_path):
+    """A store path that is not there, a server that does not answer: one line and exit 2 (replay) or 1 (rebuild),
+    no traceback, and no new empty store left at the mistyped path."""
+    from tailguard.observe.sealing import new_key
+
+    missing = tmp_path / "typo" / "requests.sqlite3"
+    key = tmp_path / "seal.key"
+    key.write_text(new_key())
+    runs = {
+        "store": ["replay", "r1", "--store", str(missing), "--url", "http://127.0.0.1:9"],
+        "source": ["replay", "r1", "--source", "http://127.0.0.1:9", "--url", "http://127.0.0.1:9"],
+        "rebuild": ["rebuild", "r1", "--store", str(missing), "--seal-key-file", str(key)],
+    }
+    for what, args in runs.items():
+        out = subprocess.run([sys.executable, "-m", "tailguard.cli", *args], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == (1 if what == "rebuild" else 2), (what, out.stderr)
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, (what, out.stderr)
+        assert ("no request store" in out.stderr) if what != "source" else ("ConnectError" in out.stderr)
+    assert not (tmp_path / "typo").exists()

@@ -125,6 +125,32 @@ def test_retention(make_store):
     s2.close()
 
 
+def test_a_reader_changes_nothing(make_store, tmp_path):
+    """replay, rebuild and hotspots open the store to read: old records stay (the server's retention decides), no
+    schema or key is written, and a store that is not there is an error, not a new empty one."""
+    s = make_store(retention_days=90, flush_interval=0.01)
+    s.put(_tl(1, age_days=30))
+    s.flush()
+    s.close()
+    reader = open_store(make_store.target(), read_only=True)  # the default retention is 15 days
+    try:
+        assert reader.get("req-1")["request_id"] == "req-1"
+        assert reader.put(_tl(2)) is False  # takes no records
+        time.sleep(0.2)  # a writer's sweep would have run by now
+    finally:
+        reader.close()
+    assert make_store(retention_days=90).get("req-1") is not None
+    if make_store.backend == "sqlite":
+        typo = tmp_path / "no" / "such" / "requests.sqlite3"
+        with pytest.raises(FileNotFoundError, match="no request store"):
+            open_store(typo, read_only=True)
+        assert not (tmp_path / "no").exists()
+        other = tmp_path / "other.sqlite3"
+        sqlite3.connect(other).execute("CREATE TABLE t (x)").connection.close()
+        with pytest.raises(SchemaError, match="not a tailguard request store"):
+            open_store(other, read_only=True)
+
+
 def test_newer_schema_refused(make_store):
     make_store().close()
     if make_store.backend == "sqlite":

@@ -31,11 +31,14 @@ def fetch_record(request_id: str, source: str | None = None, store: str | None =
     if store:
         from tailguard.observe.stores import open_store
 
-        st = open_store(store)
         try:
-            rec = st.get(request_id)
-        finally:
-            st.close()
+            st = open_store(store, read_only=True)
+            try:
+                rec = st.get(request_id)
+            finally:
+                st.close()
+        except (OSError, RuntimeError, ValueError) as exc:  # not there, not a store, unreachable, a newer schema
+            raise ReplayError(f"cannot read the store: {exc}") from exc
         if rec is None:
             raise ReplayError(f"no record of request {request_id!r} in {store}")
         return rec
@@ -43,14 +46,23 @@ def fetch_record(request_id: str, source: str | None = None, store: str | None =
         raise ReplayError("say where the record is: --source URL (a tailguard server) or --store PATH_OR_URL")
     key = admin_key or os.environ.get("TAILGUARD_ADMIN_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    r = httpx.get(f"{source.rstrip('/')}/v1/requests/{request_id}", headers=headers, timeout=30, trust_env=False)
+    try:
+        r = httpx.get(f"{source.rstrip('/')}/v1/requests/{request_id}", headers=headers, timeout=30, trust_env=False)
+    except httpx.HTTPError as exc:
+        raise ReplayError(f"{source}: {type(exc).__name__}: {exc}") from exc
     if r.status_code != 200:
         try:
             msg = r.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             msg = r.text[:200]
         raise ReplayError(f"{source} answered {r.status_code} for request {request_id!r}: {msg}")
-    return r.json()
+    try:
+        rec = r.json()
+    except ValueError as exc:
+        raise ReplayError(f"{source} answered with something that is not JSON for request {request_id!r}") from exc
+    if not isinstance(rec, dict) or "request_id" not in rec:
+        raise ReplayError(f"{source} answered with something that is not a request record")
+    return rec
 
 
 def build_request(rec: dict[str, Any], model: str) -> tuple[str, dict[str, Any], list[str]]:
@@ -117,6 +129,17 @@ class ReplayResult:
 
 def replay(rec: dict[str, Any], url: str, model: str | None = None, api_key: str | None = None,
            timeout: float = 300.0) -> ReplayResult:
+    """Send the record's request to ``url`` and time its answer; ReplayError when it cannot (unreachable, refused,
+    an answer that is not an event stream of JSON)."""
+    try:
+        return _replay(rec, url, model, api_key, timeout)
+    except httpx.HTTPError as exc:
+        raise ReplayError(f"{url}: {type(exc).__name__}: {exc}") from exc
+    except (ValueError, AttributeError, TypeError) as exc:
+        raise ReplayError(f"{url} answered with a stream tailguard cannot read: {exc}") from exc
+
+
+def _replay(rec: dict[str, Any], url: str, model: str | None, api_key: str | None, timeout: float) -> ReplayResult:
     base = url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(timeout=timeout, trust_env=False, headers=headers) as client:

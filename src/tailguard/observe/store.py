@@ -177,9 +177,10 @@ class SchemaError(RuntimeError):
 
 
 # --- pseudonyms ---------------------------------------------------------------------------------------------------
-def load_secret(path: str, secret: str | bytes | None = None) -> bytes:
+def load_secret(path: str, secret: str | bytes | None = None, create: bool = True) -> bytes:
     """The deployment's pseudonym key: ``secret``, else ``$TAILGUARD_STORE_SECRET``, else the key file beside the
-    database (32 random bytes, created once with mode 0600). An in-memory store gets a key that lives with it."""
+    database (32 random bytes, created once with mode 0600). An in-memory store gets a key that lives with it; so
+    does a reader (``create=False``) of a store that has no key file (it pseudonymizes nothing)."""
     if secret:
         return secret.encode() if isinstance(secret, str) else bytes(secret)
     env = os.environ.get(SECRET_ENV)
@@ -193,6 +194,8 @@ def load_secret(path: str, secret: str | bytes | None = None) -> bytes:
             text = key_file.read_text(encoding="ascii").strip()
         except FileNotFoundError:
             key = secrets.token_bytes(32)
+            if not create:
+                return key
             try:
                 fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
@@ -283,6 +286,7 @@ class RequestStore:
         decode: Callable[[list[int]], str] | None = None,
         on_error: Callable[[int], None] | None = None,
         on_drop: Callable[[int], None] | None = None,
+        read_only: bool = False,
     ) -> None:
         if store_text and redact is None:
             raise ValueError("text storage needs a redactor: prompts are never stored unredacted")
@@ -315,13 +319,22 @@ class RequestStore:
         self.dropped = 0
         self.dropped_samples = 0
         self._drop_logged: dict[str, float] = {}
-        # Sets path, _key and schema_version (creating or migrating the schema); raises if the store is unusable.
+        # A reader (replay, rebuild, hotspots) changes nothing: no schema written, no key created, no retention sweep
+        # (which would delete what the server's own retention keeps), no writer; a store that is not there is an error.
+        self.read_only = read_only
+        # Sets path, _key and schema_version (creating or migrating the schema unless read-only); raises if the store
+        # is unusable.
         self._open_backend(sqlite_path(path) if not is_postgres_url(path) else str(path), secret)
+        self._thread: threading.Thread | None = None
+        if read_only:
+            self._closed = self._close_called = True  # takes no records
+            return
         self._thread = threading.Thread(target=self._run, name="tailguard-store", daemon=True)
         self._thread.start()
 
     # --- what a backend provides ------------------------------------------------------------------------------------
     def _open_backend(self, target: str, secret: str | bytes | None) -> None:
+        """Connect and set ``path``, ``_key`` and ``schema_version``; with ``self.read_only``, write nothing."""
         raise NotImplementedError
 
     def query(self, sql: str, params: tuple = ()) -> list[Any]:
@@ -429,6 +442,9 @@ class RequestStore:
         reported through ``on_drop`` and logged. A record put after close is refused and counted the same way.
         """
         deadline_s = self.close_deadline_s if deadline_s is None else deadline_s
+        if self._thread is None:  # read-only: nothing to write
+            self._close_readers()
+            return 0
         with self._lock:
             if self._close_called:
                 return 0

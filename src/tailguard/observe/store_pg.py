@@ -292,7 +292,8 @@ class PostgresStore(RequestStore):
         self._outage_logged = 0.0
         try:
             with psycopg.connect(target, autocommit=True, **self._conn_kwargs) as conn:
-                self._key, self.schema_version = self._open_schema(conn, secret)
+                self._key, self.schema_version = (self._read_schema(conn, secret) if self.read_only
+                                                  else self._open_schema(conn, secret))
         except psycopg.OperationalError as exc:
             raise StoreUnavailableError(f"request store {self.path}: cannot connect: {exc}".strip()) from exc
 
@@ -320,6 +321,20 @@ class PostgresStore(RequestStore):
                 conn.execute("UPDATE tailguard_meta SET value = %s WHERE name = 'schema_version'", (str(version),))
                 log.info("request store %s migrated to schema %d", self.path, version)
             return self._pseudonym_key(conn, secret), version
+
+    def _read_schema(self, conn: psycopg.Connection, secret: str | bytes | None) -> tuple[bytes, int]:
+        """A reader's check: the database holds a request store of this code's schema (nothing is created)."""
+        if conn.execute("SELECT to_regclass('tailguard_meta')").fetchone()[0] is None:
+            raise SchemaError(f"{self.path} holds no tailguard request store")
+        meta = dict(conn.execute("SELECT name, value FROM tailguard_meta").fetchall())
+        version = int(meta.get("schema_version", 0))
+        if version != SCHEMA_VERSION:
+            raise SchemaError(f"{self.path} has schema version {version}; this tailguard reads {SCHEMA_VERSION} "
+                              "(a server started on it, `tailguard serve --store`, migrates it)")
+        secret = secret or os.environ.get(SECRET_ENV)
+        key = (secret.encode() if isinstance(secret, str) else bytes(secret)) if secret else \
+            bytes.fromhex(meta.get("pseudonym_key") or os.urandom(32).hex())
+        return key, version
 
     @staticmethod
     def _pseudonym_key(conn: psycopg.Connection, secret: str | bytes | None) -> bytes:

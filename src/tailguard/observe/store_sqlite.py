@@ -46,7 +46,9 @@ _ADDED_IN_4 = (("requests", "internals", "TEXT"), ("queue_samples", "cpu", "REAL
 
 # --- schema ---------------------------------------------------------------------------------------------------------
 def _connect(path: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, timeout=10, check_same_thread=False, isolation_level=None)
+    """A connection to a path, or to a ``file:`` URI (a reader's ``?mode=ro``)."""
+    conn = sqlite3.connect(path, timeout=10, check_same_thread=False, isolation_level=None,
+                           uri=path.startswith("file:"))
     conn.execute("PRAGMA busy_timeout=10000")
     return conn
 
@@ -118,17 +120,40 @@ class SQLiteStore(RequestStore):
 
     def _open_backend(self, target: str, secret: str | bytes | None) -> None:
         self.path = target
+        self._reader_local = threading.local()
+        if self.read_only:
+            self._key = load_secret(target, secret, create=False)
+            self.schema_version = self._check_schema()
+            return
         if target != ":memory:":
             Path(target).expanduser().parent.mkdir(parents=True, exist_ok=True)
         self._key = load_secret(target, secret)
         self.schema_version = open_schema(target, self._key)
-        self._reader_local = threading.local()
+
+    def _check_schema(self) -> int:
+        """A reader's check of the file: it exists, is a request store, and has this code's schema."""
+        path = Path(self.path).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"no request store at {path}")
+        try:
+            conn = self._reader()
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            exists = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'requests'").fetchone() is not None
+        except sqlite3.DatabaseError as exc:
+            raise SchemaError(f"{path}: {exc}") from exc
+        if not exists:
+            raise SchemaError(f"{path} has no requests table: not a tailguard request store")
+        if version != SCHEMA_VERSION:
+            raise SchemaError(f"{path} has schema version {version}; this tailguard reads {SCHEMA_VERSION} "
+                              "(a server started on it, `tailguard serve --store`, migrates it)")
+        return version
 
     # --- reads (any thread; WAL lets them run beside the writer) ----------------------------------------------------
     def _reader(self) -> sqlite3.Connection:
         conn = getattr(self._reader_local, "conn", None)
         if conn is None:
-            conn = _connect(self.path)
+            conn = _connect(f"{Path(self.path).expanduser().resolve().as_uri()}?mode=ro" if self.read_only
+                            else self.path)
             conn.row_factory = sqlite3.Row
             self._reader_local.conn = conn
         return conn

@@ -147,7 +147,10 @@ def load_records(target: str, since: float | None = None, limit: int = 10_000) -
     if is_postgres_url(target):
         from tailguard.observe.stores import open_store
 
-        store = open_store(target)
+        try:
+            store = open_store(target, read_only=True)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise HotspotError(f"cannot read the store: {exc}") from exc
         try:
             rows = store.query(f"SELECT * FROM requests WHERE {where} ORDER BY id DESC LIMIT ?", (*params, limit))
         finally:
