@@ -132,3 +132,25 @@ def test_body_priority_is_honoured_only_from_a_trusted_proxy(tmp_path, trusted):
                         headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
     assert engine.priorities == ([-3] if trusted else [0])
     assert (rec.get("gateway") or {}).get("priority_ignored") == (None if trusted else -3)
+
+
+def test_a_record_not_yet_written_reads_as_the_stored_one_will(tmp_path):
+    """While the store's writer waits (a lock held by another process), the record is served from memory: the user
+    pseudonymized and the stop strings withheld there too, as the store keeps them, not as the client sent them."""
+    body = {**BODY, "user": "alice@example.com", "stop": ["my-secret-stop"]}
+    with fake_server(tmp_path) as s:
+        lock = sqlite3.connect(s.config.store_path, isolation_level=None)
+        lock.execute("BEGIN IMMEDIATE")  # the writer cannot commit until this ends
+        try:
+            r = httpx.post(s.url + "/v1/chat/completions", json=body, headers={"X-Request-ID": "early"})
+            assert r.status_code == 200
+            early = _get(s, "/v1/requests/early", ADMIN_KEY).json()
+            assert sqlite3.connect(s.config.store_path).execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 0
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        settle(s)
+        stored = _get(s, "/v1/requests/early", ADMIN_KEY).json()
+    assert "alice" not in str(early) and "my-secret-stop" not in str(early)
+    assert early["user"] == stored["user"] and early["user"]
+    assert early["sampling"]["stop"] is None and early["sampling"]["stop_count"] == 1

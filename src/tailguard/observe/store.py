@@ -254,6 +254,17 @@ def _backlog_cost(kind: str, item: Any) -> int:
 
 
 
+def unstored_record(tl: Timeline, pseudonym: Callable[[str | None], str | None] | None = None) -> dict[str, Any]:
+    """A record still in memory as a reader may see it: the user as ``pseudonym`` stores it (withheld where there is
+    no store, so no pseudonym key), stop sequences withheld (their count kept): both are client text."""
+    rec = tl.to_record()
+    rec["user"] = pseudonym(rec["user"]) if pseudonym is not None else None
+    sampling = rec.get("sampling")
+    if sampling and sampling.get("stop"):
+        rec["sampling"] = {**sampling, "stop": None, "stop_count": len(sampling["stop"])}
+    return rec
+
+
 class RequestStore:
     """Background-batched, exactly-once request records. ``put`` never blocks and never raises.
 
@@ -519,11 +530,8 @@ class RequestStore:
 
     def record_of(self, tl: Timeline) -> dict[str, Any]:
         """A timeline not yet written, as ``get`` will return it without its text: the user pseudonymized, stop
-        sequences withheld. Serve this, never ``tl.to_record()``, for records still in memory."""
-        rec = tl.to_record()
-        rec["user"] = self.pseudonym(rec["user"])
-        rec["sampling"] = self._sampling(rec["sampling"], with_text=False)
-        return rec
+        sequences withheld. Serve this (or ``unstored_record``), never ``tl.to_record()``, for records in memory."""
+        return unstored_record(tl, self.pseudonym)
 
     def _sampling(self, sampling: dict[str, Any] | None, with_text: bool | None = None) -> dict[str, Any] | None:
         """Stop sequences are client text: redacted with text storage on, withheld (only their count) otherwise."""

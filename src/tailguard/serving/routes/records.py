@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tailguard.api_error import APIError
+from tailguard.observe.store import unstored_record
 from tailguard.observe.timeline import Timeline
 from tailguard.policy.identity import Caller
 from tailguard.serving.state import ServerState, state_of
@@ -31,7 +32,8 @@ async def get_request(request: Request) -> Response:
     recent = _recent(state, rid, caller)
     # A client may reuse an ID: the in-memory record is the latest one; use it until the store has caught up.
     if recent is not None and (rec is None or rec.get("received_at") != recent.received_unix):
-        rec = recent.to_record()  # not yet written by the batch writer (and never with text)
+        # Not yet written by the batch writer: shown as the store will show it (never with text or the raw user).
+        rec = unstored_record(recent, state.store.pseudonym if state.store is not None else None)
     if rec is None:
         # Also what a client gets for another client's record: whether it exists is not its business.
         raise APIError(404, f"no record of request {rid[:128]!r} (records are kept "
