@@ -565,7 +565,7 @@ class RequestStore:
         if self.store_text and tl.prompt_text is not None:
             body["prompt_redacted"] = prompt_text != tl.prompt_text  # a replay says it sends the redacted text
         # Tenant, lane wait, replica...; speculative guesses and acceptance; the client connection's quality.
-        for extra in ("gateway", "speculation", "network", "interrupted"):
+        for extra in ("gateway", "speculation", "network", "interrupted", "upload"):
             if rec.get(extra):
                 body[extra] = rec[extra]
         body["sampling"] = self._sampling(rec["sampling"])
@@ -726,6 +726,7 @@ def row_to_record(row: Any) -> dict[str, Any]:
         "prompt_tokens": row["prompt_tokens"],
         "output_tokens": row["output_tokens"],
         "preemptions": body.get("preemptions", 0),
+        "upload": body.get("upload", 0.0),
         "e2e": row["e2e"],
         "ttft": row["ttft"],
         "tpot": row["tpot"],

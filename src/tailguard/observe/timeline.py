@@ -86,6 +86,8 @@ class Timeline:
     spec_proposed: int = 0
     spec_accepted: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served (not computed again)
+    # Seconds from the request's head to its body's last byte: the client's sending time, outside every stage.
+    upload: float = 0.0
     # An upstream's usage as it reported it (token details included): the answer's usage, passed on unchanged.
     upstream_usage: dict[str, Any] | None = None
     # Sampled internals: per-layer step timings and activation statistics, for a sampled share of requests.
@@ -106,6 +108,14 @@ class Timeline:
     _finalized: bool = field(default=False, repr=False)
 
     # --- recording ------------------------------------------------------------------------------------------------
+    def body_arrived(self, at: float) -> None:
+        """The whole body is in: the request's clock starts here, as vLLM's does when the engine gets the request.
+        A slow upload is the client's time (kept in ``upload``), not the server's TTFT, tokenize stage or E2E: four
+        slow clients would otherwise redden the SLO tier for everyone."""
+        self.upload = max(0.0, at - self.received)
+        self.received_unix += self.upload
+        self.received = at
+
     def add_tokens_sent(self, count: int, at: float) -> None:
         """``count`` tokens left the server in one chunk at ``at`` (k tokens in a chunk give k-1 zero gaps)."""
         self.token_sent.extend([at] * count)
@@ -218,6 +228,7 @@ class Timeline:
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "output_tokens": self.num_output_tokens,
             "preemptions": self.num_preemptions,
+            "upload": round(self.upload, 6),
             "e2e": s.e2e,
             "ttft": s.ttft,
             "tpot": s.tpot,

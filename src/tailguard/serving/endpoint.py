@@ -201,6 +201,7 @@ class CompletionEndpoint(Endpoint):
             msg = f"the model failed to load: {st.load_error}" if st.load_error else "the model is still loading"
             raise APIError(503, msg, code="model_not_ready", headers={"Retry-After": "5"})
         body = await self.prompts.read_body(request, self.prompts.body_limit(backend))
+        tl.body_arrived(perf_counter())
         # The SLO actions match the business type the client sent, not its metric label: the label set is capped
         # (an allowlist, or the first 32 types seen), and a type counted as "other" must still be shed or degraded.
         btype = clean_label(request.headers.get("x-business-type"))

@@ -49,7 +49,9 @@ class ForwardEndpoint(Endpoint):
                                 "the embedded engine", code="not_a_gateway")
         if not st.ready:
             raise APIError(503, "the gateway is still starting", code="model_not_ready", headers={"Retry-After": "5"})
-        data = decode_json(await self.prompts.read_body(request, st.config.max_body_bytes))
+        raw = await self.prompts.read_body(request, st.config.max_body_bytes)
+        tl.body_arrived(perf_counter())
+        data = decode_json(raw)
         model = data.get("model")
         if type(model) is not str or model not in st.model_names:
             raise APIError(404, f"The model `{clean_text(str(model), 200)}` does not exist; this server has: "
