@@ -116,6 +116,8 @@ class ServerMetrics:
         self._allowed = {clean_label(b) for b in business_types} if business_types else None
         self._seen: set[str] = set()
         self._max_business_types = max_business_types
+        # Types the SLO configuration names keep their label whatever else clients send (``reserve``).
+        self._reserved: set[str] = set()
         # Regions come from a client header too (or the configured networks): the same cap, the rest as "other".
         self._regions: dict[str, Any] = {}
         self._max_regions = max_regions
@@ -216,10 +218,19 @@ class ServerMetrics:
         self.admission_limit.labels(model).set(0)
         self._series: dict[str, _Series] = {}
 
+    def reserve(self, business_types: Iterable[str]) -> None:
+        """Business types that always keep their name (the ones SLO profiles, scopes and shedding select on): made-up
+        types sent first must not fold them into "other", where their objectives would see nothing."""
+        self._reserved.update(clean_label(b) for b in business_types)
+
     def business_type(self, raw: str | None) -> str:
+        """A request's business type as labels, SLO windows and records know it: the allowlist when configured, else
+        the reserved types and the first ``max_business_types`` others seen; the rest are "other"."""
         bt = clean_label(raw)
         if self._allowed is not None:
             return bt if bt in self._allowed or bt == "default" else "other"
+        if bt in self._reserved:
+            return bt
         if bt not in self._seen:
             if len(self._seen) >= self._max_business_types:
                 return "other"

@@ -52,6 +52,7 @@ def create_app(
     state.metrics = ServerMetrics(config.model, config.business_types)
     if config.slo.enabled:
         state.slo = _slo_monitor(state, slo_clock or time.time)
+        state.metrics.reserve(named_business_types(state.slo.config, state.slo.profiles))
     own = own_engine if own_engine is not None else engine is None
     routes = [
         Route("/v1/chat/completions", CompletionEndpoint(state, chat=True), methods=["POST"]),
@@ -119,6 +120,28 @@ class _App(Starlette):
                 await endpoint(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
+
+
+def named_business_types(*configs: Any) -> set[str]:
+    """Every business type named in these pydantic models (any field ending in ``business_types``: profiles' and
+    objectives' selectors, scopes, shedding), at any depth."""
+    from pydantic import BaseModel
+
+    names: set[str] = set()
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, BaseModel):
+            for field, value in obj:
+                if field.endswith("business_types") and isinstance(value, list | tuple):
+                    names.update(str(v) for v in value)
+                else:
+                    walk(value)
+        elif isinstance(obj, list | tuple):
+            for item in obj:
+                walk(item)
+
+    walk(configs)
+    return names
 
 
 def _slo_monitor(state: ServerState, clock: Callable[[], float]) -> SLOMonitor:

@@ -246,11 +246,11 @@ async def run_watched(respond: Callable[[], Awaitable[None]], receive: Receive, 
 
 
 def open_timeline(state: ServerState, request: Incoming, endpoint: str, received: float) -> Timeline:
-    """A request's timeline from its headers: its id, business type, user, client and region (its fingerprint)."""
+    """A request's timeline from its headers: its id, user, client and region (its fingerprint; the business type
+    comes once its caller is known, in ``identify``)."""
     hdrs = request.headers
     tl = Timeline(request_id=request_id_from(hdrs.get("x-request-id")), endpoint=endpoint, received=received,
                   model=state.model_label)
-    tl.business_type = state.metrics.business_type(hdrs.get("x-business-type")) if state.metrics else "default"
     tl.user = clean_text(hdrs.get("x-user-id"))
     # A lane comes from the caller's API key (``TrafficPolicy.choose_lane``), never from a header, unless the
     # operator says the header is set by a trusted proxy in front.
@@ -266,6 +266,8 @@ def identify(state: ServerState, ex: Exchange, request: Incoming) -> None:
     while the server drains."""
     caller = state.keys.client(request.headers.get("authorization"))
     ex.tl.owner = caller.key_id
+    if state.metrics is not None:  # only once the key is good: a refused caller's made-up types take no label
+        ex.tl.business_type = state.metrics.business_type(request.headers.get("x-business-type"))
     ex.decision.tenant = caller.tenant
     state.policy.choose_lane(ex.decision, ex.tl, request.headers.get("x-lane"))
     if state.admission.drain is not None:  # SIGTERM: the server drains (serving/drain.py); new work goes elsewhere
