@@ -123,18 +123,109 @@ def test_bounded_queue_and_deadline_give_429_with_retry_after():
     run(main())
 
 
+def _drained_lane(max_queue_wait_s: float, waiters: int, gap_s: float, admitted: int = 8, slots: int = 1,
+                  max_queue: int = 100):
+    """A lane of ``slots`` slots, held by tenant "flood", with ``waiters`` of its requests queued at t=0 and one
+    admitted from the queue every ``gap_s`` seconds, ``admitted`` times (the lanes' clock is the returned list)."""
+    cfg = LaneConfig(max_queue=max_queue, max_queue_wait_s=max_queue_wait_s)
+    lanes = Lanes({"std": cfg}, slots, CapacityConfig(reserved_share=0, burst_share=0, drain_window_s=10))
+    now = [0.0]
+    lanes.clock = lambda: now[0]
+
+    async def build() -> list[asyncio.Task]:
+        for _ in range(slots):
+            await lanes.acquire("std", "flood")
+        tasks = [asyncio.create_task(lanes.acquire("std", "flood")) for _ in range(waiters)]
+        await spin()
+        for _ in range(admitted):
+            now[0] += gap_s
+            lanes.release("std")
+            await spin()
+        return tasks
+
+    return lanes, now, build
+
+
 def test_refused_at_once_when_the_drain_rate_says_the_deadline_cannot_be_met():
     async def main():
-        cfg = LaneConfig(max_queue=100, max_queue_wait_s=1.0)
-        lanes = Lanes({"std": cfg}, 1, CapacityConfig(reserved_share=0, burst_share=0, drain_window_s=10))
-        for _ in range(8):  # 8 admissions in 10 s: 0.8/s, so the next would wait ~1.25 s > 1 s
-            await lanes.acquire("std")
-            lanes.release("std")
-        await lanes.acquire("std")
+        # 8 admissions from the queue, 1.25 s apart: 0.8/s, so a request behind the one still waiting would wait
+        # about (1 + 1) / 0.8 = 2.5 s, past its 1 s deadline.
+        lanes, now, build = _drained_lane(1.0, waiters=9, gap_s=1.25)
+        tasks = await build()
         with pytest.raises(Overloaded) as exc:
-            await lanes.acquire("std")
-        assert exc.value.retry_after == 2  # ceil(9 / 8 admissions per 10 s)
-        assert lanes.lanes["std"].waiting == 0  # it never took a queue place
+            await lanes.acquire("std", "flood")
+        assert exc.value.retry_after == 3  # ceil(2.5)
+        assert lanes.lanes["std"].waiting == 1  # it never took a queue place
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    run(main())
+
+
+def test_the_drain_rate_counts_only_time_when_requests_waited():
+    """Admissions of requests that never waited say how fast they came, not how fast the lane drains; the idle time
+    between two busy spells is no gap. After an idle spell a burst drained at 10/s reads 10/s (it read 8 admissions
+    per 10 s window, 0.8/s, and refused a newcomer as 31 s late while the burst was through in 3 s)."""
+    async def main():
+        lanes, now, build = _drained_lane(5.0, waiters=20, gap_s=0.1, slots=2)
+        for _ in range(30):  # a long quiet history of requests admitted at once
+            await lanes.acquire("std", "early")
+            lanes.release("std")
+        now[0] = 100.0
+        tasks = await build()
+        assert lanes.drain_rate(lanes.lanes["std"], now[0]) == pytest.approx(10.0)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    run(main())
+
+
+def test_one_tenants_queue_is_not_ahead_of_another_tenants_request():
+    """Tenants are served in turn, so a newcomer of another tenant waits for one of the flood's requests, not all
+    of them: its estimate (0.2 s at 10/s) is far inside a deadline the whole queue (1.3 s) would miss."""
+    async def main():
+        lanes, now, build = _drained_lane(1.0, waiters=20, gap_s=0.1)
+        tasks = await build()
+        assert lanes.lanes["std"].waiting == 12
+        own = asyncio.create_task(lanes.acquire("std", "alice"))
+        await spin()
+        assert not own.done()  # queued, not refused
+        with pytest.raises(Overloaded, match="past its 1 s deadline"):
+            await lanes.acquire("std", "flood")  # the flood's own next one would wait behind all of its own
+        now[0] += 0.1
+        lanes.release("std")
+        await spin()
+        now[0] += 0.1
+        lanes.release("std")
+        await spin()
+        assert own.done() and own.exception() is None  # admitted second: one of the flood's, then alice
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    run(main())
+
+
+def test_a_full_lane_refuses_the_heaviest_tenants_newest_request_not_a_newcomer():
+    async def main():
+        lanes, now, build = _drained_lane(30.0, waiters=10, gap_s=0.1, admitted=0, max_queue=10)
+        flood = await build()
+        alice = asyncio.create_task(lanes.acquire("std", "alice"))
+        await spin()
+        assert not alice.done() and lanes.lanes["std"].waiting == 10
+        assert flood[-1].done() and isinstance(flood[-1].exception(), Overloaded)  # the flood's newest gave way
+        assert "most of its waiting requests are this caller's" in str(flood[-1].exception())
+        assert not any(t.done() for t in flood[:-1])
+        with pytest.raises(Overloaded, match="is full"):  # the flood itself is refused as before
+            await lanes.acquire("std", "flood")
+        lanes.release("std")
+        await spin()
+        assert sum(t.done() and t.exception() is None for t in flood) == 1  # the round: the flood's head first
+        lanes.release("std")
+        await spin()
+        assert alice.done() and alice.exception() is None
+        for t in flood:
+            t.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
     run(main())
 
 

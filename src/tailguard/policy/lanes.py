@@ -207,7 +207,11 @@ class LaneState:
     # tenant -> its waiters, in arrival order; tenants in round-robin order (the next to serve first).
     queues: OrderedDict[str, deque[_Waiter]] = field(default_factory=OrderedDict)
     waiting: int = 0
-    drained: deque[float] = field(default_factory=deque)  # admission times, for this lane's drain rate
+    # The drain rate: (time, seconds) of each gap between admissions from the queue while requests waited (the
+    # first from the moment the queue formed). Admissions of requests that never waited measure arrivals, not how
+    # fast the lane drains, and idle time between busy spells is no gap.
+    gaps: deque[tuple[float, float]] = field(default_factory=deque)
+    busy_mark: float | None = None  # the last admission from the queue (or the queue's start) while some wait
     leases: list[str] = field(default_factory=list)  # fleet leases held by this lane's requests ("" = local slot)
 
 
@@ -233,7 +237,7 @@ class Lanes:
         self._marked: set[str] = set()  # reserved lanes this gateway told the fleet it has waiters in
         self.lanes = {name: LaneState(name, lc) for name, lc in lanes.items()}
         self.order = sorted(self.lanes.values(), key=lambda s: s.cfg.priority)
-        # tokens_per_s: auto. The clock is the meter's alone (tests drive it).
+        # tokens_per_s: auto. The clock times the waits, the drain rate and the meter (tests drive it).
         self.meter = TokenRateMeter(self.cfg.drain_window_s) if self.cfg.tokens_per_s == "auto" else None
         self.clock: Callable[[], float] = time.monotonic
         self.set_capacity(capacity)
@@ -347,26 +351,60 @@ class Lanes:
         except KeyError:
             raise ValueError(f"unknown lane {name!r}; lanes are {', '.join(self.lanes)}") from None
 
-    def drain_rate(self, lane: LaneState, now: float) -> float:
+    def drain_rate(self, lane: LaneState, now: float) -> float | None:
+        """Admissions from the queue per second of the time requests waited, over the last ``drain_window_s``
+        (the gap still open counts: a lane that has stopped draining slows its own estimate); None with fewer than
+        ``MIN_DRAIN_SAMPLES`` such admissions."""
         cutoff = now - self.cfg.drain_window_s
-        while lane.drained and lane.drained[0] < cutoff:
-            lane.drained.popleft()
-        return len(lane.drained) / self.cfg.drain_window_s
-
-    def estimated_wait(self, lane: LaneState, now: float) -> float | None:
-        """Seconds until a new arrival in ``lane`` is admitted at the recent drain rate (None: too little history
-        to say: fewer than ``MIN_DRAIN_SAMPLES`` admissions in the window)."""
-        rate = self.drain_rate(lane, now)
-        if len(lane.drained) < MIN_DRAIN_SAMPLES:
+        while lane.gaps and lane.gaps[0][0] < cutoff:
+            lane.gaps.popleft()
+        if len(lane.gaps) < MIN_DRAIN_SAMPLES:
             return None
-        return (lane.waiting + 1) / rate
+        busy = sum(gap for _, gap in lane.gaps) + (now - lane.busy_mark if lane.busy_mark is not None else 0.0)
+        return len(lane.gaps) / busy if busy > 0 else math.inf
+
+    @staticmethod
+    def _ahead(lane: LaneState, tenant: str) -> int:
+        """Waiters admitted before a new arrival of ``tenant``: its own, then, in the round-robin over tenants, at
+        most one more than its own from each other tenant (one tenant's flood is not ahead of another's request)."""
+        own = len(lane.queues.get(tenant, ()))
+        return own + sum(min(len(q), own + 1) for t, q in lane.queues.items() if t != tenant)
+
+    def estimated_wait(self, lane: LaneState, now: float, tenant: str = "") -> float | None:
+        """Seconds until a new arrival of ``tenant`` in ``lane`` is admitted at the recent drain rate (None: too
+        little history to say)."""
+        rate = self.drain_rate(lane, now)
+        if rate is None:
+            return None
+        return (self._ahead(lane, tenant) + 1) / rate
+
+    def _make_room(self, lane: LaneState, tenant: str, now: float) -> bool:
+        """A full lane takes a request of a tenant holding fewer waiters than the heaviest by refusing that tenant's
+        newest waiter instead (the queue's bound is shared, its burden is not); False when ``tenant`` is the
+        heaviest, or as heavy as any."""
+        own = len(lane.queues.get(tenant, ()))
+        heavy, q = max(((t, q) for t, q in lane.queues.items() if t != tenant), key=lambda tq: len(tq[1]),
+                       default=("", None))
+        if q is None or len(q) <= own + 1:
+            return False
+        for w in reversed(q):
+            if not w.future.done():
+                self._forget(lane, w)
+                lane.refused += 1
+                wait = self.estimated_wait(lane, now, heavy)
+                w.future.set_exception(Overloaded(
+                    f"lane {lane.name!r} is full ({lane.cfg.max_queue} waiting) and most of its waiting requests are "
+                    "this caller's: the newest of them gives way to another caller's",
+                    wait if wait is not None else lane.cfg.max_queue_wait_s))
+                return True
+        return False
 
     async def acquire(self, name: str, tenant: str = "", now: float | None = None, tokens: int = 0) -> float:
         """Wait for a slot in lane ``name`` for a request of ``tokens`` estimated tokens (prompt + max_tokens; 0:
         sequences only); returns when admitted (the wait in seconds) or raises ``Overloaded``. The caller gives the
         slot back with ``release(name, tokens)``, the same ``tokens``."""
         lane = self.lane(name)
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         tokens = max(0, int(tokens))
         if self.fleet is None:
             if lane.waiting == 0 and self._fits(lane, tokens):
@@ -375,17 +413,19 @@ class Lanes:
         elif lane.waiting == 0 and self._local_ok(lane, tokens) and await self._fleet_take(lane, tokens):
             self._admit(lane, now, tokens)
             return 0.0
-        if lane.waiting >= lane.cfg.max_queue:
+        if lane.waiting >= lane.cfg.max_queue and not self._make_room(lane, tenant, now):
             lane.refused += 1
-            wait = self.estimated_wait(lane, now)
+            wait = self.estimated_wait(lane, now, tenant)
             raise Overloaded(f"lane {name!r} is full ({lane.cfg.max_queue} waiting)",
                              wait if wait is not None else lane.cfg.max_queue_wait_s)
-        wait = self.estimated_wait(lane, now)
+        wait = self.estimated_wait(lane, now, tenant)
         if wait is not None and wait > lane.cfg.max_queue_wait_s and lane.in_use > 0:
             lane.refused += 1  # refused before it costs anything: it would miss its deadline anyway
             raise Overloaded(f"lane {name!r} would admit this request in about {wait:.1f} s, past its "
                              f"{lane.cfg.max_queue_wait_s:g} s deadline", wait)
         w = _Waiter(asyncio.get_running_loop().create_future(), tenant, now, tokens)
+        if lane.waiting == 0:
+            lane.busy_mark = now  # the queue forms: the first gap runs from here
         lane.queues.setdefault(tenant, deque()).append(w)
         lane.waiting += 1
         self.tick()  # saturated from now on
@@ -401,12 +441,12 @@ class Lanes:
                 self._forget(lane, w)
             if isinstance(exc, TimeoutError):
                 lane.refused += 1
-                later = self.estimated_wait(lane, time.monotonic())
+                later = self.estimated_wait(lane, self.clock(), tenant)
                 raise Overloaded(f"lane {name!r} did not admit this request within its "
                                  f"{lane.cfg.max_queue_wait_s:g} s deadline", later or lane.cfg.max_queue_wait_s) \
                     from None
             raise
-        return time.monotonic() - now
+        return self.clock() - now
 
     def release(self, name: str, tokens: int = 0) -> None:
         """Give back a slot of lane ``name`` and the ``tokens`` it was acquired with."""
@@ -477,8 +517,9 @@ class Lanes:
                         if lease:
                             self.fleet.give_slot(lane.name, lease)
                         continue
-                    self._take(lane, w)
-                    self._admit(lane, time.monotonic(), w.tokens)
+                    now = self.clock()
+                    self._take(lane, w, now)
+                    self._admit(lane, now, w.tokens)
                     w.future.set_result(None)
             waiting_reserved = {s.name for s in self.order if s.cfg.reserved and s.waiting}
             for name in waiting_reserved | self._marked:
@@ -494,7 +535,6 @@ class Lanes:
         lane.in_use += 1
         lane.tokens += tokens
         lane.admitted += 1
-        lane.drained.append(now)
 
     def _forget(self, lane: LaneState, w: _Waiter) -> None:
         q = lane.queues.get(w.tenant)
@@ -503,6 +543,8 @@ class Lanes:
             lane.waiting -= 1
             if not q:
                 del lane.queues[w.tenant]
+            if not lane.waiting:
+                lane.busy_mark = None  # nobody waits: the time until the next queue is no gap
 
     def _peek(self, lane: LaneState) -> _Waiter | None:
         """The next waiter of ``lane`` (round-robin over its tenants), left in its queue; waiters that gave up
@@ -512,16 +554,22 @@ class Lanes:
             while q and q[0].future.done():
                 q.popleft()
                 lane.waiting -= 1
+                if not lane.waiting:
+                    lane.busy_mark = None
             if q:
                 return q[0]
             del lane.queues[tenant]
         return None
 
-    def _take(self, lane: LaneState, w: _Waiter) -> None:
-        """Take ``w`` (the head ``_peek`` gave) out of its queue; its tenant goes to the back of the round."""
+    def _take(self, lane: LaneState, w: _Waiter, now: float) -> None:
+        """Take ``w`` (the head ``_peek`` gave) out of its queue to admit it; its tenant goes to the back of the
+        round. The gap since the last admission from the queue is a drain-rate sample."""
+        if lane.busy_mark is not None:
+            lane.gaps.append((now, max(0.0, now - lane.busy_mark)))
         q = lane.queues[w.tenant]
         q.remove(w)
         lane.waiting -= 1
+        lane.busy_mark = now if lane.waiting else None
         if q:
             lane.queues.move_to_end(w.tenant)
         else:
@@ -531,13 +579,13 @@ class Lanes:
         """Admit waiters while they fit, most important lane first."""
         if self.fleet is not None:
             return  # the fleet's pump admits (it must ask Redis, which takes an await)
-        now = time.monotonic()
+        now = self.clock()
         for lane in self.order:
             while lane.waiting:
                 w = self._peek(lane)  # the head waits for room: a large request is not overtaken by small ones
                 if w is None or not self._fits(lane, w.tokens):
                     break
-                self._take(lane, w)
+                self._take(lane, w, now)
                 self._admit(lane, now, w.tokens)
                 w.future.set_result(None)
 
@@ -546,7 +594,7 @@ class Lanes:
 
     def oldest_wait(self, now: float | None = None) -> float:
         """Seconds the longest-waiting request has waited for admission (0 while none waits)."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         oldest: float | None = None
         for lane in self.order:
             for q in lane.queues.values():
