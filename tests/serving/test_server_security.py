@@ -162,21 +162,21 @@ def test_made_up_business_types_cannot_fold_the_ones_the_slo_profiles_name(tmp_p
     from tailguard.slo.config import MonitorConfig
 
     key = "key-of-alice"
-    with fake_server(tmp_path, api_key=key, slo=MonitorConfig(profiles=["strict-finance"])) as s:
-        with httpx.Client(base_url=s.url) as c:
-            for i in range(40):  # no key: refused, and their types take no label
-                r = c.post("/v1/chat/completions", json=BODY, headers={"X-Business-Type": f"junk{i}"})
-                assert r.status_code == 401
-            ok = {"Authorization": f"Bearer {key}"}
-            c.post("/v1/chat/completions", json=BODY, headers={**ok, "X-Request-ID": "first", "X-Business-Type": "t0"})
-            for i in range(40):  # a caller with a key fills the 32 free labels
-                c.post("/v1/chat/completions", json=BODY, headers={**ok, "X-Business-Type": f"made-up-{i}"})
-            c.post("/v1/chat/completions", json=BODY,
-                   headers={**ok, "X-Request-ID": "fin", "X-Business-Type": "finance"})
-            settle(s)
-            first = _get(s, "/v1/requests/first", ADMIN_KEY).json()
-            fin = _get(s, "/v1/requests/fin", ADMIN_KEY).json()
-            metrics = c.get("/metrics").text
+    with fake_server(tmp_path, api_key=key, slo=MonitorConfig(profiles=["strict-finance"])) as s, \
+            httpx.Client(base_url=s.url) as c:
+        for i in range(40):  # no key: refused, and their types take no label
+            r = c.post("/v1/chat/completions", json=BODY, headers={"X-Business-Type": f"junk{i}"})
+            assert r.status_code == 401
+        ok = {"Authorization": f"Bearer {key}"}
+        c.post("/v1/chat/completions", json=BODY, headers={**ok, "X-Request-ID": "first", "X-Business-Type": "t0"})
+        for i in range(40):  # a caller with a key fills the 32 free labels
+            c.post("/v1/chat/completions", json=BODY, headers={**ok, "X-Business-Type": f"made-up-{i}"})
+        c.post("/v1/chat/completions", json=BODY,
+               headers={**ok, "X-Request-ID": "fin", "X-Business-Type": "finance"})
+        settle(s)
+        first = _get(s, "/v1/requests/first", ADMIN_KEY).json()
+        fin = _get(s, "/v1/requests/fin", ADMIN_KEY).json()
+        metrics = c.get("/metrics").text
     assert first["business_type"] == "t0"  # the 40 refused callers took no label before it
     assert fin["business_type"] == "finance"
     assert 'business_type="finance"' in metrics and 'business_type="junk0"' not in metrics
