@@ -2,6 +2,11 @@
 
 Schema versions live in ``PRAGMA user_version``; files written by an older tailguard are migrated in place, one written
 by a newer one is refused. Reads run on per-thread connections beside the writer (WAL lets them).
+
+A batch that cannot be written for a reason of the moment (another process holds the file's write lock: a backup, a
+VACUUM, ``sqlite3 FILE 'BEGIN IMMEDIATE'``; the disk is full) is held and retried with backoff until it goes in or the
+close deadline passes, while ``put`` queues behind it into the bounded backlog. Any other failure is a row's: the batch
+is retried one row at a time, so that a bad row loses only itself. Failures are logged once per reason every 10 s.
 """
 
 from __future__ import annotations
@@ -42,6 +47,35 @@ _ADDED_COLUMNS = (
 # Schema 3 -> 4: sampled internals on requests, the machine's window on queue samples (all nullable: old rows have
 # none).
 _ADDED_IN_4 = (("requests", "internals", "TEXT"), ("queue_samples", "cpu", "REAL"), ("queue_samples", "rss", "REAL"))
+
+
+# Errors that say nothing about the rows (another process holds the write lock, the disk is full): the batch is held
+# and retried with backoff, as the PostgreSQL store holds one through an outage. Primary result codes.
+_SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_FULL = 5, 6, 13
+_TRANSIENT_CODES = frozenset((_SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_FULL))
+_TRANSIENT_MESSAGES = ("database is locked", "database table is locked", "database is busy", "disk is full")
+_RETRY_FIRST_S = 0.05
+_RETRY_MAX_S = 2.0
+# How long one write waits on another process's lock (SQLite's busy handler) before the batch is held: short, so that
+# the retry loop, which holds it as long as need be, notices the close deadline.
+_WRITER_BUSY_TIMEOUT_MS = 2000
+_LOG_EVERY_S = 10.0  # one line per reason this often at most: a failing store must not flood the log
+_NEVER = -1e9
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether a write failed for a reason of the moment (a lock, a full disk) rather than because of a row."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in _TRANSIENT_CODES  # extended codes keep the primary one in the low byte
+    return any(m in str(exc) for m in _TRANSIENT_MESSAGES)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # --- schema ---------------------------------------------------------------------------------------------------------
@@ -121,6 +155,12 @@ class SQLiteStore(RequestStore):
     def _open_backend(self, target: str, secret: str | bytes | None) -> None:
         self.path = target
         self._reader_local = threading.local()
+        self.outages = 0  # times the writer found the file locked or the disk full and held its batch
+        self.retries = 0  # attempts made while it was so
+        self._held_logged = _NEVER
+        self._failure_logged: dict[str, float] = {}  # reason -> when a line about it was last logged
+        self._failures_unlogged: dict[str, int] = {}  # reason -> failures since that line
+        self._traceback_logged = _NEVER
         if self.read_only:
             self._key = load_secret(target, secret, create=False)
             self.schema_version = self._check_schema()
@@ -176,10 +216,22 @@ class SQLiteStore(RequestStore):
             if own:
                 conn.close()
 
+    def _sweep(self, conn: sqlite3.Connection) -> None:
+        try:
+            self.enforce_retention(conn)
+        except sqlite3.Error as exc:
+            if not _transient(exc):
+                log.exception("retention sweep failed")
+                return
+            # Locked or full: nothing is lost by waiting; the next sweep (or the next start) deletes what is due.
+            log.warning("request store %s: retention sweep skipped (%s); the next one tries again", self.path,
+                        _first_line(exc))
+
     def _open_writer(self) -> sqlite3.Connection:
         conn = _connect(self.path)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; a crash may lose the last batch only
+        conn.execute(f"PRAGMA busy_timeout={_WRITER_BUSY_TIMEOUT_MS}")
         return conn
 
     def _close_writer(self, conn: sqlite3.Connection) -> None:
@@ -188,26 +240,90 @@ class SQLiteStore(RequestStore):
     def _write(self, conn: sqlite3.Connection, timelines: list, samples: list[tuple],
                alerts: list[dict[str, Any]] | None = None) -> bool:
         rows, alert_rows, bad = self._build_rows(timelines, alerts)
-        try:
-            conn.execute("BEGIN")
-            conn.executemany(_INSERT, rows)
-            if samples:
-                conn.executemany(_INSERT_SAMPLE, samples)
-            if alert_rows:
-                conn.executemany(_INSERT_ALERT, alert_rows)
-            conn.execute("COMMIT")
-            self.written += len(rows)
-        except Exception:  # noqa: BLE001 - retry one by one so a single bad row loses only itself
-            log.exception("request store: a batch of %d records failed; retrying one by one", len(rows))
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-            for sql, row in [*((_INSERT, r) for r in rows), *((_INSERT_ALERT, r) for r in alert_rows)]:
-                try:
-                    conn.execute(sql, row)
-                    if sql is _INSERT:
-                        self.written += 1
-                except Exception:  # noqa: BLE001
-                    log.exception("request store: record %s could not be written", row[0])
-                    bad += 1
+        one_by_one: list[tuple[str, tuple]] | None = None  # set once a row error failed the batch
+        settled = bad  # records of the batch done with: not even a row (bad), or written or failed one by one
+        backoff, held_since = _RETRY_FIRST_S, None
+        while True:
+            try:
+                if one_by_one is None:
+                    self._commit(conn, rows, samples, alert_rows)
+                    self.written += len(rows)
+                else:
+                    while one_by_one:
+                        sql, row = one_by_one[0]
+                        try:
+                            conn.execute(sql, row)
+                            self.written += sql is _INSERT
+                        except Exception as exc:  # noqa: BLE001 - a bad row loses only itself
+                            if _transient(exc):
+                                raise  # not the row's fault: hold the rest of the batch
+                            what = "record" if sql is not _INSERT_SAMPLE else "queue sample"
+                            self._log_failure(exc, what, f"{what} {row[0]} could not be written")
+                            bad += sql is not _INSERT_SAMPLE
+                        one_by_one.pop(0)
+                        settled += sql is not _INSERT_SAMPLE
+                break
+            except Exception as exc:  # noqa: BLE001 - held and retried, or retried one row at a time
+                if conn.in_transaction:  # SQLite may have rolled it back already (a full disk does)
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                if not _transient(exc):
+                    self._log_failure(exc, "batch", f"a batch of {len(rows) + len(alert_rows)} records failed; "
+                                                    "retrying one by one")
+                    one_by_one = [*((_INSERT, r) for r in rows), *((_INSERT_ALERT, r) for r in alert_rows),
+                                  *((_INSERT_SAMPLE, s) for s in samples)]
+                    continue
+                # Locked by another process or a full disk: the batch is held and retried, never dropped.
+                if held_since is None:
+                    held_since = time.monotonic()
+                    self.outages += 1
+                self.retries += 1
+                self._log_held(exc, len(timelines) + len(alerts or ()) - settled)
+                if self._abandon.wait(backoff):
+                    # The close deadline passed: what this batch settled is done; close() counts the rest as lost.
+                    self._count_failed(bad)
+                    self._done(settled, 0)
+                    return False
+                backoff = min(backoff * 2, _RETRY_MAX_S)
+        if held_since is not None:
+            log.warning("request store %s: writable again after %.1f s; the %d held records are written", self.path,
+                        time.monotonic() - held_since, len(rows) + len(alert_rows))
+            self._held_logged = _NEVER
         self._count_failed(bad)
         return True
+
+    @staticmethod
+    def _commit(conn: sqlite3.Connection, rows: list[tuple], samples: list[tuple], alert_rows: list[tuple]) -> None:
+        conn.execute("BEGIN")
+        conn.executemany(_INSERT, rows)
+        if samples:
+            conn.executemany(_INSERT_SAMPLE, samples)
+        if alert_rows:
+            conn.executemany(_INSERT_ALERT, alert_rows)
+        conn.execute("COMMIT")
+
+    def _log_held(self, exc: BaseException, holding: int) -> None:
+        now = time.monotonic()
+        if now - self._held_logged < _LOG_EVERY_S:
+            return
+        self._held_logged = now
+        log.warning("request store %s: cannot write (%s); holding %d records in hand and %d queued, retrying "
+                    "(records beyond the backlog bound of %d are dropped and counted)", self.path, _first_line(exc),
+                    holding, max(0, self.backlog - holding), self._max_backlog)
+
+    def _log_failure(self, exc: BaseException, what: str, message: str) -> None:
+        """One line per reason (``what`` failed, and the kind of error) every 10 s at most, saying how many failures
+        it stands for, and one traceback per period in all: a store that refuses every row would otherwise log a
+        traceback per record."""
+        reason = f"{what}: {type(exc).__name__}"
+        now = time.monotonic()
+        self._failures_unlogged[reason] = self._failures_unlogged.get(reason, 0) + 1
+        if now - self._failure_logged.get(reason, _NEVER) < _LOG_EVERY_S:
+            return
+        self._failure_logged[reason] = now
+        count = self._failures_unlogged.pop(reason)
+        with_traceback = now - self._traceback_logged >= _LOG_EVERY_S
+        if with_traceback:
+            self._traceback_logged = now
+        log.error("request store: %s: %s (%d %s failure(s) of this kind since the last such line)", message,
+                  _first_line(exc), count, what, exc_info=exc if with_traceback else None)
