@@ -13,6 +13,9 @@ hostile input writes in many shapes are found by this module, with the standard 
 - E-mail addresses, internationalized ones included (``用户@例子.中国``, ``josé@bücher.de``, punycode): the
   domain must end in a public suffix, from tldextract's bundled list (never a download). A suffix glued to
   Chinese text ("a@b.com谢谢") is cut back to the longest one that is real.
+- Credentials (:func:`find_secrets`): provider keys and tokens by their issuers' prefixes (``API_KEY``), JWTs and
+  the credentials of an Authorization header or after "Bearer" (``ACCESS_TOKEN``), the user:password of a URL and
+  the value of a setting named like a secret, ``password: ...``, ``AWS_SECRET_ACCESS_KEY=...`` (``SECRET``).
 
 Han characters count as word characters for Python, so ``\\b`` never fires between "卡号" and "4111..."; the
 finders bound numbers by "no ASCII letter or digit next to it" instead, and full-width digits count as digits.
@@ -225,6 +228,107 @@ def find_cn_ids(text: str) -> Iterator[tuple[int, int, bool]]:
     for m in _CN_ID15.finditer(text):
         if cn_old_id_ok(m.group()):
             yield m.start(), m.end(), False
+
+
+# Credentials. Keys and tokens whose issuers give them a fixed prefix, JWTs, the credentials of an HTTP
+# Authorization header or after "Bearer", the user:password of a URL, and the value given to a setting named like a
+# secret (password, api_key, AWS_SECRET_ACCESS_KEY, 密码...). Each finder starts at a literal or a short
+# alternation the regular expression engine scans for quickly, and reads a bounded stretch from there: linear.
+_TOKEN_BEFORE = r"(?<![A-Za-z0-9_\-])"  # not inside a longer word or token
+_API_KEY = re.compile(_TOKEN_BEFORE + r"(?:"
+                      r"sk-[A-Za-z0-9_\-]{20,}"  # OpenAI (sk-, sk-proj-, sk-svcacct-), Anthropic (sk-ant-), others
+                      r"|[sr]k_(?:live|test)_[A-Za-z0-9]{16,}"  # Stripe secret and restricted keys
+                      r"|(?:AKIA|ASIA)[A-Z0-9]{16}"  # AWS access key ids (long-term, temporary)
+                      r"|gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{22,}"  # GitHub tokens
+                      r"|xox[abprs]-[A-Za-z0-9\-]{10,}"  # Slack tokens
+                      r"|hf_[A-Za-z0-9]{30,}"  # Hugging Face tokens
+                      r"|AIza[A-Za-z0-9_\-]{35}"  # Google API keys
+                      r")(?![A-Za-z0-9_\-])")
+_JWT = re.compile(_TOKEN_BEFORE + r"eyJ[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{2,}\.[A-Za-z0-9_\-]*")  # base64url '{"'
+_TOKEN68 = r"[A-Za-z0-9\-._~+/]{8,}=*"  # RFC 7235's credentials characters
+_BEARER = re.compile(_TOKEN_BEFORE + rf"(?:Bearer|BEARER|bearer)[ \t]+({_TOKEN68})")
+_AUTHORIZATION = re.compile(  # the header's credentials, whatever the scheme: "Authorization: Basic dXNl..."
+    rf"(?i:authorization)[\"']?[ \t]*[:=][ \t]*[\"']?(?:[A-Za-z][A-Za-z0-9\-]*[ \t]+)?({_TOKEN68})")
+# A URL's authority: what follows "://" up to the path, in the characters RFC 3986 allows there.
+_AUTHORITY = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:%@]{3,}")
+# A setting named like a secret, then ":" or "=" (quoted keys, JSON, YAML, .env, HTTP headers, Python) or "is", then
+# the value: quoted (up to 256 characters) or a run of printable ASCII. Named after a non-letter ("DB_PASSWORD" counts,
+# "bypassword" does not); "token" and "key" alone are too common (max_tokens, eos_token, dictionary keys) to count.
+_SECRET_NAME = (r"(?i:pass(?:word|wd|phrase)|client[_\-]?secret|secret(?:[_\-]?access)?(?:[_\-]?key)?"
+                r"|(?:api|access|private)[_\-]?key(?:[_\-]?id)?|apikey"
+                r"|(?:auth|access|refresh|session|bearer|api|id)[_\-]?token)")
+_UNQUOTED = r"[^\s\"'`,;<>(){}\[\]=\x7f-\U0010ffff][^\s\"'`,;<>(){}\[\]\x7f-\U0010ffff]*"
+_SECRET_SETTING = re.compile(
+    rf"(?<![A-Za-z0-9]){_SECRET_NAME}(?:[\"']?[ \t]*(?::=|=>|[:=])|[ \t]+(?P<verb>is|was)(?:[ \t]*:)?)[ \t]*"
+    rf"(?:(?P<quote>[\"'`])(?P<quoted>[^\r\n]{{1,256}}?)(?P=quote)|[\"'`]?(?P<plain>{_UNQUOTED}))")
+_SECRET_SETTING_ZH = re.compile(rf"(?:密码|口令|密钥|秘钥)[ \t]*(?:[:：=]|是|为)[ \t]*(?P<plain>{_UNQUOTED})")
+_PROSE_GOES_ON = re.compile(r"[ \t]+[a-z]")
+
+
+def _looks_random(token: str) -> bool:
+    """Whether a word after "Bearer" or "Authorization:" is a credential rather than prose: a digit, a symbol
+    words do not hold, or mixed case in a long run (base64). "bearer instruments", "Authorization: required" are not."""
+    token = token.rstrip(".")
+    return (any(c.isdigit() or c in "+/=_~" for c in token)
+            or (len(token) >= 12 and any(c.isupper() for c in token[1:]) and any(c.islower() for c in token)))
+
+
+def _password_like(word: str) -> bool:
+    """A word that reads as a password after "password is": 6 characters or more, a digit or a symbol among them."""
+    return len(word) >= 6 and any(c.isdigit() or not (c.isalpha() or c in "-.") for c in word)
+
+
+def find_secrets(text: str) -> Iterator[tuple[str, int, int]]:
+    """Spans of credentials, as (kind, start, end): ``API_KEY`` (a key or token an issuer marks with its prefix),
+    ``ACCESS_TOKEN`` (a JWT, the credentials of an Authorization header or after "Bearer"), ``SECRET`` (the value
+    of a setting named like a secret, the user:password of a URL)."""
+    for m in _API_KEY.finditer(text):
+        if not m.group().startswith("sk-") or _looks_random(m.group()[3:].replace("-", "")):
+            yield "API_KEY", m.start(), m.end()  # "sk-" and 20 letters and dashes may be hyphenated words
+    if "eyJ" in text:
+        yield from (("ACCESS_TOKEN", m.start(), m.end()) for m in _JWT.finditer(text))
+    for pattern in (_BEARER, _AUTHORIZATION):
+        for m in pattern.finditer(text):
+            if _looks_random(m.group(1)):
+                yield "ACCESS_TOKEN", m.start(1), m.start(1) + len(m.group(1).rstrip("."))
+    yield from (("SECRET", s, e) for s, e in find_url_credentials(text))
+    for pattern in (_SECRET_SETTING, _SECRET_SETTING_ZH):
+        for m in pattern.finditer(text):
+            span = _setting_value(text, m)
+            if span is not None:
+                yield "SECRET", span[0], span[1]
+
+
+def find_url_credentials(text: str) -> Iterator[tuple[int, int]]:
+    """Spans of the ``user:password`` of URLs (``scheme://user:password@host``); a user name alone is no secret."""
+    at = text.find("://")
+    while at >= 0:
+        m = _AUTHORITY.match(text, at + 3)
+        if m is not None:
+            userinfo_end = m.group().rfind("@")  # a password may hold an "@" its writer did not escape
+            if userinfo_end > 0 and ":" in m.group()[:userinfo_end]:
+                yield m.start(), m.start() + userinfo_end
+        at = text.find("://", at + 3)
+
+
+def _setting_value(text: str, m: re.Match) -> tuple[int, int] | None:
+    """The span of a secret setting's value, or None where the match is prose or code rather than a value."""
+    if m.groupdict().get("quoted"):
+        return m.span("quoted")
+    value, end = m.group("plain"), m.end("plain")
+    if end < len(text) and text[end] in "([":
+        return None  # a call or an index: code that reads the secret from elsewhere (getpass(), os.environ[...])
+    if text[m.start("plain") - 1] not in "\"'`":
+        if m.groupdict().get("verb") and not _password_like(value.rstrip(".")):
+            return None  # "the password is too short", "is 8-16 characters": a sentence
+        if value.isalpha() and _PROSE_GOES_ON.match(text, end):
+            return None  # "Password: must be 8 characters long": a sentence, not a value
+    if m.start() and text[m.start() - 1] in "?&" and "&" in value:
+        value = value[:value.index("&")]  # a URL's query: the next parameter starts there
+        end = m.start("plain") + len(value)
+    if value.endswith(".") and (end == len(text) or text[end].isspace()):
+        value, end = value[:-1], end - 1  # the end of a sentence
+    return (m.start("plain"), end) if value else None
 
 
 class _Budget:
@@ -710,8 +814,10 @@ class _IpFinder:
         return True
 
 
-# Which of two results for the same text wins: the checksummed kinds before the looser ones.
-_RANK = {"CN_RESIDENT_ID": 4, "CREDIT_CARD": 3, "EMAIL_ADDRESS": 3, "CN_RESIDENT_ID_15": 2, "IP_ADDRESS": 1,
+# Which of two results for the same text wins: a key by its issuer's prefix or a token before what else it reads as
+# ("OPENAI_API_KEY=sk-..." is a SECRET too), then the checksummed kinds before the looser ones.
+_RANK = {"API_KEY": 5, "ACCESS_TOKEN": 5, "CN_RESIDENT_ID": 4, "CREDIT_CARD": 3, "EMAIL_ADDRESS": 3, "SECRET": 3,
+         "CN_RESIDENT_ID_15": 2, "IP_ADDRESS": 1,
          "PHONE_NUMBER": 0, "UNCHECKED_NUMBER": -1}
 
 
@@ -739,8 +845,8 @@ class Redactor:
 
     Cost: a call may spend ``budget_ms`` plus ``budget_ms_per_kchar`` per 1,000 characters of its thread's CPU
     time (by default 5 + 1.5: 20 ms for 10 KB of ASCII text; prose takes ~0.1-0.3 ms per 1,000 characters, text
-    dense with phone numbers ~3). Cards and resident IDs are always checked (linear, ~0.5 ms per 1,000
-    characters at worst), phone numbers, IP addresses and e-mail hosts while the budget lasts; after it, what
+    dense with phone numbers ~3). Cards, resident IDs and credentials are always checked (linear, ~0.5 ms per
+    1,000 characters at worst), phone numbers, IP addresses and e-mail hosts while the budget lasts; after it, what
     could be one of those is masked unchecked instead: every run of 7 or more digits with the separators phone
     numbers use (``<UNCHECKED_NUMBER>``), every token shaped like an IP address, every ``local@dotted.host``.
     """
@@ -803,8 +909,15 @@ class Redactor:
         found.extend(("CREDIT_CARD", s, e) for s, e in find_cards(text))
         found.extend(("CN_RESIDENT_ID" if full else "CN_RESIDENT_ID_15", s, e)
                      for s, e, full in find_cn_ids(text))
+        secrets = list(find_secrets(text))
+        found.extend(secrets)
         if "@" in text or "\uff20" in text:
-            found.extend(("EMAIL_ADDRESS", s, e) for s, e in find_emails(text, self._is_domain, budget))
+            # The password of "scheme://user:password@host" (or a token: "https://ghp_...@github.com") reads as an
+            # e-mail's local part: it is redacted as what it is, and the host stays. (A local part holds no "@": the
+            # first one in an address is its own.)
+            userinfo_ends = {e for _, _, e in secrets if text.startswith("@", e)}
+            found.extend(("EMAIL_ADDRESS", s, e) for s, e in find_emails(text, self._is_domain, budget)
+                         if text.find("@", s, e) not in userinfo_ends)
         self._ips.find(text, budget, found)
         self._phones.find(text, budget, found)
         return [RecognizerResult(kind.removesuffix("_15"), start, end, 0.5 + _RANK[kind] / 10)
