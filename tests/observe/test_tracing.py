@@ -3,9 +3,11 @@ the protobuf payloads (``ExportTraceServiceRequest``) the way a collector does; 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gzip
 import json
+import logging
 import threading
 import time
 import zlib
@@ -24,9 +26,14 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: 
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+from opentelemetry.trace.status import StatusCode  # noqa: E402
 
 from tailguard.engine.fake import FakeEngine, FakeTiming  # noqa: E402
-from tailguard.observe.tracing import upstream_call, upstream_headers  # noqa: E402
+from tailguard.observe import tracing  # noqa: E402
+from tailguard.observe.timeline import Outcome, Timeline  # noqa: E402
+from tailguard.observe.tracing import RequestTrace, RequestTracer, upstream_call, upstream_headers  # noqa: E402
+from tailguard.observe.tracing_config import TracingConfig  # noqa: E402
 from tailguard.serving.config import ServerConfig  # noqa: E402
 from tests.net import free_port
 from tests.serving_helpers import FailingEngine, fake_server, settle, start_serve, stop_serve  # noqa: E402
@@ -401,3 +408,98 @@ def test_an_unreachable_collector_never_fails_or_holds_a_request(tmp_path):
     # The lifespan shut the tracer down and the server stopped (its thread ended within ThreadedServer's 15 s).
     assert not server._thread.is_alive()
     assert server.state.tracer is None
+
+
+# --- unit checks: an upstream call's status, a client's trace headers ---------------------------------------------
+def _traced(fn: Any) -> RequestTrace:
+    """Run ``fn()`` (a coroutine function) as a traced request's task would; the request's trace."""
+    trace = RequestTrace(trace_id=int(CLIENT_TRACE, 16), span_id=int(CLIENT_SPAN, 16), sampled=True)
+    token = tracing._current.set(trace)
+    try:
+        asyncio.run(fn())
+    finally:
+        tracing._current.reset(token)
+    return trace
+
+
+async def _proxy(events: int, fail_after: int | None = None) -> AsyncIterator[str]:
+    """A gateway's stream: its upstream call spans the events it relays."""
+    with upstream_call({"url.full": "http://upstream/v1/chat/completions"}):
+        for i in range(events):
+            if i == fail_after:
+                raise httpx.ReadError("upstream went away")
+            yield f"event {i}"
+
+
+def _upstream_span_status(trace: RequestTrace) -> tuple[int, str]:
+    tl = Timeline(request_id="r", endpoint="/v1/chat/completions", received=1.0, received_unix=time.time(),
+                  tokenized=1.01, scheduled=1.02, first_token=1.03, last_token=1.04, token_times=[1.03, 1.04],
+                  num_output_tokens=2)
+    tl.finalize(200, Outcome.SUCCESS, at=1.05)
+    tracer = RequestTracer(TracingConfig(), exporter=InMemorySpanExporter())
+    try:
+        [span] = [s for s in tracer.spans(tl, trace) if s.name == "upstream"]
+    finally:
+        tracer.shutdown()
+    return span.status.status_code, span.status.description or ""
+
+
+@pytest.mark.parametrize("read", [3, 1], ids=["closed after its last event", "client gone mid-stream"])
+def test_an_upstream_stream_closed_by_its_reader_is_no_failed_call(read):
+    async def consume() -> None:
+        stream = _proxy(events=3)
+        for _ in range(read):  # the server stops at the last event (finish_reason), without asking for another
+            await anext(stream)
+        await stream.aclose()  # GeneratorExit inside the call's block
+
+    trace = _traced(consume)
+    [call] = trace.upstream
+    assert call.error is None and call.end is not None
+    assert _upstream_span_status(trace) == (StatusCode.UNSET, "")
+
+
+def test_an_upstream_stream_that_fails_marks_its_call_failed():
+    async def consume() -> None:
+        with contextlib.suppress(httpx.ReadError):
+            async for _ in _proxy(events=3, fail_after=1):
+                pass
+
+    trace = _traced(consume)
+    assert trace.upstream[0].error == "ReadError"
+    assert _upstream_span_status(trace) == (StatusCode.ERROR, "ReadError")
+
+
+_VALID_PARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+
+
+@pytest.mark.parametrize(("traceparent", "tracestate", "joins", "state"), [
+    (_VALID_PARENT, "k=v,vendor@sys=x y", True, {"k": "v", "vendor@sys": "x y"}),
+    (_VALID_PARENT + "x" * 600, None, False, {}),  # over 512 characters
+    (_VALID_PARENT + "-00", None, False, {}),  # version 00 has exactly four fields
+    (f"01-{CLIENT_TRACE}-{CLIENT_SPAN}-01-" + "a" * 600, None, False, {}),  # a later version, over 512 characters
+    (f"01-{CLIENT_TRACE}-{CLIENT_SPAN}-01-later-fields", "k=v", True, {"k": "v"}),  # a later version: joined
+    (f"ff-{CLIENT_TRACE}-{CLIENT_SPAN}-01", None, False, {}),  # version ff is invalid
+    (f"00-{CLIENT_TRACE.upper()}-{CLIENT_SPAN}-01", None, False, {}),  # hex is lower case
+    ("garbage", "k=v", False, {}),
+    (_VALID_PARENT, ",".join(f"k{i}=v" for i in range(33)), True, {}),  # over 32 members: tracestate dropped
+    (_VALID_PARENT, "k=" + "v" * 600, True, {}),  # over 512 characters
+    (_VALID_PARENT, "k=v,BAD KEY=v", True, {}),  # a malformed member drops it whole
+    (_VALID_PARENT, "k=v,empty=", True, {}),
+    (_VALID_PARENT, "k=v,k=w", True, {}),  # a key twice
+    (_VALID_PARENT, "k=v,,  l=w ", True, {"k": "v", "l": "w"}),  # empty members and spaces are allowed
+], ids=["valid", "long-00", "00-with-more-fields", "long-later-version", "later-version", "version-ff", "upper-case",
+        "garbage", "33-members", "long-tracestate", "malformed-member", "empty-value", "duplicate-key",
+        "empty-members"])
+def test_a_clients_trace_headers_never_log_and_decide_the_trace(caplog, traceparent, tracestate, joins, state):
+    tracer = RequestTracer(TracingConfig(), exporter=InMemorySpanExporter())
+    try:
+        with caplog.at_level(logging.DEBUG):
+            trace = tracer.begin(traceparent, tracestate)
+    finally:
+        tracer.shutdown()
+    assert caplog.records == []
+    assert (trace.parent is not None) == joins
+    assert (trace.trace_id == int(CLIENT_TRACE, 16)) == joins  # a new trace otherwise
+    assert dict(trace.trace_state) == state
+    assert trace.new_upstream_call().headers.get("tracestate") == (",".join(f"{k}={v}" for k, v in state.items())
+                                                                   or None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
@@ -70,6 +71,37 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _PROPAGATOR = TraceContextTextMapPropagator()
 _IDS = RandomIdGenerator()
+
+# W3C Trace Context, checked before the propagator sees a client's headers: it logs a warning for each header it
+# refuses, and a client's headers must not make a log line per request.
+_MAX_HEADER_CHARS = 512  # W3C: a traceparent of a later version, and the tracestate we pass on, at most
+_MAX_TRACESTATE_MEMBERS = 32
+_TRACEPARENT_00 = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")  # version 00: exactly these 55 characters
+# A later version starts like version 00 and may add fields after a dash (version ff is invalid).
+_TRACEPARENT_LATER = re.compile(r"(?!ff)(?!00)[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(?:-.*)?")
+_TRACESTATE_KEY = (r"(?:[a-z][_0-9a-z\-*/]{0,255}"  # simple-key, or tenant-id@system-id
+                   r"|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})")
+_TRACESTATE_VALUE = r"[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+_TRACESTATE_MEMBER = re.compile(f"{_TRACESTATE_KEY}={_TRACESTATE_VALUE}")
+
+
+def _valid_traceparent(value: str) -> bool:
+    """A traceparent the propagator takes without complaint: version 00's form, or a later version's within 512
+    characters (the ids are checked for zeros by the propagator, silently)."""
+    value = value.strip(" \t")
+    if value.startswith("00"):
+        return _TRACEPARENT_00.fullmatch(value) is not None
+    return len(value) <= _MAX_HEADER_CHARS and _TRACEPARENT_LATER.fullmatch(value) is not None
+
+
+def _valid_tracestate(value: str) -> bool:
+    """A tracestate worth passing on: 512 characters at most, 32 members at most, each ``key=value`` in W3C's form.
+    Anything else is dropped whole (W3C lets a vendor discard it) rather than half-kept."""
+    if len(value) > _MAX_HEADER_CHARS:
+        return False
+    members = [m for m in (m.strip(" \t") for m in value.split(",")) if m]  # empty members are allowed
+    return len(members) <= _MAX_TRACESTATE_MEMBERS and all(_TRACESTATE_MEMBER.fullmatch(m) for m in members)
+
 
 # The trace of the request being served, set by the middleware for the request's task (and the tasks it starts).
 _current: ContextVar[RequestTrace | None] = ContextVar("tailguard_request_trace", default=None)
@@ -159,6 +191,10 @@ def upstream_call(attributes: dict[str, Any] | None = None) -> Iterator[Upstream
     call.start = time.perf_counter()
     try:
         yield call
+    except GeneratorExit:
+        # The consumer of a generator around the call stopped reading it (it had the last event, or the client went
+        # away): the call itself did not fail.
+        raise
     except BaseException as exc:
         call.error = type(exc).__name__
         raise
@@ -190,10 +226,13 @@ class RequestTracer:
 
     # --- at arrival -------------------------------------------------------------------------------------------------
     def begin(self, traceparent: str | None = None, tracestate: str | None = None) -> RequestTrace:
-        """A request arrived: join the client's trace when its ``traceparent`` is valid, else start one."""
+        """A request arrived: join the client's trace when its ``traceparent`` is valid, else start one. A
+        ``tracestate`` that is too long, has too many members or a malformed one is dropped (the trace is still
+        joined)."""
         parent: SpanContext | None = None
-        if traceparent:
-            carrier = {"traceparent": traceparent, **({"tracestate": tracestate} if tracestate else {})}
+        if traceparent and _valid_traceparent(traceparent):
+            keep_state = tracestate and _valid_tracestate(tracestate)
+            carrier = {"traceparent": traceparent, **({"tracestate": tracestate} if keep_state else {})}
             ctx = _PROPAGATOR.extract(carrier)
             span_ctx = trace_api.get_current_span(ctx).get_span_context()
             parent = span_ctx if span_ctx.is_valid else None  # malformed: restart the trace (W3C says so)
@@ -399,8 +438,9 @@ class TraceContextMiddleware:
         for name, value in scope["headers"]:
             if name == b"traceparent":
                 traceparent = value.decode("latin-1")
-            elif name == b"tracestate":
-                tracestate = value.decode("latin-1")
+            elif name == b"tracestate":  # several fields make one list (RFC 9110)
+                text = value.decode("latin-1")
+                tracestate = text if tracestate is None else f"{tracestate},{text}"
         trace = tracer.begin(traceparent, tracestate)
         response_header = (b"traceresponse", trace.traceparent.encode())
 
