@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tailguard.slo.profiles import Selector
-from tailguard.slo.windows import RequestSample, SlidingWindows
+from tailguard.slo.windows import Key, RequestSample, SlidingWindows
 
 
 def test_window_percentiles_within_one_percent_of_exact_on_100k():
@@ -96,3 +96,48 @@ def test_the_interruption_rate_counts_streams_that_began():
     obj = Objective(metric=Metric.INTERRUPTION_RATE, threshold="0.1%", comparison="<")
     assert obj.describe().startswith("interruption_rate < 0.100%")
     SLOProfile(name="streams", objectives=(obj,))  # a rate: no percentile, a share below 1
+
+
+def test_requests_never_taken_up_do_not_create_keys():
+    # A flood of invalid requests (a 401 without a valid key, a malformed body), each claiming its own client and
+    # region, must not fill the key table: they are counted under their business type and lane only.
+    w = SlidingWindows(slot_s=10, max_window_s=60, max_keys=8)
+    for i in range(100):
+        w.record(RequestSample(e2e=None, outcome="invalid", client=f"made-up-{i}", region=f"r{i}"), now=5)
+    w.drain()  # records are queued until a query, advance or drain applies them
+    assert w.known_keys() == {Key("default", "default", "other", "other", 0)}
+    assert w.dropped_keys == 0
+    w.record(RequestSample(e2e=0.2, ttft=0.1, lane="vip", client="mobile", region="eu"), now=5)
+    vip = w.query(Selector(lanes=("vip",)), 60, now=5)
+    assert (vip.total, vip.n("ttft")) == (1, 1)
+    assert w.query(Selector(clients=("mobile",)), 60, now=5).total == 1  # served: keeps its client
+    assert w.query(Selector(), 60, now=5).total == 101  # every request is still counted
+
+
+def test_a_full_key_table_keeps_lane_and_business_type():
+    w = SlidingWindows(slot_s=10, max_window_s=60, max_keys=4)
+    for i in range(4):  # served traffic of four clients fills the table
+        w.record(RequestSample(e2e=0.2, ttft=0.1, client=f"c{i}"), now=5)
+    for i in range(3):
+        w.record(RequestSample(e2e=0.3, ttft=0.2, lane="vip", business_type="finance", client=f"n{i}",
+                               region=f"x{i}"), now=5)
+    w.drain()
+    assert w.dropped_keys == 3
+    # The lane and business type still select the folded traffic; only the client and region are "other".
+    vip = w.query(Selector(lanes=("vip",), business_types=("finance",)), 60, now=5)
+    assert (vip.total, vip.n("ttft")) == (3, 3)
+    assert {k for k in w.known_keys() if k.lane == "vip"} == {Key("finance", "vip", "other", "other", 0)}
+
+
+def test_regions_past_the_cap_fold_into_other():
+    w = SlidingWindows(slot_s=10, max_window_s=60, max_regions=3)
+    for i in range(10):
+        w.record(RequestSample(e2e=0.2, ttft=0.1, region=f"r{i}"), now=5)
+    w.record(RequestSample(e2e=0.2, ttft=0.1), now=5)  # the default region is never folded
+    w.drain()
+    assert {k.region for k in w.known_keys()} == {"r0", "r1", "r2", "other", "default"}
+    assert w.query(Selector(regions=("other",)), 60, now=5).total == 7
+    # Once the named regions leave the ring, new ones take their place.
+    w.record(RequestSample(e2e=0.2, ttft=0.1, region="later"), now=125)
+    w.drain()
+    assert {k.region for k in w.known_keys()} == {"later"}

@@ -27,6 +27,18 @@ if TYPE_CHECKING:
     from tailguard.slo.monitor import SLOMonitor
 
 
+# The longest Retry-After a shed request is told (the config bounds ``shed.retry_after_s`` to a day).
+MAX_RETRY_AFTER_S = 86_400
+
+
+def retry_after_header(seconds: float) -> int:
+    """Whole seconds for a Retry-After header: at least 1, at most a day. A figure the config did not validate (an
+    infinity, a NaN) must not turn a refusal into a 500."""
+    if not math.isfinite(seconds):
+        return MAX_RETRY_AFTER_S if seconds > 0 else 1
+    return min(MAX_RETRY_AFTER_S, max(1, math.ceil(seconds)))
+
+
 def clean_text(value: str | None, limit: int = 256) -> str | None:
     """A client's string as a record can keep it: cut to ``limit``, lone surrogates (legal JSON escapes, not UTF-8)
     replaced."""
@@ -107,7 +119,7 @@ class TrafficPolicy:
         if shed is None:
             return
         tl.slo_action = {k: shed[k] for k in ("action", "tier", "scope", "action_id")}
-        wait = max(1, math.ceil(shed["retry_after_s"]))
+        wait = retry_after_header(shed["retry_after_s"])
         raise APIError(shed["status"], f"the service is shedding non-core traffic (SLO tier {shed['tier']}, "
                                        f"business type {business_type!r}, lane {tl.lane!r}"
                                        f"{f', tenant {tenant!r}' if tenant else ''}); retry in {wait} s",

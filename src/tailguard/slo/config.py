@@ -51,9 +51,21 @@ __all__ = [
 
 TIERS = ("green", "yellow", "orange", "red")
 
+# Upper bounds of durations: a value past them is a typo or a unit mistake, and some (1e300, .inf) would pass
+# validation only to overflow where the server turns them into slot counts or Retry-After headers.
+MINUTE_S = 60.0
+HOUR_S = 3600.0
+DAY_S = 86_400.0
+WEEK_S = 7 * DAY_S
+# The windows' slots and the evaluation run at most this often: below it the evaluation thread becomes a busy loop.
+MIN_TICK_S = 0.1
+# Slots in the longest window: each query merges one aggregate per slot, so this bounds an evaluation's cost.
+MAX_WINDOW_SLOTS = 10_000
+
 
 class _M(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No inf or NaN in any float field: every figure here ends up in arithmetic, a header or a JSON payload.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # Legacy shorthand: ``tiers: {metric: e2e, yellow: 1.8, orange: 2.5, red: 3.0}`` judges one metric (E2E unless
@@ -73,9 +85,9 @@ class TierMetric(_M):
 
     metric: Metric
     percentile: float = Field(default=99.0, gt=0, lt=100)
-    yellow: float = Field(gt=0)
-    orange: float = Field(gt=0)
-    red: float = Field(gt=0)
+    yellow: float = Field(gt=0, le=DAY_S)
+    orange: float = Field(gt=0, le=DAY_S)
+    red: float = Field(gt=0, le=DAY_S)
     skip_degraded: bool | None = None
 
     @model_validator(mode="after")
@@ -128,7 +140,7 @@ class TierPolicy(_M):
     raise_after: int = Field(default=1, ge=1)
     clear_after: int = Field(default=3, ge=1)
     min_samples: int = Field(default=50, ge=1)
-    min_dwell_s: float = Field(default=60.0, ge=0)
+    min_dwell_s: float = Field(default=60.0, ge=0, le=DAY_S)
 
     @model_validator(mode="before")
     @classmethod
@@ -190,11 +202,11 @@ class PeakConfig(_M):
     mode: Literal["configured", "detected", "always", "never"] = "detected"
     hours: list[str] = Field(default_factory=list)
     timezone: str = "UTC"
-    enter_ratio: float = Field(default=1.5, gt=1)
-    exit_ratio: float = Field(default=1.2, gt=0)
-    min_rps: float = Field(default=0.5, ge=0)
-    baseline_half_life_s: float = Field(default=6 * 3600.0, gt=0)
-    warmup_s: float = Field(default=1800.0, ge=0)
+    enter_ratio: float = Field(default=1.5, gt=1, le=1000)
+    exit_ratio: float = Field(default=1.2, gt=0, le=1000)
+    min_rps: float = Field(default=0.5, ge=0, le=1e9)
+    baseline_half_life_s: float = Field(default=6 * 3600.0, ge=MINUTE_S, le=WEEK_S)
+    warmup_s: float = Field(default=1800.0, ge=0, le=WEEK_S)
 
     @model_validator(mode="after")
     def _hours(self) -> PeakConfig:
@@ -227,8 +239,8 @@ class GoldenRulesConfig(_M):
 
     enabled: bool = True
     metric: Metric = Metric.E2E
-    p99_over_p50: float = Field(default=3.0, gt=1)
-    p99_over_p95: float = Field(default=1.5, gt=1)
+    p99_over_p50: float = Field(default=3.0, gt=1, le=1000)
+    p99_over_p95: float = Field(default=1.5, gt=1, le=1000)
     clear_ratio: float = Field(default=0.95, gt=0, le=1)
     min_samples: int = Field(default=200, ge=1)
 
@@ -236,8 +248,8 @@ class GoldenRulesConfig(_M):
 class HotspotConfig(_M):
     """Hotspots: requests slower than exp(mean + sigma x std) of the window's log E2E."""
 
-    sigma: float = Field(default=2.0, gt=0)
-    stage_sigma: float = Field(default=2.0, gt=0)
+    sigma: float = Field(default=2.0, gt=0, le=100)
+    stage_sigma: float = Field(default=2.0, gt=0, le=100)
     min_samples: int = Field(default=30, ge=2)
     max_reported: int = Field(default=20, ge=0)
 
@@ -257,13 +269,13 @@ class AutoscaleConfig(_M):
     each) for ``sustain_s``; the newest stops, drained, once nothing waits and the requests in flight fit the others
     at ``scale_in_utilization`` for ``scale_in_after_s``; one step per ``cooldown_s`` at most."""
 
-    wait_s: float = Field(default=1.0, gt=0)
-    queued_per_replica: float = Field(default=4.0, gt=0)
-    sustain_s: float = Field(default=1.0, ge=0)
+    wait_s: float = Field(default=1.0, gt=0, le=HOUR_S)
+    queued_per_replica: float = Field(default=4.0, gt=0, le=1e6)
+    sustain_s: float = Field(default=1.0, ge=0, le=HOUR_S)
     scale_in_utilization: float = Field(default=0.7, gt=0, le=1)
-    scale_in_after_s: float = Field(default=20.0, ge=0)
-    cooldown_s: float = Field(default=10.0, ge=0)
-    interval_s: float = Field(default=0.25, gt=0)
+    scale_in_after_s: float = Field(default=20.0, ge=0, le=DAY_S)
+    cooldown_s: float = Field(default=10.0, ge=0, le=DAY_S)
+    interval_s: float = Field(default=0.25, ge=0.05, le=MINUTE_S)  # below 0.05 s it polls in a busy loop
 
 
 class ProcessProviderConfig(_M):
@@ -283,9 +295,9 @@ class ProcessProviderConfig(_M):
     name_prefix: str = Field(default="scaled", pattern=r"^[A-Za-z0-9_.\-]+$")
     min_replicas: int = Field(default=0, ge=0)
     max_replicas: int = Field(default=4, ge=1)
-    start_timeout_s: float = Field(default=60.0, gt=0)
-    drain_timeout_s: float = Field(default=30.0, ge=0)
-    stop_grace_s: float = Field(default=10.0, gt=0)
+    start_timeout_s: float = Field(default=60.0, gt=0, le=DAY_S)
+    drain_timeout_s: float = Field(default=30.0, ge=0, le=DAY_S)
+    stop_grace_s: float = Field(default=10.0, gt=0, le=HOUR_S)
     health_path: str = Field(default="/v1/models", pattern=r"^/")
     env: dict[str, str] = Field(default_factory=dict)  # added to the gateway's environment
     cwd: str | None = None
@@ -323,8 +335,8 @@ class ScaleOutConfig(_M):
     webhook_url: str | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     command: list[str] | None = None
-    replicas_pct: float = Field(default=10.0, gt=0)
-    timeout_s: float = Field(default=5.0, gt=0)
+    replicas_pct: float = Field(default=10.0, gt=0, le=1000)  # at most 10x the replicas in one step
+    timeout_s: float = Field(default=5.0, gt=0, le=HOUR_S)
     undo: bool = True  # ask for the replicas back when yellow clears
     provider: ProcessProviderConfig | None = None
 
@@ -347,7 +359,7 @@ class ShedConfig(_M):
     protected_lanes: list[str] = Field(default_factory=lambda: ["vip"])
     protected_tenants: list[str] = Field(default_factory=list)
     status: Literal[429, 503] = 429
-    retry_after_s: float = Field(default=30.0, ge=0)
+    retry_after_s: float = Field(default=30.0, ge=0, le=DAY_S)
 
 
 class DegradeConfig(_M):
@@ -386,10 +398,10 @@ class MonitorConfig(_M):
     enabled: bool = True
     profiles: list[str] = Field(default_factory=lambda: ["baseline"])
     profiles_file: str | None = None
-    eval_interval_s: float = Field(default=5.0, gt=0)
-    slot_s: float = Field(default=30.0, gt=0)
-    peak_window_s: float = Field(default=300.0, gt=0)
-    offpeak_window_s: float = Field(default=900.0, gt=0)
+    eval_interval_s: float = Field(default=5.0, ge=MIN_TICK_S, le=HOUR_S)
+    slot_s: float = Field(default=30.0, ge=MIN_TICK_S, le=HOUR_S)
+    peak_window_s: float = Field(default=300.0, gt=0, le=DAY_S)
+    offpeak_window_s: float = Field(default=900.0, gt=0, le=DAY_S)
     peak: PeakConfig = PeakConfig()
     tiers: TierPolicy = TierPolicy()
     scopes: list[ScopeConfig] = Field(default_factory=lambda: [ScopeConfig(name="all")])
@@ -397,7 +409,9 @@ class MonitorConfig(_M):
     hotspots: HotspotConfig = HotspotConfig()
     long_context_tokens: int = Field(default=8192, ge=1)
     objective_min_samples: int = Field(default=20, ge=1)
-    max_keys: int = Field(default=512, ge=1)
+    max_keys: int = Field(default=512, ge=1, le=100_000)
+    # Regions that keep their name in the windows (the regions view queries each one every evaluation).
+    max_regions: int = Field(default=32, ge=1, le=1024)
     max_records: int = Field(default=1000, ge=10)  # alert/action records kept in memory for alerts()
     actions: ActionsConfig = ActionsConfig()
 
@@ -405,6 +419,9 @@ class MonitorConfig(_M):
     def _check(self) -> MonitorConfig:
         if self.slot_s > min(self.peak_window_s, self.offpeak_window_s):
             raise ValueError("slot_s must not exceed the windows")
+        if self.max_window_s / self.slot_s > MAX_WINDOW_SLOTS:
+            raise ValueError(f"the longest window ({self.max_window_s:g} s) holds more than {MAX_WINDOW_SLOTS} slots of "
+                             f"slot_s ({self.slot_s:g} s): make slot_s at least {self.max_window_s / MAX_WINDOW_SLOTS:g}")
         names = [s.name for s in self.scopes]
         if len(set(names)) != len(names):
             raise ValueError(f"scope names repeat: {names}")

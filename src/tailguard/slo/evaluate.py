@@ -26,7 +26,7 @@ from tailguard.slo.config import (
     TierPolicy,
 )
 from tailguard.slo.profiles import RATE_METRICS, Metric, Objective, Selector, SLOProfile
-from tailguard.slo.windows import STAGES, SlidingWindows, WindowStats
+from tailguard.slo.windows import STAGES, Key, SlidingWindows, WindowStats
 
 __all__ = [
     "AdvisoryTracker",
@@ -96,6 +96,8 @@ class _Judge:
     def step(self, value: float | None, samples: int, p: TierPolicy, now: float | None,
              window_s: float | None) -> None:
         self.value, self.samples = value, samples
+        if now is not None:  # a caller's clock that went back: age from the step, not from a time still to come
+            self._evidence_at = [None if at is None else min(at, now) for at in self._evidence_at]
         if value is None or samples < p.min_samples:
             # Too little data to judge: hold, but never beyond the evidence. Once no evaluation with enough samples
             # has supported a level for a whole window, the requests that raised it have left the window.
@@ -167,6 +169,8 @@ class TierTracker:
         """Feed one evaluation: ``(value, samples)`` per judged metric, in ``policy.judge`` order. ``now`` and
         ``window_s`` enable ageing and dwell. Returns the transitions (raises low to high, clears high to low)."""
         p = self.policy
+        if now is not None:  # a caller's clock that went back: the dwell counts from the step
+            self.raised_at = [None if at is None else min(at, now) for at in self.raised_at]
         for j, (value, samples) in zip(self.judges, readings, strict=True):
             j.step(value, samples, p, now, window_s)
         w = self.worst()
@@ -287,6 +291,13 @@ def hotspots(windows: SlidingWindows, stats: WindowStats, cfg: HotspotConfig, wi
     return out
 
 
+def _shifted(summary: dict[str, Any], shift: float) -> dict[str, Any]:
+    """A window's summary with its edges moved from the windows' steady clock onto the wall clock shown."""
+    summary["start"] += shift
+    summary["end"] += shift
+    return summary
+
+
 @dataclass
 class Evaluation:
     """The result of one evaluation (JSON via ``to_dict``)."""
@@ -374,26 +385,35 @@ class Evaluator:
         return res
 
     # --- views -----------------------------------------------------------------------------------------------------
-    def _regions(self, window_s: float, now: float, peak: bool) -> dict[str, Any]:
-        regions = sorted({k.region for k in self.w.known_keys()})
+    def _regions(self, window_s: float, now: float, peak: bool, shift: float = 0.0) -> dict[str, Any]:
+        # The keys grouped by region in one pass: a selector per region would scan every key once per region.
+        by_region: dict[str, list[Key]] = {}
+        for k in self.w.known_keys():
+            by_region.setdefault(k.region, []).append(k)
         out: dict[str, Any] = {}
-        for r in regions:
-            st = self.w.query(Selector(regions=(r,)), window_s, now, metrics=("ttft", "itl", "e2e"), peak=peak)
-            out[r] = st.summary(("ttft", "itl", "e2e"))
+        for r in sorted(by_region):
+            st = self.w.query(None, window_s, now, metrics=("ttft", "itl", "e2e"), peak=peak, keys=by_region[r])
+            out[r] = _shifted(st.summary(("ttft", "itl", "e2e")), shift)
         return out
 
-    def _long_context(self, window_s: float, now: float, peak: bool) -> dict[str, Any]:
+    def _long_context(self, window_s: float, now: float, peak: bool, shift: float = 0.0) -> dict[str, Any]:
         t = self.cfg.long_context_tokens
         long_st = self.w.query(Selector(min_input_tokens=t + 1), window_s, now, peak=peak)
         short_st = self.w.query(Selector(max_input_tokens=t), window_s, now, peak=peak)
-        out = {"threshold_tokens": t, "long": long_st.summary(), "short": short_st.summary()}
+        out = {"threshold_tokens": t, "long": _shifted(long_st.summary(), shift),
+               "short": _shifted(short_st.summary(), shift)}
         lp, sp = long_st.quantile("e2e", 0.99), short_st.quantile("e2e", 0.99)
         out["e2e_p99_ratio"] = lp / sp if lp is not None and sp else None
         return out
 
     # --- the whole thing -------------------------------------------------------------------------------------------
-    def evaluate(self, now: float, peak: bool, window_s: float) -> Evaluation:
-        ev = Evaluation(at=now, peak=peak, window_s=window_s)
+    def evaluate(self, now: float, peak: bool, window_s: float, at: float | None = None) -> Evaluation:
+        """Judge the windows at ``now`` (the windows' steady clock, which also ages evidence and times the dwell).
+        ``at``: the wall-clock time the evaluation is shown with (default ``now``); the times it reports (window
+        edges, hotspots) are shifted onto it."""
+        at = now if at is None else at
+        shift = at - now
+        ev = Evaluation(at=at, peak=peak, window_s=window_s)
         cache: dict[Selector, WindowStats] = {}
         for name, tracker in self.trackers.items():
             sel = self.scope_where[name]
@@ -413,7 +433,7 @@ class Evaluator:
                 readings.append((src.quantile(m, j.percentile / 100), src.n(m)))
             ev.transitions += tracker.step_all(readings, now, st.window_s)
             w = tracker.worst(max(1, tracker.tier))
-            view = st.summary()
+            view = _shifted(st.summary(), shift)
             view.update({
                 "tier": TIERS[tracker.tier], "tier_level": tracker.tier,
                 # The deciding judged metric (the worst against its thresholds); "judged" lists them all.
@@ -441,6 +461,9 @@ class Evaluator:
                                                                   "samples": o["samples"]}))
         first = self.cfg.scopes[0]
         ev.hotspots = hotspots(self.w, cache[first.where], self.cfg.hotspots, window_s, now, first.where, peak)
-        ev.long_context = self._long_context(window_s, now, peak)
-        ev.regions = self._regions(window_s, now, peak)
+        if shift:
+            for r in ev.hotspots["requests"]:
+                r["at"] += shift
+        ev.long_context = self._long_context(window_s, now, peak, shift)
+        ev.regions = self._regions(window_s, now, peak, shift)
         return ev

@@ -14,7 +14,11 @@ alike), while one of them, the leader (a Redis key with an expiry, renewed each 
 alert and action records to the sinks, counts them in the alert metrics and calls the scale hooks: a tier fires once
 for the fleet. Redis unreachable: this gateway judges its own windows and acts as its own leader (fail open).
 
-All times are unix seconds from ``clock`` (``time.time`` by default; tests pass a fake clock).
+Two clocks: ``clock`` (``time.time`` by default) stamps what people read (alert and action records, the time of an
+evaluation, the dashboard's history); ``steady`` places requests in the windows' slots and times the tiers' evidence
+and dwell. It never steps back (``steady_time``: Unix seconds at start, advanced by ``time.monotonic()``), so a wall
+clock stepped back cannot hold a tier on no evidence. Given a clock of its own and no ``steady`` (tests pass a fake
+clock), the monitor judges by that clock, made never to step back.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from tailguard.slo.actions import (
 from tailguard.slo.config import TIERS, MonitorConfig
 from tailguard.slo.evaluate import Evaluation, Evaluator
 from tailguard.slo.profiles import LATENCY_METRICS, Metric, SLOProfile, get_profile, load_profiles
-from tailguard.slo.windows import CORE_METRICS, OPTIONAL_METRICS, PeakDetector, SlidingWindows
+from tailguard.slo.windows import CORE_METRICS, OPTIONAL_METRICS, PeakDetector, SlidingWindows, steady_for
 
 __all__ = ["SLOMonitor"]
 
@@ -61,9 +65,11 @@ class SLOMonitor:
         clock: Callable[[], float] = time.time,
         hooks: HookRunner | None = None,
         history: int = 720,
+        steady: Callable[[], float] | None = None,
     ) -> None:
         self.config = cfg = config or MonitorConfig()
         self.clock = clock
+        self.steady = steady or steady_for(clock)
         if profiles is None:
             extra = load_profiles(cfg.profiles_file) if cfg.profiles_file else {}
             profiles = [get_profile(n, extra) for n in cfg.profiles]
@@ -94,8 +100,8 @@ class SLOMonitor:
         )
         self.windows = SlidingWindows(
             slot_s=cfg.slot_s, max_window_s=cfg.max_window_s, metrics=metrics,
-            ctx_edges=sorted(e for e in edges if e > 0), max_keys=cfg.max_keys, clock=clock,
-            on_slot_closed=self.peak.observe_slot,
+            ctx_edges=sorted(e for e in edges if e > 0), max_keys=cfg.max_keys, clock=self.steady,
+            on_slot_closed=self.peak.observe_slot, max_regions=cfg.max_regions,
         )
         self.evaluator = Evaluator(self.windows, cfg, self.profiles)
         self.fleet: FleetView | None = None
@@ -160,11 +166,14 @@ class SLOMonitor:
         return self.config.peak_window_s if self.peak.peak else self.config.offpeak_window_s
 
     def evaluate(self, now: float | None = None) -> Evaluation:
-        """One evaluation: windows -> tiers, objectives, advisories, views -> records and actions."""
+        """One evaluation: windows -> tiers, objectives, advisories, views -> records and actions. ``now``: the time
+        to judge at and to stamp the records with (tests); by default the steady clock judges and ``clock`` stamps."""
         with self._eval_lock:
             t0 = time.perf_counter()
             if now is None:
-                now = self.clock()
+                now, wall = self.steady(), self.clock()
+            else:
+                wall = now
             self.windows.advance(now)
             if self.fleet is not None:
                 # The fleet's windows (this gateway's own when Redis cannot be reached).
@@ -172,20 +181,21 @@ class SLOMonitor:
             cfg = self.config
             recent = self.windows.requests_in(cfg.peak_window_s, now)
             covered = min(cfg.peak_window_s, max(self.windows.slot_s, now - self._started_at(now)))
-            peak = self.peak.update(now, recent / covered if covered > 0 else 0.0)
+            # Configured peak hours are hours of the wall clock; the rest of the judgement runs on the steady one.
+            peak = self.peak.update(wall, recent / covered if covered > 0 else 0.0)
             window_s = cfg.peak_window_s if peak else cfg.offpeak_window_s
-            ev = self.evaluator.evaluate(now, peak, window_s)
-            self._emit_alerts(ev, now)
+            ev = self.evaluator.evaluate(now, peak, window_s, at=wall)
+            self._emit_alerts(ev, wall)
             tiers = {name: v["tier_level"] for name, v in ev.scopes.items()}
             figures = {name: self._figures(v, ev) for name, v in ev.scopes.items()}
             alert_ids = {k: r.id for k, r in self._alerts.items()}
-            self.actions.reconcile(tiers, figures, alert_ids, now)
+            self.actions.reconcile(tiers, figures, alert_ids, wall)
             ev.duration_s = time.perf_counter() - t0
             self._export(ev)
             self.last = ev
             first = next(iter(ev.scopes.values()))
             self.history.append({
-                "at": now, "tier": TIERS[ev.tier], "peak": peak, "requests": first["total"],
+                "at": wall, "tier": TIERS[ev.tier], "peak": peak, "requests": first["total"],
                 "e2e": first["e2e"], "ttft": first["ttft"], "error_rate": first["error_rate"],
             })
             return ev
@@ -371,7 +381,7 @@ return 0
 class FleetView:
     """This gateway's slots out to Redis, every gateway's slots back, merged (runs in the evaluation thread).
 
-    Layout: ``{prefix}slo:gateways`` (sorted set: gateway id -> last publish, unix s), ``{prefix}slo:slots:{id}``
+    Layout: ``{prefix}slo:gateways`` (sorted set: gateway id -> last publish, steady s), ``{prefix}slo:slots:{id}``
     (hash: slot index -> serialized slot, expiring after the longest window), ``{prefix}slo:leader`` (the leader's
     id, expiring after ``3 x eval_interval_s`` unless renewed).
     """

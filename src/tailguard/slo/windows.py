@@ -16,6 +16,11 @@ evaluator queries like a local one (``tailguard.slo.monitor``, ``join_fleet``).
 
 Window edges are slot-aligned: a window of ``n`` slots covers the current, partial slot and the ``n - 1`` before
 it, i.e. between ``(n - 1) * slot_s`` and ``n * slot_s`` seconds of history.
+
+Slots run on a steady clock (:func:`steady_time`): Unix seconds at start, advanced by ``time.monotonic()``. It never
+steps: when the wall clock steps back (an NTP step, a VM resume), requests would otherwise go into a slot whose
+index lies in the future, which no query covers until the wall clock catches up, and a tier would hold on no evidence
+for as long as the step.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ __all__ = [
     "SlidingWindows",
     "WindowStats",
     "sample_from",
+    "steady_for",
+    "steady_time",
 ]
 
 CORE_METRICS = ("e2e", "ttft", "itl", "queue_wait")
@@ -55,8 +62,51 @@ OPTIONAL_METRICS = ("tpot", "e2e_per_token", "tokenize", "prefill")
 STAGES = ("tokenize", "queue", "prefill", "decode", "stream")
 _STAGE_INDEX = {s: i for i, s in enumerate(STAGES)}
 
+_WALL_AT_LOAD = time.time()
+_MONO_AT_LOAD = time.monotonic()
+
+
+def steady_time() -> float:
+    """Seconds that never step: Unix time when this module was loaded, advanced by ``time.monotonic()`` since. It
+    reads like Unix time (a window's edges can be shown, and the slots of a fleet's gateways line up as long as their
+    clocks agreed when they started), but a step of the wall clock does not move it."""
+    return _WALL_AT_LOAD + (time.monotonic() - _MONO_AT_LOAD)
+
+
+class NonDecreasing:
+    """A clock of the caller's (a test's fake clock, an embedding's own) that never goes back: a backward step is
+    absorbed, and time goes on from where it was, at the clock's pace."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._offset = 0.0
+        self._last = -math.inf
+        self._lock = threading.Lock()  # the request path and the evaluation thread both read it
+
+    def __call__(self) -> float:
+        with self._lock:
+            t = self.clock() + self._offset
+            if t < self._last:
+                self._offset += self._last - t
+                t = self._last
+            self._last = t
+            return t
+
+
+def steady_for(clock: Callable[[], float]) -> Callable[[], float]:
+    """The steady clock to judge by, next to a wall clock shown to people: :func:`steady_time` for ``time.time``;
+    a caller's own clock made :class:`NonDecreasing` (a fake clock in tests drives both)."""
+    return steady_time if clock is time.time else NonDecreasing(clock)
+
+
 # Outcomes, as in tailguard.observe.timeline.Outcome.
 SUCCESS, ERROR, ABORTED, REJECTED, INVALID = "success", "error", "aborted", "rejected", "invalid"
+# Outcomes of requests the service took up (served, or refused at admission: a shed or a full queue). Only these keep
+# their client and region: anything else (an invalid request, a 401 without a valid key) could make up any X-Client
+# or X-Region and fill the key table.
+_KEYED_OUTCOMES = frozenset((SUCCESS, ERROR, ABORTED, REJECTED))
+# What a folded client or region reads.
+OTHER = "other"
 
 
 class Key(NamedTuple):
@@ -440,7 +490,12 @@ class SlidingWindows:
     ``prefill``).
     ``ctx_edges``: prompt-length bucket edges in tokens (a request with ``t`` tokens falls in the first bucket whose
     upper edge is >= t); the defaults put 8K (the long-context watch) and 64K (the decay objective) on edges.
-    ``max_keys``: cardinality guard; further keys are folded into ``("other", "other", ...)``.
+    ``max_keys``: cardinality guard. Past it, a new key's client and region (free-form headers) are folded into
+    ``"other"``; its business type and lane (bounded sets, which scopes and objectives select on) are kept. Requests
+    the service never took up (invalid, unauthorized) never hold a client or region of their own.
+    ``max_regions``: the regions that keep their name (the first seen, among the keys the ring holds); a new key of
+    any further region is counted under region ``"other"``. The regions view queries each region every evaluation,
+    so this bounds its cost (as the metrics' region label is bounded).
     """
 
     def __init__(
@@ -454,8 +509,9 @@ class SlidingWindows:
         top_per_slot: int = 32,
         max_keys: int = 512,
         max_pending: int = 100_000,  # ~17 min at 100 req/s with no evaluation: beyond, drop and count
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = steady_time,  # must not step back (see steady_time)
         on_slot_closed: Callable[[int, float], None] | None = None,
+        max_regions: int = 32,
     ) -> None:
         if slot_s <= 0 or max_window_s < slot_s:
             raise ValueError("need 0 < slot_s <= max_window_s")
@@ -471,17 +527,20 @@ class SlidingWindows:
         self.buffer_limit = buffer_limit
         self.top_per_slot = top_per_slot
         self.max_keys = max_keys
+        self.max_regions = max_regions
         self.clock = clock
         self.on_slot_closed = on_slot_closed
         self._ring: deque[_Slot] = deque()
         self._cur: _Slot | None = None
         self._keys: set[Key] = set()
+        self._regions: set[str] = set()  # the regions of _keys
         self._seq = 0
         self._lock = threading.Lock()
         self._agg_lock = threading.Lock()  # query side only: compaction and per-slot aggregates
         self._queue: deque[tuple[float, Any]] = deque()  # recorded, not yet applied (see record)
-        self._closed_turn: tuple[int, int] | None = None
+        self._closed_turn: tuple[int, ...] | None = None
         self._closed_merged: dict[tuple[frozenset[Key], int], TDigest | None] = {}
+        self._closed_counts: dict[frozenset[Key], _Cell] = {}  # counts of the closed slots, per key set
         self.max_pending = max_pending
         self.dropped_samples = 0
         self.bad_samples = 0
@@ -526,6 +585,15 @@ class SlidingWindows:
     def known_keys(self) -> set[Key]:
         return set(self._keys)
 
+    def _folded(self, key: Key) -> Key:
+        """Where a new key goes once the table is full: client and region become "other", business type and lane
+        stay, so lane and business-type scopes keep seeing their traffic. Lanes and business types are bounded sets
+        in the server; should they not be, past twice ``max_keys`` everything folds."""
+        folded = key._replace(client=OTHER, region=OTHER)
+        if folded not in self._keys and len(self._keys) >= 2 * self.max_keys:
+            folded = Key(OTHER, OTHER, OTHER, OTHER, key.ctx, key.degraded)
+        return folded
+
     # --- hot path ----------------------------------------------------------------------------------------------------
     def _rotate(self, idx: int) -> _Slot:
         """Close the current slot and open slot ``idx`` (called with the lock held)."""
@@ -544,6 +612,7 @@ class SlidingWindows:
             dropped = True
         if dropped:  # forget keys no slot holds any more
             self._keys = set().union(*(s.cells.keys() for s in self._ring))
+            self._regions = {k.region for k in self._keys}
         return slot
 
     def _close(self, slot: _Slot) -> None:
@@ -628,17 +697,28 @@ class SlidingWindows:
         tokens = s.input_tokens
         edges = self.ctx_edges
         ctx = 0 if not edges or tokens <= edges[0] else bisect.bisect_left(edges, tokens)
-        key = Key(s.business_type, s.lane, s.client, s.region, ctx, s.degraded)
+        outcome = s.outcome
+        if outcome in _KEYED_OUTCOMES:
+            key = Key(s.business_type, s.lane, s.client, s.region, ctx, s.degraded)
+        else:  # never taken up: counted under its business type and lane, without the client or region it claims
+            key = Key(s.business_type, s.lane, OTHER, OTHER, ctx, s.degraded)
         slot = self._cur
         if slot is None or idx > slot.index:
             slot = self._rotate(idx)
         cell = slot.cells.get(key)
         if cell is None:
             if key not in self._keys:
-                if len(self._keys) >= self.max_keys:
+                folded = key
+                if folded.region not in self._regions and folded.region != "default" \
+                        and len(self._regions) >= self.max_regions:
+                    folded = folded._replace(region=OTHER)
+                if folded not in self._keys and len(self._keys) >= self.max_keys:
+                    folded = self._folded(folded)
+                if folded != key:
                     self.dropped_keys += 1
-                    key = Key("other", "other", "other", "other", ctx, s.degraded)
+                    key = folded
                 self._keys.add(key)
+                self._regions.add(key.region)
             cell = slot.cells.get(key)
             if cell is None:
                 cell = slot.cells[key] = _Cell(len(self.metrics))
@@ -647,7 +727,6 @@ class SlidingWindows:
             cell.streams += 1
             if s.interrupted:
                 cell.interrupted += 1
-        outcome = s.outcome
         if outcome == SUCCESS:
             cell.served += 1
         elif outcome == ERROR:
@@ -796,17 +875,22 @@ class SlidingWindows:
         total = _Cell(len(self.metrics))
         with self._agg_lock:
             aggs = [self._slot_agg(slot, keyset, mis) for slot in closed]
-        for a in aggs:
-            _add_counts(total, a)
+        # Which closed slots the window holds: slots only close at the top and leave at the bottom of the ring.
+        turn = (idx, n_slots, len(closed), closed[0].index if closed else -1, closed[-1].index if closed else -1)
+        if self._closed_turn != turn:  # the ring turned: merges of closed slots are stale
+            self._closed_turn, self._closed_merged, self._closed_counts = turn, {}, {}
+        closed_total = self._closed_counts.get(keyset)
+        if closed_total is None:  # once per key set and turn: a scope per region would add every slot each time
+            closed_total = self._closed_counts[keyset] = _Cell(len(self.metrics))
+            for a in aggs:
+                _add_counts(closed_total, a)
+        _add_counts(total, closed_total)
         if snap is not None:
             _add_counts(total, snap)
         for name in ("total", "served", "errors", "rejected", "aborted", "degraded", "streams", "interrupted", "log_n",
                      "log_sum", "log_sq", "stage_n", "stage_sum", "stage_sq"):
             setattr(stats, name, getattr(total, name))
         mc = self.max_centroids
-        turn = (idx, n_slots)
-        if self._closed_turn != turn:  # the ring turned: merges of closed slots are stale
-            self._closed_turn, self._closed_merged = turn, {}
         for m, mi in zip(wanted, mis, strict=True):
             ck = (keyset, mi)
             if ck not in self._closed_merged:
@@ -956,9 +1040,10 @@ class SlidingWindows:
         """A read-only ring of these (merged, closed) slots, one per index, to query like this one."""
         fleet = SlidingWindows(self.slot_s, self.max_slots * self.slot_s, self.metrics, self.ctx_edges,
                                self.max_centroids, self.buffer_limit, self.top_per_slot, self.max_keys,
-                               clock=self.clock)
+                               clock=self.clock, max_regions=self.max_regions)
         fleet._ring = deque(sorted(slots, key=lambda sl: sl.index))
         fleet._keys = set().union(*(sl.cells.keys() for sl in fleet._ring)) if fleet._ring else set()
+        fleet._regions = {k.region for k in fleet._keys}
         return fleet
 
     def merged(self, parts: Iterable[_Slot | bytes]) -> SlidingWindows:
