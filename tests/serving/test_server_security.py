@@ -181,3 +181,23 @@ def test_made_up_business_types_cannot_fold_the_ones_the_slo_profiles_name(tmp_p
     assert fin["business_type"] == "finance"
     assert 'business_type="finance"' in metrics and 'business_type="junk0"' not in metrics
     assert 'business_type="other"' in metrics  # the made-up types past the cap
+
+
+def test_an_error_that_quotes_the_client_is_stored_masked(tmp_path):
+    """An error message quotes what the client sent (an unknown model's name, an unknown field); without text storage
+    the record still keeps no e-mail address, card number or credential from it."""
+    secret = "alice@example.com 4111111111111111 sk-proj-abcDEF1234567890abcdefXYZ"
+    with fake_server(tmp_path) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", json={**BODY, "model": secret},
+                       headers={"X-Request-ID": "bad-model"})
+        assert r.status_code == 404 and "alice@example.com" in r.json()["error"]["message"]  # the client's answer
+        early = _get(s, "/v1/requests/bad-model", ADMIN_KEY).json()
+        settle(s)
+        stored = _get(s, "/v1/requests/bad-model", ADMIN_KEY).json()
+        path = s.config.store_path
+    for rec in (early, stored):
+        assert "does not exist" in rec["error"]
+        assert "alice@example.com" not in rec["error"] and "4111111111111111" not in rec["error"]
+        assert "sk-proj" not in rec["error"] and "<EMAIL_ADDRESS>" in rec["error"]
+    raw = sqlite3.connect(path).execute("SELECT error FROM requests").fetchall()
+    assert raw and all("alice@example.com" not in str(row) for row in raw)

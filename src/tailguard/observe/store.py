@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tailguard.observe.redaction import mask_plain
 from tailguard.observe.timeline import Timeline
 
 log = logging.getLogger("tailguard.store")
@@ -254,11 +255,15 @@ def _backlog_cost(kind: str, item: Any) -> int:
 
 
 
-def unstored_record(tl: Timeline, pseudonym: Callable[[str | None], str | None] | None = None) -> dict[str, Any]:
+def unstored_record(tl: Timeline, pseudonym: Callable[[str | None], str | None] | None = None,
+                    clean_error: Callable[[str], str] = mask_plain) -> dict[str, Any]:
     """A record still in memory as a reader may see it: the user as ``pseudonym`` stores it (withheld where there is
-    no store, so no pseudonym key), stop sequences withheld (their count kept): both are client text."""
+    no store, so no pseudonym key), stop sequences withheld (their count kept), the error message cleaned as the
+    store cleans it: all are client text."""
     rec = tl.to_record()
     rec["user"] = pseudonym(rec["user"]) if pseudonym is not None else None
+    if rec.get("error"):
+        rec["error"] = clean_error(rec["error"])
     sampling = rec.get("sampling")
     if sampling and sampling.get("stop"):
         rec["sampling"] = {**sampling, "stop": None, "stop_count": len(sampling["stop"])}
@@ -531,7 +536,13 @@ class RequestStore:
     def record_of(self, tl: Timeline) -> dict[str, Any]:
         """A timeline not yet written, as ``get`` will return it without its text: the user pseudonymized, stop
         sequences withheld. Serve this (or ``unstored_record``), never ``tl.to_record()``, for records in memory."""
-        return unstored_record(tl, self.pseudonym)
+        return unstored_record(tl, self.pseudonym, self.clean_error)
+
+    def clean_error(self, error: str) -> str:
+        """A record's error message as stored: it may quote what the client sent (a model name, a field name), so
+        it is redacted like text where text is stored, else masked by the finders that need no extra."""
+        cleaned = self._redact(error) if self._redact is not None else mask_plain(error)
+        return cleaned if cleaned is not None else error
 
     def _sampling(self, sampling: dict[str, Any] | None, with_text: bool | None = None) -> dict[str, Any] | None:
         """Stop sequences are client text: redacted with text storage on, withheld (only their count) otherwise."""
@@ -579,7 +590,7 @@ class RequestStore:
         return tuple(self._clean(v) for v in (
             rec["request_id"], rec["received_at"], rec["endpoint"], rec["model"], self.pseudonym(rec["user"]),
             rec["business_type"], int(rec["stream"]), rec["status"], rec["outcome"] or "unknown",
-            rec["finish_reason"], rec["error"], rec["prompt_tokens"], rec["output_tokens"], rec["e2e"], rec["ttft"],
+            rec["finish_reason"], self.clean_error(rec["error"]) if rec["error"] else None, rec["prompt_tokens"], rec["output_tokens"], rec["e2e"], rec["ttft"],
             rec["tpot"], s["tokenize"], s["queue"], s["prefill"], s["decode"], s["stream"],
             json.dumps(body, ensure_ascii=False, separators=(",", ":")),
             prompt_text, output_text, token_ids, token_mac, logprobs, rec["lane"], rec["client"], rec["region"],
