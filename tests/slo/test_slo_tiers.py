@@ -176,3 +176,28 @@ def test_a_raised_level_holds_its_minimum_dwell():
     assert tr.tier == 1  # recovered after 10 s, held by the dwell
     (t,) = tr.step(0.1, 10, now=61.0, window_s=300)
     assert (t.tier, t.event, t.reason) == ("yellow", "cleared", "recovered") and tr.tier == 0
+
+
+def test_the_default_scope_leaves_out_the_lanes_that_wait_by_design():
+    """Batch requests wait in their lane for minutes by design: their TTFT must not turn the default scope red (and
+    so degrade everyone else, whose own TTFT is fine). The standard lane's own slowness still does."""
+    clock = FakeClock()
+    mon = SLOMonitor(MonitorConfig(peak={"mode": "never"}), clock=clock)
+    rng = np.random.default_rng(7)
+
+    def batch_waits(i: int) -> dict:
+        if i % 2:
+            return _request(float(rng.uniform(5.0, 8.0)), 0.05, 40, lane="batch")
+        return _request(float(rng.uniform(0.1, 0.3)), 0.05, 40, lane="standard")
+
+    assert set(_serve(mon, clock, minutes=5, rps=2, make=batch_waits)) == {"green"}
+    assert mon.last.scopes["all"]["ttft"]["p99"] < 1.0  # judged on the standard lane alone
+    assert MonitorConfig().scopes[0].where.not_lanes == ("batch",)
+    # The non-core lanes follow the shedding config; scopes given in full are taken as they are.
+    assert MonitorConfig(actions={"shed": {"non_core_lanes": ["bulk"]}}).scopes[0].where.not_lanes == ("bulk",)
+    assert MonitorConfig(scopes=[{"name": "all"}]).scopes[0].where.not_lanes == ()
+
+    def standard_slow(_i: int) -> dict:
+        return _request(float(rng.uniform(4.0, 6.0)), 0.05, 40, lane="standard")
+
+    assert _serve(mon, clock, minutes=2, rps=2, make=standard_slow)[-1] == "red"

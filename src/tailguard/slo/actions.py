@@ -550,8 +550,10 @@ class ActionEngine:
             self._degrade_scopes = ()
             return
         dc = self.cfg.degrade
+        # The lanes a scope leaves out of its judgement (the non-core lanes, waiting by design) are degraded with
+        # it: red relieves the load, and the least important traffic that was not shed goes short first.
         self._degrade_scopes = tuple(
-            (self.scopes.get(scope, Selector()),
+            (self.scopes.get(scope, Selector()).model_copy(update={"not_lanes": ()}),
              Degradation(mode=dc.mode, template=dc.template, max_tokens=dc.max_tokens, scope=scope, tier="red",
                          action_id=rec.id,
                          reason=f"red: {rec.figures.get('tier_metric', 'latency')} = "

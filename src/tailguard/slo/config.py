@@ -422,6 +422,10 @@ class MonitorConfig(_M):
         if self.max_window_s / self.slot_s > MAX_WINDOW_SLOTS:
             raise ValueError(f"the longest window ({self.max_window_s:g} s) holds more than {MAX_WINDOW_SLOTS} slots of "
                              f"slot_s ({self.slot_s:g} s): make slot_s at least {self.max_window_s / MAX_WINDOW_SLOTS:g}")
+        if "scopes" not in self.model_fields_set:
+            # The default scope judges the traffic shedding protects: every lane but the non-core ones, whose
+            # requests wait in their lane by design (a batch flood waiting its turn must not degrade everyone else).
+            self.scopes = [ScopeConfig(name="all", where=Selector(not_lanes=tuple(self.actions.shed.non_core_lanes)))]
         names = [s.name for s in self.scopes]
         if len(set(names)) != len(names):
             raise ValueError(f"scope names repeat: {names}")

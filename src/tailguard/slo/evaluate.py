@@ -58,7 +58,7 @@ def combine(a: Selector, b: Selector) -> Selector:
         return Selector(business_types=("\x00none",))  # an impossible token range: match nothing
     return Selector(
         business_types=both(a.business_types, b.business_types), lanes=both(a.lanes, b.lanes),
-        clients=both(a.clients, b.clients), regions=both(a.regions, b.regions),
+        not_lanes=tuple(dict.fromkeys((*a.not_lanes, *b.not_lanes))), clients=both(a.clients, b.clients), regions=both(a.regions, b.regions),
         min_input_tokens=mn, max_input_tokens=mx, peak_only=a.peak_only or b.peak_only,
     )
 

@@ -105,13 +105,15 @@ class Selector(BaseModel):
 
     business_types: tuple[str, ...] = ()
     lanes: tuple[str, ...] = ()
+    # Lanes left out (the default scope leaves out the non-core lanes, whose requests wait by design).
+    not_lanes: tuple[str, ...] = ()
     clients: tuple[str, ...] = ()  # client class, e.g. "mobile", "web"
     regions: tuple[str, ...] = ()
     min_input_tokens: int | None = Field(default=None, ge=0)
     max_input_tokens: int | None = Field(default=None, ge=0)
     peak_only: bool = False
 
-    @field_validator("business_types", "lanes", "clients", "regions", mode="before")
+    @field_validator("business_types", "lanes", "not_lanes", "clients", "regions", mode="before")
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
         return (v,) if isinstance(v, str) else v
@@ -143,6 +145,8 @@ class Selector(BaseModel):
         if self.business_types and business_type not in self.business_types:
             return False
         if self.lanes and lane not in self.lanes:
+            return False
+        if lane in self.not_lanes:
             return False
         if self.clients and client not in self.clients:
             return False
@@ -235,7 +239,8 @@ class Objective(BaseModel):
             base = f"{base}_p{p}"
         if self.metric is Metric.LONG_CONTEXT_DECAY:
             base = f"{base}_{self.of.value}"
-        tags = [*self.where.clients, *self.where.lanes, *self.where.business_types, *self.where.regions]
+        tags = [*self.where.clients, *self.where.lanes, *(f"!{lane}" for lane in self.where.not_lanes),
+                *self.where.business_types, *self.where.regions]
         if self.where.peak_only:
             tags.append("peak")
         if self.where.min_input_tokens is not None:

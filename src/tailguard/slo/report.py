@@ -129,7 +129,8 @@ def _value(acc: _Acc, o: Objective, min_samples: int) -> tuple[float | None, int
 
 def _supported(o: Objective) -> str | None:
     """None if the store can evaluate the objective, else why not."""
-    if not o.where.is_empty and (o.where.lanes or o.where.clients or o.where.regions or o.where.peak_only
+    if not o.where.is_empty and (o.where.lanes or o.where.not_lanes or o.where.clients or o.where.regions
+                                 or o.where.peak_only
                                  or o.where.min_input_tokens is not None or o.where.max_input_tokens is not None):
         return "selects on lane/client/region/peak, which the store does not record"
     if o.metric in (Metric.E2E, Metric.TTFT, Metric.ERROR_RATE, Metric.LONG_CONTEXT_DECAY):
@@ -178,7 +179,8 @@ def build_report(db: str | Path, profiles: Iterable[SLOProfile], weeks: int = 4,
         for p in profiles:
             bts = p.applies_to.business_types
             slices[p.name] = frozenset(bts) if bts else None
-            if (p.applies_to.lanes or p.applies_to.clients or p.applies_to.regions) and p.name not in notes:
+            if (p.applies_to.lanes or p.applies_to.not_lanes or p.applies_to.clients or p.applies_to.regions) \
+                    and p.name not in notes:
                 notes.append(f"profile {p.name}: applies to lanes/clients/regions the store does not record; "
                              "evaluated over its business types only")
         lat_thresholds = {p.name: {(o.metric.value, o.threshold) for o in p.objectives

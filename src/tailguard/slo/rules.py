@@ -120,7 +120,7 @@ class SLORule:
 
 def _matcher(prof: SLOProfile) -> str | None:
     sel = prof.applies_to
-    if sel.lanes or sel.clients or sel.regions or sel.min_input_tokens is not None \
+    if sel.lanes or sel.not_lanes or sel.clients or sel.regions or sel.min_input_tokens is not None \
             or sel.max_input_tokens is not None or sel.peak_only:
         return None
     if sel.business_types:

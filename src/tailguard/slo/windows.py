@@ -570,6 +570,8 @@ class SlidingWindows:
             return False
         if sel.lanes and key.lane not in sel.lanes:
             return False
+        if key.lane in sel.not_lanes:
+            return False
         if sel.clients and key.client not in sel.clients:
             return False
         if sel.regions and key.region not in sel.regions:
