@@ -270,6 +270,19 @@ def unstored_record(tl: Timeline, pseudonym: Callable[[str | None], str | None] 
     return rec
 
 
+# A batch the database cannot take for a reason of the moment (a lock, a full disk, an outage) is held and retried
+# after this long, doubling up to the cap, until it goes in or the close deadline passes.
+_HOLD_FIRST_S = 0.05
+_HOLD_MAX_S = 2.0
+_LOG_EVERY_S = 10.0  # one line per reason this often at most: a failing store must not flood the log
+_NEVER = -1e9
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class RequestStore:
     """Background-batched, exactly-once request records. ``put`` never blocks and never raises.
 
@@ -335,6 +348,12 @@ class RequestStore:
         self.dropped = 0
         self.dropped_samples = 0
         self._drop_logged: dict[str, float] = {}
+        self.outages = 0  # times the writer could not write (locked, full, unreachable) and held its batch
+        self.retries = 0  # attempts made while it could not
+        self._held_logged = _NEVER
+        self._failure_logged: dict[str, float] = {}  # reason -> when a line about it was last logged
+        self._failures_unlogged: dict[str, int] = {}  # reason -> failures since that line
+        self._traceback_logged = _NEVER
         # A reader (replay, rebuild, hotspots) changes nothing: no schema written, no key created, no retention sweep
         # (which would delete what the server's own retention keeps), no writer; a store that is not there is an error.
         self.read_only = read_only
@@ -370,7 +389,108 @@ class RequestStore:
     def _write(self, conn: Any, timelines: list[Timeline], samples: list[tuple],
                alerts: list[dict[str, Any]] | None = None) -> bool:
         """Commit one batch; False when the close deadline abandoned it unwritten (``close`` then counts it)."""
+        rows, alert_rows, bad = self._build_rows(timelines, alerts)
+        return self._write_held(conn, len(timelines) + len(alerts or ()), rows, alert_rows, samples, bad)
+
+    # What a backend provides for ``_write_held``: a batch's commit, one row's insert ("request", "alert" or
+    # "sample"), whether an error is of the moment rather than a row's, and what to do after one.
+    def _commit(self, conn: Any, rows: list[tuple], samples: list[tuple], alert_rows: list[tuple],
+                first_attempt: bool) -> None:
         raise NotImplementedError
+
+    def _insert_one(self, conn: Any, kind: str, row: tuple) -> None:
+        raise NotImplementedError
+
+    def _transient(self, exc: BaseException, conn: Any) -> bool:
+        raise NotImplementedError
+
+    def _after_failure(self, conn: Any, transient: bool) -> None:
+        """Undo what a failed attempt left (a transaction still open, a broken connection)."""
+
+    _held_words = "cannot write"  # how the log says why a batch is held
+
+    def _write_held(self, conn: Any, records: int, rows: list[tuple], alert_rows: list[tuple],
+                    samples: list[tuple], bad: int) -> bool:
+        """Commit a batch of ``records`` (``bad`` of them could not even be made into rows). A failure of the moment
+        (``_transient``) holds the batch and retries it with backoff, never dropping it, until it goes in or the close
+        deadline passes (False: ``close`` counts the rest as lost); any other failure is a row's, and the batch is
+        retried one row at a time so that a bad row loses only itself."""
+        one_by_one: list[tuple[str, tuple]] | None = None  # set once a row error failed the batch
+        settled = bad  # records of the batch done with: not even a row (bad), or written or failed one by one
+        backoff, held_since, first = _HOLD_FIRST_S, None, True
+        while True:
+            try:
+                if one_by_one is None:
+                    self._commit(conn, rows, samples, alert_rows, first)
+                    self.written += len(rows)
+                else:
+                    while one_by_one:
+                        kind, row = one_by_one[0]
+                        try:
+                            self._insert_one(conn, kind, row)
+                            self.written += kind == "request"
+                        except Exception as exc:  # noqa: BLE001 - a bad row loses only itself
+                            if self._transient(exc, conn):
+                                raise  # not the row's fault: hold the rest of the batch
+                            what = "queue sample" if kind == "sample" else "record"
+                            self._log_failure(exc, what, f"{what} {row[0]} could not be written")
+                            bad += kind != "sample"
+                        one_by_one.pop(0)
+                        settled += kind != "sample"
+                break
+            except Exception as exc:  # noqa: BLE001 - held and retried, or retried one row at a time
+                first = False
+                transient = self._transient(exc, conn)
+                self._after_failure(conn, transient)
+                if not transient:
+                    self._log_failure(exc, "batch", f"a batch of {len(rows) + len(alert_rows)} records failed; "
+                                                    "retrying one by one")
+                    one_by_one = [*(("request", r) for r in rows), *(("alert", r) for r in alert_rows),
+                                  *(("sample", r) for r in samples)]
+                    continue
+                if held_since is None:
+                    held_since = time.monotonic()
+                    self.outages += 1
+                self.retries += 1
+                self._log_held(exc, records - settled)
+                if self._abandon.wait(backoff):
+                    # The close deadline passed: what this batch settled is done; close() counts the rest as lost.
+                    self._count_failed(bad)
+                    self._done(settled, 0)
+                    return False
+                backoff = min(backoff * 2, _HOLD_MAX_S)
+        if held_since is not None:
+            log.warning("request store %s: writable again after %.1f s; the %d held records are written", self.path,
+                        time.monotonic() - held_since, len(rows) + len(alert_rows))
+            self._held_logged = _NEVER
+        self._count_failed(bad)
+        return True
+
+    def _log_held(self, exc: BaseException, holding: int) -> None:
+        now = time.monotonic()
+        if now - self._held_logged < _LOG_EVERY_S:
+            return
+        self._held_logged = now
+        log.warning("request store %s: %s (%s); holding %d records in hand and %d queued, retrying (records beyond "
+                    "the backlog bound of %d are dropped and counted)", self.path, self._held_words, first_line(exc),
+                    holding, max(0, self.backlog - holding), self._max_backlog)
+
+    def _log_failure(self, exc: BaseException, what: str, message: str) -> None:
+        """One line per reason (``what`` failed, and the kind of error) every 10 s at most, saying how many failures
+        it stands for, and one traceback per period in all: a store that refuses every row would otherwise log a
+        traceback per record."""
+        reason = f"{what}: {type(exc).__name__}"
+        now = time.monotonic()
+        self._failures_unlogged[reason] = self._failures_unlogged.get(reason, 0) + 1
+        if now - self._failure_logged.get(reason, _NEVER) < _LOG_EVERY_S:
+            return
+        self._failure_logged[reason] = now
+        count = self._failures_unlogged.pop(reason)
+        with_traceback = now - self._traceback_logged >= _LOG_EVERY_S
+        if with_traceback:
+            self._traceback_logged = now
+        log.error("request store: %s: %s (%d %s failure(s) of this kind since the last such line)", message,
+                  first_line(exc), count, what, exc_info=exc if with_traceback else None)
 
     def _close_readers(self) -> None:
         """Release read connections at close (a later read opens new ones)."""
@@ -576,7 +696,7 @@ class RequestStore:
         if self.store_text and tl.prompt_text is not None:
             body["prompt_redacted"] = prompt_text != tl.prompt_text  # a replay says it sends the redacted text
         # Tenant, lane wait, replica...; speculative guesses and acceptance; the client connection's quality.
-        for extra in ("gateway", "speculation", "network", "interrupted", "upload"):
+        for extra in ("gateway", "speculation", "network", "interrupted", "upload", "client_wait", "client_waits"):
             if rec.get(extra):
                 body[extra] = rec[extra]
         body["sampling"] = self._sampling(rec["sampling"])
@@ -762,6 +882,9 @@ def row_to_record(row: Any) -> dict[str, Any]:
         rec["sealed"] = body["sealed"]
     if body.get("interrupted"):
         rec["interrupted"] = True
+    if body.get("client_wait"):  # the answer waited for the client to read (on no figure's clock)
+        rec["client_wait"] = body["client_wait"]
+        rec["client_waits"] = body.get("client_waits", [])
     internals = row["internals"]
     if internals:
         rec["internals"] = json.loads(internals)

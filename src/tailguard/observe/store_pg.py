@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import re
 import threading
-import time
 import uuid
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -154,6 +153,7 @@ _COPY = f"COPY requests ({', '.join([*map(_quote, COLUMNS), 'write_key'])}) FROM
 _INSERT_ALERT = _insert("slo_alerts", ALERT_COLUMNS)
 _INSERT_SAMPLE = (f"INSERT INTO queue_samples ({', '.join(SAMPLE_COLUMNS)}) "
                   f"VALUES ({', '.join(['%s'] * len(SAMPLE_COLUMNS))})")
+_INSERT_OF = {"request": _INSERT, "alert": _INSERT_ALERT, "sample": _INSERT_SAMPLE}
 
 # Advisory lock ids: creating the schema (every gateway at start) and the retention sweep (one gateway at a time).
 _LOCK_SCHEMA = 0x7467_0001
@@ -162,9 +162,6 @@ _LOCK_RETENTION = 0x7467_0002
 # (53: disk full, too many connections), operator intervention (57: shutdown, restart), system errors (58).
 _TRANSIENT_CLASSES = ("08", "40", "53", "57", "58")
 _READ_ONLY = "25006"  # a standby after failover, until the client finds the new primary
-_RETRY_FIRST_S = 0.05
-_RETRY_MAX_S = 2.0
-_OUTAGE_LOG_EVERY_S = 10.0
 _MAX_READERS = 4  # read connections per store (per gateway)
 # libpq settings the store wants unless the URL says otherwise: give up connecting after 10 s, and notice a dead
 # peer (a cut network sends no reset) within about 30 s instead of the kernel's 15 minutes.
@@ -287,9 +284,6 @@ class PostgresStore(RequestStore):
         self._readers_lock = threading.Lock()
         self._readers_closed = False  # after close: reads still work, on connections closed after each query
         self._reader_slots = threading.BoundedSemaphore(_MAX_READERS)
-        self.outages = 0  # times the writer lost the database and held its batch
-        self.retries = 0  # attempts made while it was gone
-        self._outage_logged = 0.0
         try:
             with psycopg.connect(target, autocommit=True, **self._conn_kwargs) as conn:
                 self._key, self.schema_version = (self._read_schema(conn, secret) if self.read_only
@@ -444,72 +438,34 @@ class PostgresStore(RequestStore):
         # One key per record, fixed before the first attempt: a retried commit cannot store it twice.
         rows = [(*r, uuid.uuid4()) for r in rows]
         alert_rows = [(*r, uuid.uuid4()) for r in alert_rows]
-        one_by_one: list[tuple[str, tuple]] | None = None
-        settled = bad  # records of the batch done with: not even a row (bad), or written or failed one by one
-        backoff, lost_at, first = _RETRY_FIRST_S, None, True
-        while True:
-            try:
-                conn = writer.connection()
-                if one_by_one is None:
-                    with conn.transaction(), conn.cursor() as cur:
-                        if rows and first:
-                            first = False
-                            with cur.copy(_COPY) as copy:
-                                for row in rows:
-                                    copy.write_row(row)
-                        elif rows:
-                            cur.executemany(_INSERT, rows)
-                        if samples:
-                            cur.executemany(_INSERT_SAMPLE, samples)
-                        if alert_rows:
-                            cur.executemany(_INSERT_ALERT, alert_rows)
-                    self.written += len(rows)
-                else:
-                    while one_by_one:
-                        sql, row = one_by_one[0]
-                        try:
-                            with conn.transaction():
-                                conn.execute(sql, row)
-                            self.written += sql is _INSERT
-                        except psycopg.Error as exc:
-                            if _transient(exc, conn):
-                                raise
-                            log.error("request store: record %s could not be written: %s", row[0], exc)
-                            bad += sql is not _INSERT_SAMPLE
-                        one_by_one.pop(0)
-                        settled += sql is not _INSERT_SAMPLE
-                break
-            except psycopg.Error as exc:
-                if not _transient(exc, writer.conn):
-                    log.exception("request store: a batch of %d records failed; retrying one by one", len(rows))
-                    one_by_one = [*((_INSERT, r) for r in rows), *((_INSERT_ALERT, r) for r in alert_rows),
-                                  *((_INSERT_SAMPLE, s) for s in samples)]
-                    continue
-                writer.reset()
-                if lost_at is None:
-                    lost_at = time.monotonic()
-                    self.outages += 1
-                self.retries += 1
-                self._log_outage(exc, len(timelines) + len(alerts or ()) - settled)
-                if self._abandon.wait(backoff):
-                    # The close deadline passed: what this batch settled is done; close() counts the rest as lost.
-                    self._count_failed(bad)
-                    self._done(settled, 0)
-                    return False
-                backoff = min(backoff * 2, _RETRY_MAX_S)
-        if lost_at is not None:
-            log.warning("request store %s: the database is back after %.1f s; the %d held records are written",
-                        self.path, time.monotonic() - lost_at, len(rows) + len(alert_rows))
-            self._outage_logged = 0.0
-        self._count_failed(bad)
-        return True
+        return self._write_held(writer, len(timelines) + len(alerts or ()), rows, alert_rows, samples, bad)
 
-    def _log_outage(self, exc: BaseException, holding: int) -> None:
-        now = time.monotonic()
-        if now - self._outage_logged < _OUTAGE_LOG_EVERY_S:
-            return
-        self._outage_logged = now
-        log.warning("request store %s: the database is unreachable (%s); holding %d records in hand and %d queued, "
-                    "retrying (records beyond the backlog bound of %d are dropped and counted)", self.path,
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__, holding,
-                    max(0, self.backlog - holding), self._max_backlog)
+    # --- what _write_held asks of this backend ------------------------------------------------------------------
+    _held_words = "the database is unreachable"
+
+    def _commit(self, writer: _Writer, rows: list[tuple], samples: list[tuple], alert_rows: list[tuple],
+                first_attempt: bool) -> None:
+        conn = writer.connection()
+        with conn.transaction(), conn.cursor() as cur:
+            if rows and first_attempt:  # COPY is fastest, but cannot skip a row a lost commit already stored
+                with cur.copy(_COPY) as copy:
+                    for row in rows:
+                        copy.write_row(row)
+            elif rows:
+                cur.executemany(_INSERT, rows)
+            if samples:
+                cur.executemany(_INSERT_SAMPLE, samples)
+            if alert_rows:
+                cur.executemany(_INSERT_ALERT, alert_rows)
+
+    def _insert_one(self, writer: _Writer, kind: str, row: tuple) -> None:
+        conn = writer.connection()
+        with conn.transaction():
+            conn.execute(_INSERT_OF[kind], row)
+
+    def _transient(self, exc: BaseException, writer: _Writer) -> bool:
+        return isinstance(exc, psycopg.Error) and _transient(exc, writer.conn)
+
+    def _after_failure(self, writer: _Writer, transient: bool) -> None:
+        if transient:
+            writer.reset()  # the next attempt reconnects

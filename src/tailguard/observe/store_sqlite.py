@@ -18,7 +18,6 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from tailguard.observe.store import (
     ALERT_COLUMNS,
@@ -28,6 +27,7 @@ from tailguard.observe.store import (
     SQLITE_SCHEMA,
     RequestStore,
     SchemaError,
+    first_line,
     load_secret,
     pseudonym,
     withhold_ids,
@@ -38,6 +38,7 @@ log = logging.getLogger("tailguard.store")
 _INSERT = f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 _INSERT_SAMPLE = f"INSERT INTO queue_samples ({', '.join(SAMPLE_COLUMNS)}) VALUES ({', '.join('?' * len(SAMPLE_COLUMNS))})"
 _INSERT_ALERT = f"INSERT INTO slo_alerts ({', '.join(ALERT_COLUMNS)}) VALUES ({', '.join('?' * len(ALERT_COLUMNS))})"
+_INSERT_OF = {"request": _INSERT, "alert": _INSERT_ALERT, "sample": _INSERT_SAMPLE}
 
 # Columns added after schema version 1, for files written by an older tailguard.
 _ADDED_COLUMNS = (
@@ -54,13 +55,9 @@ _ADDED_IN_4 = (("requests", "internals", "TEXT"), ("queue_samples", "cpu", "REAL
 _SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_FULL = 5, 6, 13
 _TRANSIENT_CODES = frozenset((_SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_FULL))
 _TRANSIENT_MESSAGES = ("database is locked", "database table is locked", "database is busy", "disk is full")
-_RETRY_FIRST_S = 0.05
-_RETRY_MAX_S = 2.0
 # How long one write waits on another process's lock (SQLite's busy handler) before the batch is held: short, so that
 # the retry loop, which holds it as long as need be, notices the close deadline.
 _WRITER_BUSY_TIMEOUT_MS = 2000
-_LOG_EVERY_S = 10.0  # one line per reason this often at most: a failing store must not flood the log
-_NEVER = -1e9
 
 
 def _transient(exc: BaseException) -> bool:
@@ -71,11 +68,6 @@ def _transient(exc: BaseException) -> bool:
     if code is not None:
         return code & 0xFF in _TRANSIENT_CODES  # extended codes keep the primary one in the low byte
     return any(m in str(exc) for m in _TRANSIENT_MESSAGES)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # --- schema ---------------------------------------------------------------------------------------------------------
@@ -155,12 +147,6 @@ class SQLiteStore(RequestStore):
     def _open_backend(self, target: str, secret: str | bytes | None) -> None:
         self.path = target
         self._reader_local = threading.local()
-        self.outages = 0  # times the writer found the file locked or the disk full and held its batch
-        self.retries = 0  # attempts made while it was so
-        self._held_logged = _NEVER
-        self._failure_logged: dict[str, float] = {}  # reason -> when a line about it was last logged
-        self._failures_unlogged: dict[str, int] = {}  # reason -> failures since that line
-        self._traceback_logged = _NEVER
         if self.read_only:
             self._key = load_secret(target, secret, create=False)
             self.schema_version = self._check_schema()
@@ -225,7 +211,7 @@ class SQLiteStore(RequestStore):
                 return
             # Locked or full: nothing is lost by waiting; the next sweep (or the next start) deletes what is due.
             log.warning("request store %s: retention sweep skipped (%s); the next one tries again", self.path,
-                        _first_line(exc))
+                        first_line(exc))
 
     def _open_writer(self) -> sqlite3.Connection:
         conn = _connect(self.path)
@@ -237,63 +223,9 @@ class SQLiteStore(RequestStore):
     def _close_writer(self, conn: sqlite3.Connection) -> None:
         conn.close()
 
-    def _write(self, conn: sqlite3.Connection, timelines: list, samples: list[tuple],
-               alerts: list[dict[str, Any]] | None = None) -> bool:
-        rows, alert_rows, bad = self._build_rows(timelines, alerts)
-        one_by_one: list[tuple[str, tuple]] | None = None  # set once a row error failed the batch
-        settled = bad  # records of the batch done with: not even a row (bad), or written or failed one by one
-        backoff, held_since = _RETRY_FIRST_S, None
-        while True:
-            try:
-                if one_by_one is None:
-                    self._commit(conn, rows, samples, alert_rows)
-                    self.written += len(rows)
-                else:
-                    while one_by_one:
-                        sql, row = one_by_one[0]
-                        try:
-                            conn.execute(sql, row)
-                            self.written += sql is _INSERT
-                        except Exception as exc:  # noqa: BLE001 - a bad row loses only itself
-                            if _transient(exc):
-                                raise  # not the row's fault: hold the rest of the batch
-                            what = "record" if sql is not _INSERT_SAMPLE else "queue sample"
-                            self._log_failure(exc, what, f"{what} {row[0]} could not be written")
-                            bad += sql is not _INSERT_SAMPLE
-                        one_by_one.pop(0)
-                        settled += sql is not _INSERT_SAMPLE
-                break
-            except Exception as exc:  # noqa: BLE001 - held and retried, or retried one row at a time
-                if conn.in_transaction:  # SQLite may have rolled it back already (a full disk does)
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.execute("ROLLBACK")
-                if not _transient(exc):
-                    self._log_failure(exc, "batch", f"a batch of {len(rows) + len(alert_rows)} records failed; "
-                                                    "retrying one by one")
-                    one_by_one = [*((_INSERT, r) for r in rows), *((_INSERT_ALERT, r) for r in alert_rows),
-                                  *((_INSERT_SAMPLE, s) for s in samples)]
-                    continue
-                # Locked by another process or a full disk: the batch is held and retried, never dropped.
-                if held_since is None:
-                    held_since = time.monotonic()
-                    self.outages += 1
-                self.retries += 1
-                self._log_held(exc, len(timelines) + len(alerts or ()) - settled)
-                if self._abandon.wait(backoff):
-                    # The close deadline passed: what this batch settled is done; close() counts the rest as lost.
-                    self._count_failed(bad)
-                    self._done(settled, 0)
-                    return False
-                backoff = min(backoff * 2, _RETRY_MAX_S)
-        if held_since is not None:
-            log.warning("request store %s: writable again after %.1f s; the %d held records are written", self.path,
-                        time.monotonic() - held_since, len(rows) + len(alert_rows))
-            self._held_logged = _NEVER
-        self._count_failed(bad)
-        return True
-
-    @staticmethod
-    def _commit(conn: sqlite3.Connection, rows: list[tuple], samples: list[tuple], alert_rows: list[tuple]) -> None:
+    # --- what _write_held asks of this backend ------------------------------------------------------------------
+    def _commit(self, conn: sqlite3.Connection, rows: list[tuple], samples: list[tuple], alert_rows: list[tuple],
+                first_attempt: bool) -> None:
         conn.execute("BEGIN")
         conn.executemany(_INSERT, rows)
         if samples:
@@ -302,28 +234,13 @@ class SQLiteStore(RequestStore):
             conn.executemany(_INSERT_ALERT, alert_rows)
         conn.execute("COMMIT")
 
-    def _log_held(self, exc: BaseException, holding: int) -> None:
-        now = time.monotonic()
-        if now - self._held_logged < _LOG_EVERY_S:
-            return
-        self._held_logged = now
-        log.warning("request store %s: cannot write (%s); holding %d records in hand and %d queued, retrying "
-                    "(records beyond the backlog bound of %d are dropped and counted)", self.path, _first_line(exc),
-                    holding, max(0, self.backlog - holding), self._max_backlog)
+    def _insert_one(self, conn: sqlite3.Connection, kind: str, row: tuple) -> None:
+        conn.execute(_INSERT_OF[kind], row)
 
-    def _log_failure(self, exc: BaseException, what: str, message: str) -> None:
-        """One line per reason (``what`` failed, and the kind of error) every 10 s at most, saying how many failures
-        it stands for, and one traceback per period in all: a store that refuses every row would otherwise log a
-        traceback per record."""
-        reason = f"{what}: {type(exc).__name__}"
-        now = time.monotonic()
-        self._failures_unlogged[reason] = self._failures_unlogged.get(reason, 0) + 1
-        if now - self._failure_logged.get(reason, _NEVER) < _LOG_EVERY_S:
-            return
-        self._failure_logged[reason] = now
-        count = self._failures_unlogged.pop(reason)
-        with_traceback = now - self._traceback_logged >= _LOG_EVERY_S
-        if with_traceback:
-            self._traceback_logged = now
-        log.error("request store: %s: %s (%d %s failure(s) of this kind since the last such line)", message,
-                  _first_line(exc), count, what, exc_info=exc if with_traceback else None)
+    def _transient(self, exc: BaseException, conn: sqlite3.Connection) -> bool:
+        return _transient(exc)
+
+    def _after_failure(self, conn: sqlite3.Connection, transient: bool) -> None:
+        if conn.in_transaction:  # SQLite may have rolled it back already (a full disk does)
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
