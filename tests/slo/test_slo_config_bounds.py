@@ -68,3 +68,12 @@ def test_the_bounds_leave_every_sensible_figure_alone():
     })
     assert cfg.actions.shed.retry_after_s == 86_400 and cfg.slot_s == 0.1
     assert MonitorConfig().eval_interval_s == 5.0  # the defaults validate
+
+
+@pytest.mark.parametrize("threshold", [float("inf"), float("nan"), "inf"])
+def test_a_profile_threshold_must_be_a_finite_number(threshold):
+    from tailguard.slo.profiles import ProfileError, parse_profiles
+
+    with pytest.raises(ProfileError, match="threshold"):
+        parse_profiles({"profiles": {"x": {"objectives": [
+            {"metric": "ttft", "percentile": 99, "threshold": threshold}]}}})

@@ -101,7 +101,7 @@ def _parse_quantity(value: Any) -> Any:
 class Selector(BaseModel):
     """Narrows the traffic an objective (or a profile) applies to. Empty fields match everything."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # figures end up in arithmetic
 
     business_types: tuple[str, ...] = ()
     lanes: tuple[str, ...] = ()
@@ -166,7 +166,7 @@ class Objective(BaseModel):
     Strings with units are accepted: ``"350ms"``, ``"2s"``, ``"0.5%"``.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # figures end up in arithmetic
 
     metric: Metric
     percentile: float | None = Field(default=None, gt=0, lt=100)
@@ -267,7 +267,7 @@ class RequestBound(BaseModel):
     """A per-request bound that defines goodput (bench): ``metric <= threshold`` for the requests of
     ``business_types`` (all when empty; all when no request has a business type and ``all_if_unlabelled``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # figures end up in arithmetic
 
     metric: Metric
     threshold: float = Field(ge=0)
@@ -298,7 +298,7 @@ class SLOProfile(BaseModel):
     the latency objectives (per metric and business types, the threshold of the highest percentile).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # figures end up in arithmetic
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str = ""
