@@ -54,3 +54,14 @@ def test_sampling_interval_is_bounded(interval):
 
     with pytest.raises(ValidationError):
         ServerConfig(sample_interval=interval)
+
+
+def test_a_store_that_cannot_be_opened_is_one_line_before_the_server_starts(tmp_path):
+    corrupt = tmp_path / "corrupt.sqlite3"
+    corrupt.write_text("not a database")
+    for store, why in ((tmp_path, "unable to open"), (corrupt, "not a database")):
+        out = subprocess.run([sys.executable, "-m", "tailguard.cli", "serve", "--model", "fake", "--port", "0",
+                              "--store", str(store)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.startswith("tailguard serve: cannot open the request store") and why in out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1

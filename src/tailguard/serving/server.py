@@ -10,6 +10,7 @@ import asyncio
 import logging
 import math
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -87,10 +88,27 @@ def _server(app: Any, config: ServerConfig, own_process: bool) -> DrainingServer
     return DrainingServer(_uvicorn_config(app, config, guard), app, guard, config.graceful_shutdown_s)
 
 
+def store_problem(config: ServerConfig) -> str | None:
+    """Why the request store cannot be opened (a directory, a file that is not a database, a newer schema, an
+    unreachable PostgreSQL), said in one line before the server starts, or None. The server opens it again."""
+    from tailguard.observe.stores import open_store
+
+    try:
+        open_store(config.store_path, retention_days=config.retention_days).close()
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the server cannot start on it: say so in one line
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return None
+
+
 def serve(config: ServerConfig, engine_args: Any | None = None) -> int:
     """``tailguard serve``: blocks until SIGINT/SIGTERM."""
     logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problem = store_problem(config)
+    if problem is not None:
+        print(f"tailguard serve: cannot open the request store {describe_store_target(config.store_path)}: {problem}",
+              file=sys.stderr)
+        return 2
     app = create_app(config, engine_factory=lambda: build_backend(config, engine_args), own_process=True)
     server = _server(app, config, own_process=True)
     log.info("tailguard serving %s on http://%s:%d (store: %s, text storage %s)", config.model, config.host,
