@@ -184,6 +184,11 @@ class ServerMetrics:
                                         "for the client but not yet sent (the server's write buffer plus the "
                                         "kernel's unsent bytes) at any sample.", net, buckets=BACKLOG_BUCKETS,
                                         registry=r)
+        # The time left out of every latency figure: answers waiting for clients that read slower than they were
+        # written (docs/metrics.md). Observed only for the requests that waited.
+        self.client_wait = Histogram("tailguard_client_wait_seconds", "Per request that waited: seconds its answer "
+                                     "waited for the client to read (left out of every latency figure).", net,
+                                     buckets=LATENCY_BUCKETS, registry=r)
         m = ["model"]
         # The process's cycle collector stops the event loop while it runs (tailguard serve runs it on a timer:
         # serving/gc_schedule.py); each full collection's pause, so that a tail it causes can be seen.
@@ -276,6 +281,8 @@ class ServerMetrics:
             ser["success", tl.finish_reason or "unknown"].inc()
         if tl.network:  # whatever the outcome: the connection is the client's, not the answer's
             self._network(tl, tl.network)
+        if tl.client_waits:
+            self.client_wait.labels(self.model, self.region(tl.region)).observe(tl.client_wait)
         if tl.outcome in (Outcome.INVALID, Outcome.REJECTED) or tl.synthetic:
             # Never reached the engine (refused, or a degradation template): their latencies would dilute the
             # served distribution.

@@ -7,12 +7,17 @@ its interval is charged to the stage the request was in when it ended. docs/metr
 
 All times are ``time.perf_counter()`` of this process (the engine's timestamps come from the same clock); the wall
 clock is read once, at arrival, only to date the record.
+
+The figures are on the server's clock, which stops while the answer waits for the client to read (``client_waits``:
+the transport's flow control held a write): a slow reader's own slowness is not the server's latency. The record's
+timestamps stay as they happened.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +67,7 @@ class Timeline:
     last_token: float | None = None  # engine: last token produced
     last_byte: float | None = None  # server: last byte of the response handed to the transport
     token_times: list[float] = field(default_factory=list)  # engine production time of each token
-    token_sent: list[float] = field(default_factory=list)  # time each token left the server (streaming)
+    token_sent: list[float] = field(default_factory=list)  # time each token was handed to the transport (streaming)
     status: int = 200
     outcome: Outcome | None = None
     finish_reason: str | None = None
@@ -88,6 +93,9 @@ class Timeline:
     cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served (not computed again)
     # Seconds from the request's head to its body's last byte: the client's sending time, outside every stage.
     upload: float = 0.0
+    # When a write of the answer waited for the client to read (the transport's flow control held it): start, end,
+    # start, end... (perf_counter). The server's clock stops there (``summary``); usually empty.
+    client_waits: list[float] = field(default_factory=list)
     # An upstream's usage as it reported it (token details included): the answer's usage, passed on unchanged.
     upstream_usage: dict[str, Any] | None = None
     # Sampled internals: per-layer step timings and activation statistics, for a sampled share of requests.
@@ -116,6 +124,18 @@ class Timeline:
         self.received_unix += self.upload
         self.received = at
 
+    def client_waited(self, start: float, end: float) -> None:
+        """A write waited from ``start`` to ``end`` for the client to read what was written before."""
+        if end > start:
+            self.client_waits += (start, end)
+            self._summary = None
+
+    @property
+    def client_wait(self) -> float:
+        """Seconds the answer's writes waited for the client to read, in all."""
+        w = self.client_waits
+        return sum(w[1::2]) - sum(w[0::2])
+
     def add_tokens_sent(self, count: int, at: float) -> None:
         """``count`` tokens left the server in one chunk at ``at`` (k tokens in a chunk give k-1 zero gaps)."""
         self.token_sent.extend([at] * count)
@@ -142,27 +162,24 @@ class Timeline:
 
     # --- derived --------------------------------------------------------------------------------------------------
     def boundaries(self) -> list[float]:
-        """received, tokenized, scheduled, first token, last token, last byte: monotone, missing ones filled."""
+        """received, tokenized, scheduled, first token, last token, last byte, as they happened: monotone, missing
+        ones filled. Without client waits these are the figures' boundaries too (``summary``)."""
         end = self.last_byte if self.last_byte is not None else time.perf_counter()
-        raw = [self.tokenized, self.scheduled, self.first_token, self.last_token]
-        out = [self.received]
-        for i, t in enumerate(raw):
-            if t is None:
-                # Charge the missing interval to the current stage: take the next boundary that happened.
-                t = next((u for u in raw[i + 1 :] if u is not None), end)
-            out.append(min(max(t, out[-1]), end))
-        out.append(max(end, out[-1]))
-        return out
+        return _filled(self.received, [self.tokenized, self.scheduled, self.first_token, self.last_token], end)
 
     def summary(self) -> Summary:
         if self._summary is not None and self._finalized:
             return self._summary
-        b = self.boundaries()
-        stages = {name: b[i + 1] - b[i] for i, name in enumerate(STAGES)}
-        e2e = b[-1] - b[0]
+        end = self.last_byte if self.last_byte is not None else time.perf_counter()
+        raw = [self.tokenized, self.scheduled, self.first_token, self.last_token]
         # Tokens "leave" when streamed; a non-streamed answer has no per-token departure, so, as vLLM does, its
         # TTFT and ITL are taken where the server receives each token from the engine.
         times = self.token_sent if self.stream and self.token_sent else self.token_times
+        if self.client_waits:
+            raw, times, end = self._server_clock(raw, times, end)
+        b = _filled(self.received, raw, end)
+        stages = {name: b[i + 1] - b[i] for i, name in enumerate(STAGES)}
+        e2e = b[-1] - b[0]
         ttft = times[0] - self.received if times else None
         itl = [b2 - a for a, b2 in zip(times, times[1:])]
         n = self.num_output_tokens
@@ -171,6 +188,47 @@ class Timeline:
         if self._finalized:
             self._summary = s
         return s
+
+    def _server_clock(self, raw: list[float | None], times: list[float],
+                      end: float) -> tuple[list[float | None], list[float], float]:
+        """The boundaries, the token departures and the end on the server's clock, which stops while a write waits
+        for the client (docs/metrics.md, "A slow reader's time is its own").
+
+        A wait stops the clock for what the server sends (``sent``: every wait before the instant). What the engine
+        produces is held back by a wait only once it stops producing during it (a lazy producer, or an upstream
+        whose reading the gateway paused behind the client; an engine that queues its tokens keeps producing), so
+        its clock (``made``) stops only from the last token produced in a wait to the wait's end. A token leaves at
+        the later of its departure on the first clock and its production on the second: where the engine kept
+        producing, the tokens a wait held back count as leaving when they were produced, not all at once after it."""
+        made_at = self.token_times
+        pairs = sorted(zip(self.client_waits[0::2], self.client_waits[1::2]))
+        held: list[tuple[float, float]] = []
+        for a, b in pairs:  # the waits never overlap (one writer), but a merge costs nothing and makes sure
+            if held and a <= held[-1][1]:
+                held[-1] = (held[-1][0], max(held[-1][1], b))
+            else:
+                held.append((a, b))
+        idle = []
+        for a, b in held:
+            i = bisect_left(made_at, b)
+            last = made_at[i - 1] if i and made_at[i - 1] >= a else a
+            if b > last:
+                idle.append((last, b))
+        sent, made = _stopped(held), _stopped(idle)
+        out_raw = [None if t is None else made(t) for t in raw]
+        if times is made_at:  # not streamed: the tokens' own times
+            out_times = [made(t) for t in times]
+        else:
+            out_times = []
+            prev = float("-inf")
+            for k, t in enumerate(times):
+                d = sent(t)
+                if k < len(made_at):
+                    d = max(d, made(made_at[k]))
+                prev = max(prev, d)
+                out_times.append(prev)
+        last = max(sent(end), out_times[-1] if out_times else end, out_raw[-1] if out_raw[-1] is not None else end)
+        return out_raw, out_times, min(last, end)
 
     def server_timing(self) -> str:
         """W3C Server-Timing header value (milliseconds)."""
@@ -229,6 +287,11 @@ class Timeline:
             "output_tokens": self.num_output_tokens,
             "preemptions": self.num_preemptions,
             "upload": round(self.upload, 6),
+            # Seconds the answer waited for the client to read (on no figure's clock), and when (relative).
+            **({"client_wait": round(self.client_wait, 6),
+                "client_waits": [[round(a - r0, 6), round(b - r0, 6)]
+                                 for a, b in zip(self.client_waits[0::2], self.client_waits[1::2])]}
+               if self.client_waits else {}),
             "e2e": s.e2e,
             "ttft": s.ttft,
             "tpot": s.tpot,
@@ -259,3 +322,32 @@ class Timeline:
             **({"internals": self.internals} if self.internals is not None else {}),
             **({"network": self.network} if self.network else {}),
         }
+
+
+def _filled(received: float, raw: list[float | None], end: float) -> list[float]:
+    """The six boundaries, monotone: a missing one takes the next that happened (its interval is charged to the
+    stage the request was in)."""
+    out = [received]
+    for i, t in enumerate(raw):
+        if t is None:
+            t = next((u for u in raw[i + 1 :] if u is not None), end)
+        out.append(min(max(t, out[-1]), end))
+    out.append(max(end, out[-1]))
+    return out
+
+
+def _stopped(spans: list[tuple[float, float]]) -> Callable[[float], float]:
+    """A clock that stops during ``spans`` (sorted, disjoint): an instant, less the part of the spans before it."""
+    starts = [a for a, _ in spans]
+    before = [0.0]
+    for a, b in spans:
+        before.append(before[-1] + b - a)
+
+    def at(t: float) -> float:
+        i = bisect_right(starts, t)
+        if not i:
+            return t
+        a, b = spans[i - 1]
+        return t - before[i - 1] - (min(t, b) - a)
+
+    return at

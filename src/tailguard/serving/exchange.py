@@ -13,6 +13,11 @@ sent them) or with a keep-alive; the request keeps its queue slot until the back
 While the answer is written, ``Exchange.net`` samples the client connection (``serving/network.py``: the kernel's
 TCP_INFO and the write backpressure) at the first body write, at most every 100 ms of later writes and at the end
 (the last write, the client leaving, or the exchange closing any other way); its summary is the record's ``network``.
+
+A write that finds the transport's flow control paused (the client reads slower than the answer is written: the
+socket's buffers and uvicorn's are full) waits in ``send`` until the client has read enough. That wait is the
+client's, not the server's: it goes on the timeline (``Timeline.client_waited``), whose figures leave it out
+(docs/metrics.md, "A slow reader's time is its own"). A write that does not wait costs one attribute read more.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -35,7 +41,7 @@ from tailguard.observe.timeline import Timeline
 from tailguard.policy.decision import Decision, clean_text
 from tailguard.serving.client_relay import ClientRelay
 from tailguard.serving.ids import request_id_from
-from tailguard.serving.network import NetworkSampler, region_map
+from tailguard.serving.network import NetworkSampler, cycle_of, region_map
 from tailguard.serving.responses import sse_error
 from tailguard.serving.state import ServerState
 
@@ -114,6 +120,9 @@ class Exchange:
     relay: ClientRelay | None = None  # the gateway's direct relay of plain tokens, when the request has one
     started: bool = False  # the status and headers are out: the status cannot change any more
     net: NetworkSampler | None = None  # the client connection's TCP state, sampled while the answer is written
+    # uvicorn's flow control of the client connection (``write_paused``: a write would wait for the client); found
+    # when the response starts, None under another server.
+    flow: Any = None
 
     def move(self, to: Phase) -> None:
         """Go forward to ``to``. Leaving QUEUED gives the queue slot back: here and nowhere else."""
@@ -156,29 +165,54 @@ class Exchange:
         self.started = True
         if self.net is None and self.phase < Phase.ABANDONED and self.state.config.network_sampling:
             self.net = NetworkSampler.for_send(self.send)
+        if self.flow is None:
+            self.flow = self.net.flow if self.net is not None else getattr(cycle_of(self.send), "flow", None)
         if self.phase is not Phase.QUEUED:
             self.move(Phase.RESPONDING)
-        await self.send({"type": "http.response.start", "status": status,
-                         "headers": [*headers, (b"x-request-id", self.tl.request_id.encode())]})
+        message = {"type": "http.response.start", "status": status,
+                   "headers": [*headers, (b"x-request-id", self.tl.request_id.encode())]}
+        if self.flow is not None and self.flow.write_paused:  # a previous answer on the connection is still unread
+            await self._held(message)
+        else:
+            await self.send(message)
+
+    async def _held(self, message: dict[str, Any]) -> None:
+        """``send`` while the client's flow control holds writes: it waits for the client to read, and the wait goes
+        on the timeline as the client's time."""
+        start = perf_counter()
+        try:
+            await self.send(message)
+        finally:
+            self.tl.client_waited(start, perf_counter())
 
     async def chunk(self, body: bytes) -> None:
-        net = self.net
+        net, flow = self.net, self.flow
+        message = {"type": "http.response.body", "body": body, "more_body": True}
         if net is None or body[:1] == b":":  # a keep-alive comment is no token: not sampled
-            await self.send({"type": "http.response.body", "body": body, "more_body": True})
+            if flow is not None and flow.write_paused:
+                await self._held(message)
+            else:
+                await self.send(message)
             return
-        flow = net.flow
         if flow is not None and flow.write_paused:
             net.waits += 1  # this write waits for the client to read
-        await self.send({"type": "http.response.body", "body": body, "more_body": True})
+            await self._held(message)
+        else:
+            await self.send(message)
         net.on_write()
 
     async def last(self, body: bytes) -> None:
         net, self.net = self.net, None  # sampled after the last write, not when the phase closes just before it
         self.move(Phase.CLOSED)  # before the send: a disconnect reported after the last byte is not an abort
-        if net is not None and net.flow is not None and net.flow.write_paused:
-            net.waits += 1
+        flow = self.flow
+        message = {"type": "http.response.body", "body": body, "more_body": False}
         try:
-            await self.send({"type": "http.response.body", "body": body, "more_body": False})
+            if flow is not None and flow.write_paused:
+                if net is not None:
+                    net.waits += 1
+                await self._held(message)
+            else:
+                await self.send(message)
         finally:
             if net is not None:
                 self.net = net
