@@ -77,7 +77,7 @@ def test_replay_and_rebuild_fail_with_one_line_where_nothing_answers(tmp_path):
     key.write_text(new_key())
     runs = {
         "store": ["replay", "r1", "--store", str(missing), "--url", "http://127.0.0.1:9"],
-        "source": ["replay", "r1", "--source", "http://127.0.0.1:9", "--url", "http://127.0.0.1:9"],
+        "source": ["replay", "r1", "--source", "http://u:SRCPW@127.0.0.1:9", "--url", "http://u:URLPW@127.0.0.1:9"],
         "rebuild": ["rebuild", "r1", "--store", str(missing), "--seal-key-file", str(key)],
     }
     for what, args in runs.items():
@@ -86,4 +86,5 @@ def test_replay_and_rebuild_fail_with_one_line_where_nothing_answers(tmp_path):
         assert out.returncode == (1 if what == "rebuild" else 2), (what, out.stderr)
         assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, (what, out.stderr)
         assert ("no request store" in out.stderr) if what != "source" else ("ConnectError" in out.stderr)
+        assert "SRCPW" not in out.stderr and "URLPW" not in out.stderr  # a URL's password is never printed
     assert not (tmp_path / "typo").exists()

@@ -21,6 +21,9 @@ from typing import Any
 import httpx
 from rapidfuzz.distance import Levenshtein
 
+from tailguard.bench.redact import redact_url
+from tailguard.observe.stores import describe_store_target
+
 
 class ReplayError(Exception):
     pass
@@ -38,9 +41,9 @@ def fetch_record(request_id: str, source: str | None = None, store: str | None =
             finally:
                 st.close()
         except (OSError, RuntimeError, ValueError) as exc:  # not there, not a store, unreachable, a newer schema
-            raise ReplayError(f"cannot read the store: {exc}") from exc
+            raise ReplayError(f"cannot read the store: {_first_line(exc)}") from exc
         if rec is None:
-            raise ReplayError(f"no record of request {request_id!r} in {store}")
+            raise ReplayError(f"no record of request {request_id!r} in {describe_store_target(store)}")
         return rec
     if not source:
         raise ReplayError("say where the record is: --source URL (a tailguard server) or --store PATH_OR_URL")
@@ -49,19 +52,20 @@ def fetch_record(request_id: str, source: str | None = None, store: str | None =
     try:
         r = httpx.get(f"{source.rstrip('/')}/v1/requests/{request_id}", headers=headers, timeout=30, trust_env=False)
     except httpx.HTTPError as exc:
-        raise ReplayError(f"{source}: {type(exc).__name__}: {exc}") from exc
+        raise ReplayError(f"{redact_url(source)}: {type(exc).__name__}: {_first_line(exc)}") from exc
     if r.status_code != 200:
         try:
             msg = r.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             msg = r.text[:200]
-        raise ReplayError(f"{source} answered {r.status_code} for request {request_id!r}: {msg}")
+        raise ReplayError(f"{redact_url(source)} answered {r.status_code} for request {request_id!r}: {msg}")
     try:
         rec = r.json()
     except ValueError as exc:
-        raise ReplayError(f"{source} answered with something that is not JSON for request {request_id!r}") from exc
+        raise ReplayError(f"{redact_url(source)} answered with something that is not JSON for request "
+                          f"{request_id!r}") from exc
     if not isinstance(rec, dict) or "request_id" not in rec:
-        raise ReplayError(f"{source} answered with something that is not a request record")
+        raise ReplayError(f"{redact_url(source)} answered with something that is not a request record")
     return rec
 
 
@@ -134,9 +138,16 @@ def replay(rec: dict[str, Any], url: str, model: str | None = None, api_key: str
     try:
         return _replay(rec, url, model, api_key, timeout)
     except httpx.HTTPError as exc:
-        raise ReplayError(f"{url}: {type(exc).__name__}: {exc}") from exc
+        raise ReplayError(f"{redact_url(url)}: {type(exc).__name__}: {_first_line(exc)}") from exc
     except (ValueError, AttributeError, TypeError) as exc:
-        raise ReplayError(f"{url} answered with a stream tailguard cannot read: {exc}") from exc
+        raise ReplayError(f"{redact_url(url)} answered with a stream tailguard cannot read: {_first_line(exc)}") \
+            from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's first line (a driver's message goes on with hints on later lines)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _replay(rec: dict[str, Any], url: str, model: str | None, api_key: str | None, timeout: float) -> ReplayResult:
@@ -149,14 +160,14 @@ def _replay(rec: dict[str, Any], url: str, model: str | None, api_key: str | Non
             except (httpx.HTTPError, ValueError, KeyError, IndexError):
                 model = rec.get("model") or "default"
         path, body, notes = build_request(rec, model)
-        res = ReplayResult(rec["request_id"], base + path, notes, original=rec)
+        res = ReplayResult(rec["request_id"], redact_url(base + path), notes, original=rec)
         t0 = time.perf_counter()
         with client.stream("POST", base + path, json=body,
                            headers={"X-Request-ID": f"replay-{rec['request_id']}"[:128]}) as resp:
             res.status = resp.status_code
             if resp.status_code != 200:
                 resp.read()
-                raise ReplayError(f"{base + path} answered {resp.status_code}: {resp.text[:300]}")
+                raise ReplayError(f"{redact_url(base + path)} answered {resp.status_code}: {resp.text[:300]}")
             parts: list[str] = []
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
