@@ -651,3 +651,33 @@ def test_a_traced_request_is_not_written_ahead(monkeypatch):
     assert backend.open({}, True, "r") is None and Pool.picked == 0
     monkeypatch.setattr(tracing, "current_trace", lambda: None)
     assert backend.open({}, True, "r") is None and Pool.picked == 1  # untraced: it tries (no replica here)
+
+
+def test_replica_names_are_unique_and_fit_a_url_path():
+    """Two replicas of one host get names a DELETE /admin/upstreams/{name} can carry (a "#" suffix was cut off as a
+    URL fragment, and the other replica removed) and that stay unique after removals."""
+    pool = UpstreamPool([UpstreamConfig(url="http://127.0.0.1:8000"), UpstreamConfig(url="http://u:pw@127.0.0.1:8000"),
+                         UpstreamConfig(url="http://127.0.0.1:8000/b")], RoutingConfig())
+    names = [r.name for r in pool.replicas]
+    assert names == ["127.0.0.1:8000", "127.0.0.1:8000-2", "127.0.0.1:8000/b"]
+    assert not any(c in n for n in names for c in "#?")
+    pool.remove("127.0.0.1:8000")
+    pool._new(UpstreamConfig(url="http://127.0.0.1:8000/c", name="127.0.0.1:8000-2"))
+    pool._new(UpstreamConfig(url="http://127.0.0.1:8000/d", name="127.0.0.1:8000-2"))
+    names = [r.name for r in pool.replicas]
+    assert len(set(names)) == len(names), names
+
+
+@pytest.mark.parametrize("url, why", [
+    ("htp://admin:TYPOSECRET@10.0.0.5:8000", "must start with http"),
+    ("admin:TYPOSECRET@10.0.0.5:8000", "must start with http"),
+    ("http://admin:TYPOSECRET@10.0.0.5:8000/?x=1", "without a query or a fragment"),
+    ("http://admin:TYPOSECRET@10.0.0.5:8000#a", "without a query or a fragment"),
+])
+def test_a_bad_upstream_url_is_refused_without_printing_its_password(url, why):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=why) as exc:
+        UpstreamConfig(url=url)
+    # What the CLI and the admin API show of it: the messages, without the input.
+    assert "TYPOSECRET" not in str(exc.value.errors(include_input=False, include_url=False))

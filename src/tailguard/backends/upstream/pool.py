@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
+import itertools
 import logging
 import math
 import random
@@ -172,8 +173,12 @@ class UpstreamConfig(BaseModel):
     @classmethod
     def _url(cls, v: str) -> str:
         v = v.rstrip("/")
+        # Shown without its credentials: a mistyped scheme must not print the password it carries.
+        shown = without_credentials(v) if "://" in v else v.rpartition("@")[2]
         if not v.startswith(("http://", "https://")):
-            raise ValueError(f"upstream url must start with http:// or https:// (got {v!r})")
+            raise ValueError(f"upstream url must start with http:// or https:// (got {shown!r})")
+        if "?" in v or "#" in v:
+            raise ValueError(f"an upstream url is a base URL, without a query or a fragment (got {shown!r})")
         return v.removesuffix("/v1")
 
     @model_validator(mode="after")
@@ -457,8 +462,11 @@ class UpstreamPool:
 
     def _new(self, u: UpstreamConfig) -> Replica:
         name = u.name or without_credentials(u.url).split("://", 1)[1]
-        if any(r.name == name for r in self.replicas):
-            name = f"{name}#{len(self.replicas)}"
+        taken = {r.name for r in self.replicas}
+        if name in taken:
+            # A suffix a URL path can carry (``DELETE /admin/upstreams/{name}``: a "#" would be cut off as a fragment),
+            # and one no replica has (after removals, a count could name a replica that is still there).
+            name = next(f"{name}-{k}" for k in itertools.count(2) if f"{name}-{k}" not in taken)
         rt = self.routing
         rep = Replica(u, CircuitBreaker(rt.breaker_failures, rt.breaker_cooldown_s),
                       ConnectionPool(u.url, rt.connect_timeout_s, rt.keepalive_s, rt.spare_connections, rt.spare_ratio),
@@ -469,7 +477,7 @@ class UpstreamPool:
     async def add(self, u: UpstreamConfig) -> Replica:
         """A new replica (scale-out): health-checked before it takes traffic."""
         if any(r.url == u.url for r in self.replicas):
-            raise ValueError(f"{u.url} is already a replica")
+            raise ValueError(f"{without_credentials(u.url)} is already a replica")
         if not self.routing.allow_link_local:
             why = await forbidden_address(u.url)
             if why is not None:
