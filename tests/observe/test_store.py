@@ -492,3 +492,16 @@ def test_the_servers_recent_cache_lets_go_of_records_the_store_has(tmp_path):
         for rid in ("rc-3", "rc-20"):
             rec = httpx.get(f"{s.url}/v1/requests/{rid}", headers=ADMIN, timeout=10).json()
             assert rec["request_id"] == rid and rec["status"] == 200
+
+
+def test_another_applications_database_is_refused_untouched(tmp_path):
+    path = tmp_path / "app.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE users (id INTEGER)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(SchemaError, match="users"):
+        open_store(path)
+    conn = sqlite3.connect(path)
+    assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] == ["users"]
+    conn.close()

@@ -84,6 +84,7 @@ def test_a_batch_is_held_while_another_process_holds_the_lock(tmp_path, quick_lo
 
 def test_a_batch_is_held_while_the_disk_is_full(tmp_path, monkeypatch):
     path = str(tmp_path / "r.sqlite3")
+    open_store(path).close()  # a request store first: tailguard refuses another application's database
     with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:  # space to free later
         conn.execute("CREATE TABLE ballast (b BLOB)")
         conn.executemany("INSERT INTO ballast VALUES (?)", [(b"x" * 4000,)] * 50)

@@ -108,6 +108,13 @@ def open_schema(path: str, key: bytes | None = None) -> int:
         if version > SCHEMA_VERSION:
             raise SchemaError(f"{path} has schema version {version}; this tailguard understands up to {SCHEMA_VERSION}")
         exists = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'requests'").fetchone() is not None
+        if not exists:
+            # Another application's database (a path mistyped onto it): tailguard's tables must not be added to it.
+            others = [r[0] for r in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' LIMIT 4")]
+            if others:
+                raise SchemaError(f"{path} holds other tables ({', '.join(others)}) and no request store: give "
+                                  "tailguard a file of its own")
         conn.executescript(SQLITE_SCHEMA)  # idempotent; outside the transaction below (executescript commits first)
         if version == SCHEMA_VERSION:
             return version
