@@ -124,3 +124,65 @@ def test_the_html_page_has_the_timeline(served, tmp_path, capsys):
     assert "same output" in text and "step timeline" in text
     html = page.read_text()
     assert "tokens over time" in html and "plotly" in html.lower()
+
+
+# --- errors that need no model: a store URL's password is never printed; an --html path that cannot be written is
+# refused before the (long) rebuild, and a write that fails anyway is one line, not a traceback.
+
+PG_URL = "postgresql://tg:PGSECRETPW@127.0.0.1:18559/tgdb"
+
+
+class _EmptyStore:
+    def get(self, request_id: str) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_missing_record_names_the_store_without_its_password(monkeypatch):
+    import tailguard.observe.stores as stores
+    from tailguard.rebuild import RebuildError, fetch
+
+    monkeypatch.setattr(stores, "open_store", lambda target, **kw: _EmptyStore())
+    with pytest.raises(RebuildError) as err:
+        fetch("nosuchid", PG_URL)
+    assert "no record of request 'nosuchid'" in str(err.value)
+    assert "PGSECRETPW" not in str(err.value) and "tg:***@127.0.0.1" in str(err.value)
+
+
+def test_a_store_that_cannot_be_opened_does_not_print_the_password(monkeypatch):
+    import tailguard.observe.stores as stores
+    from tailguard.rebuild import RebuildError, fetch
+
+    def refuse(target: str, **kw) -> None:
+        raise RuntimeError(f"cannot connect to {target}: password PGSECRETPW rejected")
+
+    monkeypatch.setattr(stores, "open_store", refuse)
+    with pytest.raises(RebuildError) as err:
+        fetch("x", PG_URL)
+    assert "PGSECRETPW" not in str(err.value) and "cannot read the store" in str(err.value)
+
+
+@pytest.mark.parametrize("html", ["/proc/x.html", "/nonexistent-dir/x.html", "DIR"])
+def test_an_unwritable_html_path_is_refused_before_the_rebuild(tmp_path, capsys, html):
+    from tailguard.cli import main
+
+    key = tmp_path / "seal.key"
+    key.write_text(new_key() + "\n")
+    target = str(tmp_path) if html == "DIR" else html
+    # the store does not exist either: the --html check must come first, before any work
+    rc = main(["rebuild", "someid", "--store", str(tmp_path / "none.sqlite"), "--seal-key-file", str(key),
+               "--html", target])
+    err = capsys.readouterr().err
+    assert rc != 0 and f"cannot write {target}" in err and "Traceback" not in err
+    assert not Path(target).is_file()
+
+
+def test_a_failed_html_write_is_a_rebuild_error(tmp_path):
+    from tailguard.rebuild import RebuildError, Rebuilt, write_html
+
+    r = Rebuilt(request_id="r1", engine="test", prompt_tokens=1, sampling={}, seed_given=False, original_ids=[1],
+                rebuilt_ids=[1], steps=[], original_token_times=[0.1], rebuilt_token_times=[0.1])
+    with pytest.raises(RebuildError, match=f"cannot write {tmp_path}"):
+        write_html(r, tmp_path)

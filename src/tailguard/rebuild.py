@@ -81,14 +81,36 @@ def fetch(request_id: str, store: str) -> tuple[dict[str, Any], list[dict[str, A
     try:
         st = open_store(store, read_only=True)
     except (OSError, RuntimeError, ValueError) as exc:  # not there, not a store, unreachable, a newer schema
-        raise RebuildError(f"cannot read the store: {exc}") from exc
+        raise RebuildError(f"cannot read the store: {_hide_password(str(exc), store)}") from None
     try:
         rec = st.get(request_id)
         if rec is None:
-            raise RebuildError(f"no record of request {request_id!r} in {store}")
+            raise RebuildError(f"no record of request {request_id!r} in {_describe(store)}")
         return rec, _overlapping(st, rec)
     finally:
         st.close()
+
+
+def _describe(store: str) -> str:
+    """The store target fit to print: a PostgreSQL URL's password masked."""
+    from tailguard.observe.stores import describe_store_target
+
+    return describe_store_target(store)
+
+
+def _hide_password(text: str, store: str) -> str:
+    """``text`` with the store URL's password masked wherever it appears (a driver's message may quote the URL)."""
+    from urllib.parse import unquote, urlsplit
+
+    text = text.replace(store, _describe(store))
+    try:
+        password = urlsplit(store).password
+    except ValueError:  # not a URL at all: a file path has no password
+        return text
+    for secret in {password, unquote(password)} if password else ():
+        if secret:
+            text = text.replace(secret, "***")
+    return text
 
 
 def _window(rec: dict[str, Any]) -> tuple[float, float] | None:
@@ -253,8 +275,27 @@ def write_html(r: Rebuilt, path: str | Path) -> Path:
                       + ("same output" if not r.differences else
                          f"{len(r.differences)} tokens differ, first at {r.first_difference}"))
     out = Path(path)
-    out.write_text(fig.to_html(include_plotlyjs=True, full_html=True))
+    try:
+        out.write_text(fig.to_html(include_plotlyjs=True, full_html=True))
+    except OSError as exc:
+        raise RebuildError(f"cannot write {path}: {exc.strerror or exc}") from None
     return out
+
+
+def check_writable(path: str | Path) -> None:
+    """Fail now, not after the whole rebuild, when ``path`` cannot be written (a directory, a missing or read-only
+    folder). Opening for append creates nothing that stays and truncates nothing."""
+    out = Path(path)
+    if out.is_dir():
+        raise RebuildError(f"cannot write {path}: it is a directory")
+    existed = out.exists()
+    try:
+        with open(out, "a", encoding="utf-8"):
+            pass
+        if not existed:
+            out.unlink()
+    except OSError as exc:
+        raise RebuildError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def main(request_id: str, store: str, key_file: str | None, engine_args: Any, internals: bool = False,
@@ -265,6 +306,8 @@ def main(request_id: str, store: str, key_file: str | None, engine_args: Any, in
     key = load_key(key_file)
     if key is None:
         raise RebuildError("a sealing key is needed: --seal-key-file, or TAILGUARD_SEAL_KEY")
+    if html:
+        check_writable(html)
     rec, shared = fetch(request_id, store)
     payload = open_sealed(rec, key)
     if internals:  # every step of this request sampled

@@ -616,14 +616,30 @@ def _gate_rules(args: argparse.Namespace) -> Any:
         gate_classes = () if names == ("none",) else names
         if not names:
             raise UsageError("--gate-classes takes a comma list of class names, or none")
+    # NaN compares False with everything, so a NaN minimum effect would pass every regression: reject it
+    _positive("--min-rel", args.min_rel, allow_zero=True)
+    _positive("--min-abs-ms", args.min_abs_ms, allow_zero=True)
     return GateRules(percentiles=pcts, metrics=metrics, min_rel=args.min_rel, min_abs=args.min_abs_ms / 1e3,
                      slo=args.slo_gate, classes=gate_classes)
+
+
+# Fewer bootstrap replicates give no confidence interval, so no delta is ever significant and a gate always passes.
+MIN_GATE_BOOTSTRAP = 10
+
+
+def _check_bootstrap(args: argparse.Namespace) -> None:
+    if args.bootstrap < 0:
+        raise UsageError(f"--bootstrap must be 0 or more, got {args.bootstrap}")
+    if args.gate and args.bootstrap < MIN_GATE_BOOTSTRAP:
+        raise UsageError(f"--bootstrap must be at least {MIN_GATE_BOOTSTRAP} with --gate (fewer give no confidence "
+                         f"interval, so no regression could fail the gate), got {args.bootstrap}")
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from tailguard.bench.compare import run_compare
 
     rules = _gate_rules(args)
+    _check_bootstrap(args)
     a, b = _resolve_results(args.a), _resolve_results(args.b)
     try:
         cmp = run_compare(a, b, rules, html_path=args.html, json_path=args.json_out, reps=args.bootstrap,
@@ -665,6 +681,7 @@ def _cmd_ab(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     rules = _gate_rules(args) if args.gate else None
+    _check_bootstrap(args)
     cfg = config_from_args(args, target=False)
     if scales and not (cfg.workload == "trace" or cfg.rate):
         raise UsageError("--sweep-scales scales an open-loop schedule in time: use it with --trace or --rate")
@@ -713,11 +730,18 @@ def _cmd_ab(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_FAKE_LIFETIME_S = 30 * 86400.0
+
+
 def _cmd_fake_server(args: argparse.Namespace) -> int:
-    from tailguard.bench.fakeserver import FakeScript, run_server
+    from tailguard.bench.fakeserver import FakeScript, ReceivedLogError, run_server
 
     for name in ("ttft", "itl", "jitter", "spin", "ttft_per_prompt_token"):
         _positive("--" + name.replace("_", "-"), getattr(args, name), allow_zero=True)
+    _positive("--max-lifetime", args.max_lifetime)
+    if args.max_lifetime > MAX_FAKE_LIFETIME_S:  # an event loop's timer cannot wait for ever
+        raise UsageError(f"--max-lifetime must be at most {MAX_FAKE_LIFETIME_S:g} s (30 days), got "
+                         f"{args.max_lifetime:g}")
     key_delays, key_itl = _key_seconds("--key-delay", args.key_delay), _key_seconds("--key-itl", args.key_itl)
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be 0..65535, got {args.port}")
@@ -737,6 +761,8 @@ def _cmd_fake_server(args: argparse.Namespace) -> int:
 
     try:
         run_server(script, args.port, ready)
+    except ReceivedLogError as exc:
+        raise UsageError(str(exc)) from None
     except OSError as exc:
         raise UsageError(f"cannot listen on 127.0.0.1:{args.port}: {exc}") from None
     return 0

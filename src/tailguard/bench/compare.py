@@ -13,6 +13,7 @@ their own), and the gate names the class that regressed or failed its profile.
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,12 @@ class GateRules:
     min_abs: float = 0.001  # seconds
     slo: bool = True
     classes: tuple[str, ...] | None = None  # traffic classes whose rows and verdicts gate; None: every shared one
+
+    def __post_init__(self) -> None:
+        # every comparison with NaN is False: a NaN minimum would let any regression pass the gate
+        for name, v in (("min_rel", self.min_rel), ("min_abs", self.min_abs)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"gate rule {name} must be a finite number >= 0, got {v!r}")
 
 
 def _by_class(res: dict) -> dict:

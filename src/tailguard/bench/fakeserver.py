@@ -169,6 +169,10 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Al
             500: "Internal Server Error", 503: "Service Unavailable"}
 
 
+class ReceivedLogError(ValueError):
+    """The --received-log file cannot be opened (opened before the port is bound)."""
+
+
 class _Server:
     def __init__(self, script: FakeScript) -> None:
         self.script = script
@@ -177,7 +181,13 @@ class _Server:
         self.count = 0
         self.stop_event: asyncio.Event | None = None
         self.started = time.monotonic()
-        self.received = open(script.received_log, "a", encoding="utf-8") if script.received_log else None  # noqa: SIM115
+        self.received = None
+        if script.received_log:
+            try:
+                self.received = open(script.received_log, "a", encoding="utf-8")  # noqa: SIM115
+            except OSError as exc:  # its own error: not to be read as the port failing to bind
+                raise ReceivedLogError(f"cannot open the --received-log file {script.received_log}: "
+                                       f"{exc.strerror or exc}") from None
 
     def note(self, rid: str, path: str, text: str, max_tokens: int, key: str | None) -> None:
         if self.received is None:

@@ -7,11 +7,61 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 __all__ = ["add_slo_parser", "run_slo"]
+
+# Prometheus's duration syntax (5m, 1h30m, 500ms): the window goes into PromQL as is, so nothing else may pass.
+_DURATION = re.compile(r"(\d+(ms|s|m|h|d|w|y))+")
+
+
+class _UsageError(Exception):
+    """A bad flag value, or an output that cannot be written: one line on stderr, exit 2."""
+
+
+def _write(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` (its folder made first), or a _UsageError that names the path."""
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise _UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _check_writable(path: str | None) -> None:
+    """Fail before the work, not after it, when ``path`` cannot be written (a directory, a read-only or missing
+    place). Opening for append truncates nothing; a file made only for the check is removed."""
+    if path is None or path == "-":
+        return
+    out = Path(path)
+    if out.is_dir():
+        raise _UsageError(f"cannot write {path}: it is a directory")
+    existed = out.exists()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a", encoding="utf-8"):
+            pass
+        if not existed:
+            out.unlink()
+    except OSError as exc:
+        raise _UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _duration(flag: str, value: str) -> str:
+    if not _DURATION.fullmatch(value) or not any(c in "123456789" for c in value):
+        raise _UsageError(f"{flag} takes a Prometheus duration such as 5m, 1h or 30s, got {value!r}")
+    return value
+
+
+def _finite_positive(flag: str, value: float | None) -> None:
+    # NaN passes every bound check downstream (a NaN --hours reads nothing, a NaN --sigma flags nothing)
+    if value is not None and (not math.isfinite(value) or value <= 0):
+        raise _UsageError(f"{flag} must be a finite number above 0, got {value:g}")
 
 
 def add_slo_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -31,7 +81,7 @@ def add_slo_parser(subparsers: Any) -> argparse.ArgumentParser:
                                      "built-in tiers and ratios)")
     ru.add_argument("--output", "-o", default="-", help="rules file (default: stdout)")
     ru.add_argument("--tests-output", help="also write a promtool rules unit-test file here (default: none)")
-    ru.add_argument("--tier-window", default="5m", help="rate window of the tier alerts (default 5m)")
+    ru.add_argument("--tier-window", default="5m", help="rate window of the tier alerts: a Prometheus duration (default 5m)")
 
     gf = sub.add_parser("grafana", help="write a Grafana dashboard (JSON) of tailguard's metrics and the SLO profiles")
     gf.add_argument("--profile", action="append", dest="profiles",
@@ -45,10 +95,10 @@ def add_slo_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="weekly P99/P95 trend and SLO attainment from the request store")
     rp.add_argument("--db", required=True, help="the SQLite request store (tailguard serve --store)")
-    rp.add_argument("--weeks", type=int, default=4, help="weeks of history to report")
+    rp.add_argument("--weeks", type=int, default=4, help="weeks of history to report, 1 to 520 (default 4)")
     rp.add_argument("--profile", action="append", dest="profiles", help="profile (repeatable; default: all built in)")
     rp.add_argument("--file", help="a YAML file of custom profiles (default: the built-in ones only)")
-    rp.add_argument("--min-samples", type=int, default=20, help="fewest requests for an hour or week to be judged")
+    rp.add_argument("--min-samples", type=int, default=20, help="fewest requests for an hour or week to be judged, at least 1 (default 20)")
     rp.add_argument("--json", action="store_true", help="print JSON instead of tables")
     rp.add_argument("--html", default=None, metavar="FILE",
                     help="also write the report as one HTML file with the region heatmap (region x hour: P99 E2E, "
@@ -94,6 +144,9 @@ def run_slo(args: argparse.Namespace) -> int:
     except KeyError as e:
         print(f"error: {e.args[0]}", file=sys.stderr)
         return 2
+    except _UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"unknown slo command {args.slo_command!r}", file=sys.stderr)
     return 2
 
@@ -123,6 +176,12 @@ def _cmd_rules(args: argparse.Namespace) -> int:
     from tailguard.slo.config import MonitorConfig, load_monitor_config
     from tailguard.slo.rules import build_rules, build_rules_tests, dump_yaml
 
+    _duration("--tier-window", args.tier_window)
+    # checked before anything is written: the test file names the rules file
+    if args.tests_output and args.output == "-":
+        raise _UsageError("--tests-output needs --output (the test file names the rules file)")
+    _check_writable(args.output)
+    _check_writable(args.tests_output)
     cfg = load_monitor_config(args.config) if args.config else MonitorConfig()
     profs = _profiles(args.profiles, args.file)
     doc, notes = build_rules(profs, cfg.tiers, tier_window=args.tier_window,
@@ -142,13 +201,9 @@ def _cmd_rules(args: argparse.Namespace) -> int:
     if args.output == "-":
         sys.stdout.write(text)
     else:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text, encoding="utf-8")
+        _write(args.output, text)
         print(f"wrote {args.output} ({sum(len(g['rules']) for g in doc['groups'])} rules)", file=sys.stderr)
     if args.tests_output:
-        if args.output == "-":
-            print("error: --tests-output needs --output (the test file names the rules file)", file=sys.stderr)
-            return 2
         tests_path = Path(args.tests_output)
         rel = Path(args.output).resolve()
         try:
@@ -156,9 +211,8 @@ def _cmd_rules(args: argparse.Namespace) -> int:
         except ValueError:
             ref = str(rel)
         tests = build_rules_tests(ref, profs, cfg.tiers, tier_window=args.tier_window)
-        tests_path.parent.mkdir(parents=True, exist_ok=True)
-        tests_path.write_text(dump_yaml(tests, "# Generated by `tailguard slo rules --tests-output`: "
-                                               "run `promtool test rules` on this file.\n"), encoding="utf-8")
+        _write(args.tests_output, dump_yaml(tests, "# Generated by `tailguard slo rules --tests-output`: "
+                                                   "run `promtool test rules` on this file.\n"))
         print(f"wrote {tests_path} ({len(tests['tests'])} tests)", file=sys.stderr)
     return 0
 
@@ -172,8 +226,7 @@ def _cmd_grafana(args: argparse.Namespace) -> int:
     if args.output == "-":
         sys.stdout.write(text)
     else:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text, encoding="utf-8")
+        _write(args.output, text)
         panels = sum(1 for p in dashboard["panels"] if p["type"] != "row")
         print(f"wrote {args.output} ({panels} panels)", file=sys.stderr)
     for note in notes:
@@ -182,9 +235,11 @@ def _cmd_grafana(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from tailguard.slo.report import ReportError, build_report, render_report
+    from tailguard.slo.report import ReportError, build_report, check_report_args, render_report
 
     try:
+        check_report_args(args.weeks, args.min_samples)
+        _check_writable(args.html)
         rep = build_report(args.db, _profiles(args.profiles, args.file), weeks=args.weeks,
                            min_samples=args.min_samples)
     except ReportError as e:
@@ -197,8 +252,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if args.html:
         from tailguard.slo.report import render_report_html
 
-        Path(args.html).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.html).write_text(render_report_html(rep), encoding="utf-8")
+        _write(args.html, render_report_html(rep))
         print(f"wrote {args.html}", file=sys.stderr)
     return 0
 
@@ -208,6 +262,11 @@ def _cmd_hotspots(args: argparse.Namespace) -> int:
 
     from tailguard.slo.hotspots import HotspotError, find_hotspots, load_records, render_hotspots
 
+    _finite_positive("--hours", args.hours)
+    _finite_positive("--sigma", args.sigma)
+    for flag, v in (("--top", args.top), ("--limit", args.limit)):
+        if v < 1:  # --top -1 would slice off the last entry; --limit -1 is no limit to SQLite
+            raise _UsageError(f"{flag} must be at least 1, got {v}")
     since = time.time() - args.hours * 3600.0 if args.hours is not None else None
     try:
         rep = find_hotspots(load_records(args.store, since, args.limit), sigma=args.sigma)

@@ -145,13 +145,56 @@ def _supported(o: Objective) -> str | None:
 def build_report(db: str | Path, profiles: Iterable[SLOProfile], weeks: int = 4, now: float | None = None,
                  min_samples: int = 20, regions: bool = True) -> dict[str, Any]:
     """Read the store and compute the report (JSON-ready). Raises :class:`ReportError` on an unusable store."""
-    path = Path(db)
+    check_report_args(weeks, min_samples)
+    path = Path(_sqlite_target(db))
     if not path.exists():
         raise ReportError(f"{path}: no such request store")
+    if path.is_dir():
+        raise ReportError(f"{path}: is a directory, not a request store")
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     except sqlite3.Error as e:
-        raise ReportError(f"{path}: cannot open: {e}") from e
+        raise ReportError(f"{path}: cannot open: {e}") from None
+    try:
+        return _build(conn, path, profiles, weeks, now, min_samples, regions)
+    except sqlite3.DatabaseError as e:  # not a database (a YAML file, say), a corrupt one, a locked one
+        raise ReportError(f"{path}: cannot read it as a SQLite request store: {e}") from None
+
+
+# Ten years of weeks: more is no trend report, and far more overflows the calendar.
+MAX_WEEKS = 520
+
+
+def check_report_args(weeks: int, min_samples: int) -> None:
+    """ReportError unless ``weeks`` is 1..MAX_WEEKS and ``min_samples`` at least 1 (an hour of no requests has no
+    error rate or percentile to judge)."""
+    if isinstance(weeks, bool) or not isinstance(weeks, int) or not 1 <= weeks <= MAX_WEEKS:
+        raise ReportError(f"--weeks must be 1 to {MAX_WEEKS}, got {weeks}")
+    if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 1:
+        raise ReportError(f"--min-samples must be at least 1, got {min_samples}")
+
+
+def _sqlite_target(db: str | Path) -> str:
+    """The SQLite file ``db`` names (a path or sqlite:///PATH); ReportError for any other URL, its password hidden."""
+    from tailguard.observe.store import is_postgres_url, sqlite_path
+
+    text = str(db)
+    if text.startswith("sqlite://"):
+        return sqlite_path(text)
+    if "://" not in text:
+        return text
+    if is_postgres_url(text):
+        from tailguard.observe.stores import describe_store_target
+
+        raise ReportError(f"{describe_store_target(text)}: the SLO report reads a SQLite request store file only, "
+                          "not PostgreSQL; give --db the path of a SQLite store (tailguard serve --store FILE)")
+    from tailguard.bench.redact import redact_url
+
+    raise ReportError(f"{redact_url(text)}: not a SQLite request store file; give --db a file path")
+
+
+def _build(conn: sqlite3.Connection, path: Path, profiles: Iterable[SLOProfile], weeks: int, now: float | None,
+           min_samples: int, regions: bool) -> dict[str, Any]:
     profiles = list(profiles)
     notes: list[str] = []
     try:
