@@ -16,7 +16,8 @@ PACKAGE = SRC / "tailguard"
 
 # Lowest first. A module may import its own floor and the floors below it.
 FLOORS: list[tuple[str, ...]] = [
-    ("tailguard", "tailguard.fast_json", "tailguard.api_error", "tailguard.usage"),  # shared vocabulary, no dependencies
+    ("tailguard", "tailguard.fast_json", "tailguard.api_error", "tailguard.usage", "tailguard.urls",
+     "tailguard.output_path"),  # shared vocabulary, no dependencies
     ("tailguard.engine",),  # the model, the scheduler, the KV cache: no HTTP, no policy
     ("tailguard.observe",),  # timelines, metrics, the store, traces
     ("tailguard.plan", "tailguard.slo"),  # forecasts and capacity; SLO profiles, windows, alerts and actions

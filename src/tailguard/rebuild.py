@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tailguard.observe.sealing import SealError, TokenSeal, sampling_from_json
+from tailguard.output_path import unwritable
 
 # How far before a request's arrival another one may have arrived and still shared its batch (the longest request
 # a server keeps is far shorter).
@@ -283,19 +284,10 @@ def write_html(r: Rebuilt, path: str | Path) -> Path:
 
 
 def check_writable(path: str | Path) -> None:
-    """Fail now, not after the whole rebuild, when ``path`` cannot be written (a directory, a missing or read-only
-    folder). Opening for append creates nothing that stays and truncates nothing."""
-    out = Path(path)
-    if out.is_dir():
-        raise RebuildError(f"cannot write {path}: it is a directory")
-    existed = out.exists()
-    try:
-        with open(out, "a", encoding="utf-8"):
-            pass
-        if not existed:
-            out.unlink()
-    except OSError as exc:
-        raise RebuildError(f"cannot write {path}: {exc.strerror or exc}") from None
+    """Fail now, not after the whole rebuild, when ``path`` cannot be written."""
+    why = unwritable(path)
+    if why is not None:
+        raise RebuildError(f"cannot write {path}: {why}")
 
 
 def main(request_id: str, store: str, key_file: str | None, engine_args: Any, internals: bool = False,

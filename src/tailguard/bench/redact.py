@@ -11,9 +11,11 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit
 
-MASK = "***"
+from tailguard.urls import MASK, redact_url
+from tailguard.urls import SECRET_PARAM_WORDS as _SECRET_PARAM_WORDS
+
 SECRET_FLAGS = ("--api-key",)
 HEADER_FLAGS = ("--header",)
 CLASS_FLAGS = ("--class",)  # name=vip,key=sk-...,header=X-Api-Key:...: the key and credential headers masked
@@ -21,24 +23,6 @@ CLASS_FLAGS = ("--class",)  # name=vip,key=sk-...,header=X-Api-Key:...: the key 
 ARM_KEY_FLAGS = ("--arm-key",)
 ARM_HEADER_FLAGS = ("--arm-header",)
 ARM_FLAGS = ("--arm",)
-_SECRET_PARAM_WORDS = ("key", "token", "secret", "password", "passwd", "auth", "sig", "credential")
-
-
-def redact_url(url: str) -> str:
-    """``http://user:pw@host/p?api_key=x&a=1`` -> ``http://***@host/p?api_key=***&a=1``."""
-    try:
-        u = urlsplit(url)
-    except ValueError:
-        return MASK
-    netloc = u.netloc
-    if "@" in netloc:
-        netloc = MASK + "@" + netloc.rsplit("@", 1)[1]
-    query = u.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, MASK if any(w in k.lower() for w in _SECRET_PARAM_WORDS) else v) for k, v in pairs],
-                          safe="*")
-    return urlunsplit((u.scheme, netloc, u.path, query, u.fragment))
 
 
 def secret_header(name: str) -> bool:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tailguard.output_path import unwritable
+
 __all__ = ["add_slo_parser", "run_slo"]
 
 # Prometheus's duration syntax (5m, 1h30m, 500ms): the window goes into PromQL as is, so nothing else may pass.
@@ -34,22 +36,12 @@ def _write(path: str, text: str) -> None:
 
 
 def _check_writable(path: str | None) -> None:
-    """Fail before the work, not after it, when ``path`` cannot be written (a directory, a read-only or missing
-    place). Opening for append truncates nothing; a file made only for the check is removed."""
+    """Fail before the work, not after it, when ``path`` cannot be written."""
     if path is None or path == "-":
         return
-    out = Path(path)
-    if out.is_dir():
-        raise _UsageError(f"cannot write {path}: it is a directory")
-    existed = out.exists()
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "a", encoding="utf-8"):
-            pass
-        if not existed:
-            out.unlink()
-    except OSError as exc:
-        raise _UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+    why = unwritable(path, make_parent=True)
+    if why is not None:
+        raise _UsageError(f"cannot write {path}: {why}")
 
 
 def _duration(flag: str, value: str) -> str:

@@ -188,7 +188,7 @@ def _sqlite_target(db: str | Path) -> str:
 
         raise ReportError(f"{describe_store_target(text)}: the SLO report reads a SQLite request store file only, "
                           "not PostgreSQL; give --db the path of a SQLite store (tailguard serve --store FILE)")
-    from tailguard.bench.redact import redact_url
+    from tailguard.urls import redact_url
 
     raise ReportError(f"{redact_url(text)}: not a SQLite request store file; give --db a file path")
 
