@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from tailguard import __version__
 from tailguard.engine_options import add_engine_args, engine_args_from
+
+if TYPE_CHECKING:
+    from tailguard.engine.engine import EngineArgs
+    from tailguard.serving.config import ServerConfig
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -265,15 +270,42 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_advise(args)
     if args.command == "generate":
-        from tailguard.engine.engine import LLMEngine
-        from tailguard.engine.sequence import SamplingParams
+        return _generate(args)
+    return 2
 
-        engine = LLMEngine(engine_args_from(args))
+
+def _generate(args: argparse.Namespace) -> int:
+    import math
+
+    from tailguard.engine_options import EngineOptionError, check_engine_args, check_model
+
+    # Everything that can be checked before the model loads is: a bad flag is one line, not a traceback.
+    if args.max_tokens < 1:
+        print(f"tailguard generate: --max-tokens must be at least 1, not {args.max_tokens}", file=sys.stderr)
+        return 2
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        print(f"tailguard generate: --temperature must be a finite number >= 0, not {args.temperature}",
+              file=sys.stderr)
+        return 2
+    engine_args = engine_args_from(args)
+    try:
+        check_model(args.model)
+        check_engine_args(engine_args)
+    except EngineOptionError as exc:
+        print(f"tailguard generate: {exc}", file=sys.stderr)
+        return 2
+    from tailguard.engine.engine import LLMEngine
+    from tailguard.engine.sequence import RequestError, SamplingParams
+
+    try:
+        engine = LLMEngine(engine_args)
         ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
         out = engine.generate([ids], SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))[0]
-        print(engine.tokenizer.decode(out))
-        return 0
-    return 2
+    except (RequestError, ValueError, OSError) as exc:  # what the checks above cannot see (a file that is no model)
+        print(f"tailguard generate: {exc}", file=sys.stderr)
+        return 2
+    print(engine.tokenizer.decode(out))
+    return 0
 
 
 def _rebuild(args: argparse.Namespace) -> int:
@@ -288,10 +320,17 @@ def _rebuild(args: argparse.Namespace) -> int:
     if not args.request_id:
         print("error: give the request's ID (or --new-key)", file=sys.stderr)
         return 2
+    from tailguard.engine_options import EngineOptionError, check_engine_args
+
+    engine_args = engine_args_from(args)
+    try:
+        check_engine_args(engine_args)  # before the run: --max-num-seqs 0 would spin for ever
+    except EngineOptionError as exc:
+        print(f"tailguard rebuild: {exc}", file=sys.stderr)
+        return 2
     try:
         return rebuild(args.request_id, args.rebuild_store or default_store_path(), args.rebuild_key_file,
-                       engine_args_from(args), internals=args.internals, as_json=args.rebuild_json,
-                       html=args.rebuild_html)
+                       engine_args, internals=args.internals, as_json=args.rebuild_json, html=args.rebuild_html)
     except (RebuildError, SealError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -316,22 +355,32 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from tailguard.policy.tenants import KeyFile
+    from tailguard.policy.lanes import default_lanes
+    from tailguard.policy.tenants import KeyFile, KeyFileError
 
     try:
+        if args.keys_command == "add":
+            limits = {k: v for k, v in (("requests_per_s", args.requests_per_s), ("tokens_per_s", args.tokens_per_s))
+                      if v is not None}
+            # Under the file's lock: keys added at the same time by other processes are all kept.
+            with KeyFile.updating(args.file) as kf:
+                key = kf.add_key(args.tenant, args.lane, **limits)
+            lane = kf.tenants[args.tenant].lane
+            print(key)
+            print(f"(tenant {args.tenant!r}, lane {lane!r}; only its SHA-256 is kept in {args.file}: this is the only "
+                  f"time the key is shown)", file=sys.stderr)
+            if lane not in default_lanes():
+                print(f"tailguard keys: warning: lane {lane!r} is not one of the default lanes "
+                      f"({', '.join(default_lanes())}): `tailguard serve --keys {args.file}` needs a --config file "
+                      f"that declares it under lanes:", file=sys.stderr)
+            return 0
         kf = KeyFile.load(args.file)
-    except (OSError, ValueError) as exc:
+    except KeyFileError as exc:
         print(f"tailguard keys: {exc}", file=sys.stderr)
         return 2
-    if args.keys_command == "add":
-        limits = {k: v for k, v in (("requests_per_s", args.requests_per_s), ("tokens_per_s", args.tokens_per_s))
-                  if v is not None}
-        key = kf.add_key(args.tenant, args.lane, **limits)
-        kf.save(args.file)
-        print(key)
-        print(f"(tenant {args.tenant!r}, lane {kf.tenants[args.tenant].lane!r}; only its SHA-256 is kept in "
-              f"{args.file}: this is the only time the key is shown)", file=sys.stderr)
-        return 0
+    except OSError as exc:
+        print(f"tailguard keys: cannot use {args.file}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     for name, t in kf.tenants.items():
         n = sum(1 for k in kf.keys if k.tenant == name)
         print(f"{name}\tlane={t.lane}\tkeys={n}\trequests_per_s={t.requests_per_s}\ttokens_per_s={t.tokens_per_s}")
@@ -414,13 +463,75 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     except (OSError, ValueError) as exc:
         print(f"tailguard serve: bad configuration: {exc}", file=sys.stderr)
         return 2
+    problem = _serve_problem(config)
+    if problem is not None:
+        print(f"tailguard serve: {problem}", file=sys.stderr)
+        return 2
     if config.model == "fake" or config.upstreams:
         return serve(config)
     if args.model is None:
         args.model = config.model
     engine_args = engine_args_from(args)
+    # What the server will load (build_backend applies the config file's ``engine:`` section the same way), checked
+    # now: a server that starts and then answers 503 for ever on a bad setting is worse than not starting.
+    problem = _engine_problem(config, engine_args)
+    if problem is not None:
+        print(f"tailguard serve: {problem}", file=sys.stderr)
+        return 2
     # Defaults of the engine flags apply unless the config file's ``engine:`` section says otherwise.
     return serve(config, engine_args)
+
+
+def _serve_problem(config: ServerConfig) -> str | None:
+    """Why the server must not start on ``config`` (a key file it cannot use, a tenant in a lane it does not have, a
+    sealing key that is not one), in one line, or None."""
+    from tailguard.observe.sealing import SealError, TokenSeal, load_key
+    from tailguard.policy.tenants import KeyFile, KeyFileError
+
+    if config.keys_file:
+        # A key file that is missing or empty must not start an open server: refuse it, never fall back to no keys.
+        try:
+            kf = KeyFile.load(config.keys_file)
+        except KeyFileError as exc:
+            return f"cannot use the key file: {exc}"
+        except OSError as exc:
+            return f"cannot read the key file {config.keys_file}: {exc.strerror or exc}"
+        if not kf.keys:
+            return (f"the key file {config.keys_file} holds no keys, so no request could get in (`tailguard keys add "
+                    f"--file {config.keys_file} --tenant NAME` adds one)")
+        lanes = config.lane_configs()
+        for name, tenant in kf.tenants.items():
+            if tenant.lane not in lanes:
+                return (f"tenant {name!r} of {config.keys_file} is in lane {tenant.lane!r}, which is not one of the "
+                        f"server's lanes ({', '.join(lanes)}): declare it under lanes: in the --config file, or move "
+                        f"the tenant with `tailguard keys add --lane`")
+    try:
+        key = load_key(config.seal_key_file)
+        if key is not None:
+            TokenSeal(key)
+    except SealError as exc:
+        where = "" if config.seal_key_file else " (TAILGUARD_SEAL_KEY)"
+        return f"bad sealing key{where}: {exc}"
+    return None
+
+
+def _engine_problem(config: ServerConfig, engine_args: EngineArgs) -> str | None:
+    """Why the embedded engine could not load: an unknown or missing model, an engine setting out of bounds."""
+    import copy
+
+    from tailguard.engine_options import EngineOptionError, check_engine_args, check_model
+
+    merged = copy.copy(engine_args)
+    for key, value in config.engine.items():
+        if not hasattr(merged, key):
+            return f"bad configuration: unknown engine setting {key!r} in the config file"
+        setattr(merged, key, value)
+    try:
+        check_model(config.model, fake_ok=True)
+        check_engine_args(merged)
+    except EngineOptionError as exc:
+        return str(exc)
+    return None
 
 
 if __name__ == "__main__":

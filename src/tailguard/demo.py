@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import math
 import secrets
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -260,15 +262,42 @@ def _console() -> Console:
     return probe if probe.is_terminal else Console(width=170)
 
 
+def _argument_problem(args) -> str | None:
+    """What is wrong with the demo's arguments, in one line, found before the model loads (and the output directory
+    made, where it can be), or None."""
+    from tailguard.engine_options import EngineOptionError, check_engine_args, check_model, engine_args_from
+
+    for flag, value, least in (("--requests", args.requests, 1), ("--max-tokens", args.max_tokens, 1),
+                               ("--bench-requests", args.bench_requests, 0),
+                               ("--bench-output-tokens", args.bench_output_tokens, 1)):
+        if value < least:
+            return f"{flag} must be at least {least}, not {value}"
+    if not (math.isfinite(args.bench_rate) and args.bench_rate > 0):
+        return f"--bench-rate must be a positive number of requests per second, not {args.bench_rate}"
+    try:
+        check_model(args.model)
+        check_engine_args(engine_args_from(args))
+    except EngineOptionError as exc:
+        return str(exc)
+    try:
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot make the output directory {args.output_dir}: {exc.strerror or exc}"
+    return None
+
+
 def run_demo(args) -> int:
     from tailguard.engine.engine import AsyncLLMEngine
     from tailguard.engine_options import engine_args_from
     from tailguard.serving.config import ServerConfig
     from tailguard.serving.server import ThreadedServer
 
+    problem = _argument_problem(args)
+    if problem is not None:
+        print(f"tailguard demo: {problem}", file=sys.stderr)
+        return 2
     console = _console()
     out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     with console.status(f"loading {args.model} ..."):
         began = time.perf_counter()
         engine = AsyncLLMEngine.from_args(engine_args_from(args))

@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import math
+from types import SimpleNamespace
 from typing import Any
 
 from tailguard.engine.speculative import check_method
 
+MODELS_ACCEPTED = "smollm2 (the real SmolLM2-135M-Instruct), tiny (random weights, for tests), or a .gguf path"
+# ``serve`` also takes the scripted fake engine (no model: for tests and load-testing the server itself).
+SERVE_MODELS_ACCEPTED = ("smollm2 (the real SmolLM2-135M-Instruct), tiny (random weights, for tests), fake (a "
+                         "scripted engine without a model), or a .gguf path")
+
+
+class EngineOptionError(ValueError):
+    """An engine setting the engine cannot run with, said in one line naming the option."""
+
 
 def add_engine_args(p: argparse.ArgumentParser, model_default: str | None = "smollm2") -> None:
-    """The engine's options on ``p``. ``model_default=None``: --model unset means the --config file's model (serve)."""
-    model_help = "smollm2 (the real SmolLM2-135M-Instruct), tiny (random weights, for tests), or a .gguf path"
+    """The engine's options on ``p``. ``model_default=None``: --model unset means the --config file's model (serve),
+    which may also be ``fake``."""
+    model_help = MODELS_ACCEPTED
     if model_default is None:
-        model_help += " (default: the --config file's model, else smollm2)"
+        model_help = SERVE_MODELS_ACCEPTED + " (default: the --config file's model, else smollm2)"
     p.add_argument("--model", default=model_default, help=model_help)
     p.add_argument("--weight-format", default="auto", choices=["auto", "native", "float32", "bfloat16", "int8"],
                    help="auto: native on the CPU (the GGUF's own blocks, float32's answers), bfloat16 on CUDA")
@@ -147,3 +159,92 @@ def _speculative_method(value: str) -> str:
         return check_method(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+# Lower bounds of the engine's integer settings: below them a step can take no work and the engine spins forever
+# (--max-num-seqs 0), divides by zero (--block-size 0) or sizes nothing. None means "unset" where the field allows it.
+_AT_LEAST: dict[str, tuple[int, bool]] = {  # field -> (least value, None allowed)
+    "block_size": (1, False),
+    "max_num_seqs": (1, False),
+    "max_num_batched_tokens": (1, False),
+    "max_prefill_chunk": (1, False),
+    "prefill_overrun_tokens": (0, False),
+    "kv_cache_tokens": (1, True),
+    "max_model_len": (1, True),
+    "max_background_seqs": (0, True),
+    "decode_rows_on_tiles": (0, True),
+    "num_threads": (1, True),
+    "num_speculative_tokens": (1, False),
+    "speculative_max_running": (1, False),
+    "attention_slice_tokens": (0, False),
+}
+# The flag of each field whose name differs from the flag's (the others are --field-with-dashes).
+_FLAGS = {"prefill_overrun_tokens": "--prefill-overrun", "num_threads": "--threads",
+          "step_time_budget_s": "--step-time-budget", "prompt_rank_s_per_token": "--prompt-rank"}
+
+
+def _flag(field: str) -> str:
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def check_engine_args(ea: Any) -> None:
+    """Raise EngineOptionError for a setting of ``ea`` (an EngineArgs) the engine cannot run with; checked before a
+    model is loaded, so that a bad flag is one line, not a traceback, a hang or a server answering 503."""
+    for field, (least, optional) in _AT_LEAST.items():
+        value = getattr(ea, field)
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise EngineOptionError(f"{_flag(field)} must be a whole number, not {value!r}")
+        if value < least:
+            raise EngineOptionError(f"{_flag(field)} must be at least {least}, not {value}")
+    if ea.kv_cache_tokens is not None and ea.kv_cache_tokens < ea.block_size:
+        raise EngineOptionError(f"--kv-cache-tokens must hold at least one block ({ea.block_size} tokens, "
+                                f"--block-size), not {ea.kv_cache_tokens}")
+    if ea.kv_cache_memory != "auto":
+        from tailguard.engine.memory import parse_budget
+
+        value = ea.kv_cache_memory
+        if isinstance(value, float) and not math.isfinite(value):
+            raise EngineOptionError(f"--kv-cache-memory must be a positive finite size, not {value!r}")
+        try:
+            parse_budget(value, SimpleNamespace(type="cpu"))  # the format and sign; the size is the engine's
+        except ValueError as exc:
+            raise EngineOptionError(f"--kv-cache-memory: {exc}") from None
+    rank = ea.prompt_rank_s_per_token
+    if isinstance(rank, bool) or not isinstance(rank, (int, float)) or not (math.isfinite(rank) and rank >= 0):
+        raise EngineOptionError(f"--prompt-rank must be a finite number of seconds >= 0, not {rank!r}")
+    share = ea.internals_sample_rate
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        raise EngineOptionError(f"--internals-sample-rate must be between 0 and 1, not {share!r}")
+    from tailguard.engine.engine import check_step_time_budget
+
+    try:
+        check_step_time_budget(ea.step_time_budget_s)
+    except ValueError:
+        raise EngineOptionError(f"--step-time-budget must be a positive number of seconds, off or auto, not "
+                                f"{ea.step_time_budget_s!r}") from None
+
+
+def check_model(name: str, fake_ok: bool = False) -> None:
+    """Raise EngineOptionError unless ``name`` is a model this machine can load (the file is found; it is not read)."""
+    from tailguard.engine.model_store import ModelNotFoundError, resolve_model_path
+
+    if fake_ok and name == "fake":
+        return
+    accepted = SERVE_MODELS_ACCEPTED if fake_ok else MODELS_ACCEPTED
+    if not isinstance(name, str) or not name:
+        raise EngineOptionError(f"no model given: give {accepted}")
+    if not name.endswith(".gguf") and name != "tiny" and name not in _aliases():
+        raise EngineOptionError(f"unknown model {name!r}: give {accepted}")
+    try:
+        # tiny has random weights but SmolLM2's tokenizer and shapes: it needs SmolLM2's file too.
+        resolve_model_path("smollm2" if name == "tiny" else name)
+    except ModelNotFoundError as exc:
+        raise EngineOptionError(str(exc)) from None
+
+
+def _aliases() -> set[str]:
+    from tailguard.engine.model_store import MODEL_ALIASES
+
+    return set(MODEL_ALIASES)

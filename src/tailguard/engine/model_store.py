@@ -52,7 +52,8 @@ def resolve_model_path(name: str) -> Path:
         raise ModelNotFoundError(f"GGUF file not found: {as_path}")
     filename = MODEL_ALIASES.get(name)
     if filename is None:
-        raise ModelNotFoundError(f"unknown model {name!r}; known: {', '.join(sorted(MODEL_ALIASES))} or a .gguf path")
+        raise ModelNotFoundError(f"unknown model {name!r}; known: {', '.join(sorted(MODEL_ALIASES))}, tiny (random "
+                                 f"weights, for tests) or a .gguf path")
     cached = cache_dir() / filename
     if cached.is_file():
         return cached

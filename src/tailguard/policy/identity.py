@@ -53,8 +53,10 @@ class Keys:
         # Each client key with its id, compared in constant time one by one (a handful of keys, not a user table).
         self._clients = [(k.get_secret_value().encode(), key_id(k.get_secret_value())) for k in client_keys]
         self._admin = admin_key.get_secret_value().encode() if admin_key is not None else None
-        # Keys of the key file: looked up by their SHA-256 (a table of any size; the file keeps only hashes).
-        self.tenants = tenants if tenants else None
+        # Keys of the key file: looked up by their SHA-256 (a table of any size; the file keeps only hashes). A key
+        # file configured turns authentication on even when its table is empty (then no key gets in): only None,
+        # no key file at all, leaves it off.
+        self.tenants = tenants
 
     def _is_admin(self, token: bytes | None) -> bool:
         return self._admin is not None and token is not None and hmac.compare_digest(token, self._admin)

@@ -13,17 +13,24 @@ The lane is a property of the credential: no request header can claim one.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import math
+import os
+import re
 import secrets
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 KEY_PREFIX = "tg-"
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,31}|[0-9]{1,6}")
 
 
 def hash_key(key: str) -> str:
@@ -33,6 +40,32 @@ def hash_key(key: str) -> str:
 
 def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+class KeyFileError(ValueError):
+    """A key file that cannot be used, said in one line that never quotes the file's values (they may be secrets)."""
+
+
+def describe_validation(exc: ValidationError) -> str:
+    """A pydantic error as one line, without the input values (a misplaced secret must not be echoed)."""
+    parts = []
+    errors = exc.errors(include_input=False, include_url=False)
+    for err in errors[:3]:
+        # A location is a field name or a mapping key of the file, which could itself be a secret (a key pasted
+        # where a name goes, a line of some other file): only names that look like setting names are shown.
+        where = ".".join(str(p) if _NAME.fullmatch(str(p)) else "(an entry)" for p in err["loc"])
+        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
+    if len(errors) > 3:
+        parts.append(f"and {len(errors) - 3} more")
+    return "; ".join(parts)
+
+
+def describe_yaml_error(exc: yaml.YAMLError) -> str:
+    """Where and what, without the excerpt of the file PyYAML adds (a line of it could be a secret)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or "not valid YAML"
+    return f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None \
+        else f"not valid YAML: {problem}"
 
 
 class TenantConfig(BaseModel):
@@ -63,39 +96,88 @@ class KeyFile(BaseModel):
     keys: list[KeyEntry] = Field(default_factory=list)
 
     @classmethod
-    def load(cls, path: str | Path) -> KeyFile:
+    def load(cls, path: str | Path, missing_ok: bool = False) -> KeyFile:
+        """The key file at ``path``; a missing one is an error unless ``missing_ok`` (``keys add`` creates it): a
+        server must never take a mistyped path for "no keys". Raises KeyFileError or OSError."""
         p = Path(path)
         if not p.exists():
-            return cls()
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            if missing_ok:
+                return cls()
+            raise KeyFileError(f"{path}: no such key file (`tailguard keys add --file {path}` creates one)")
+        if p.is_dir():
+            raise KeyFileError(f"{path}: is a directory, not a key file")
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as exc:
+            raise KeyFileError(f"{path}: {describe_yaml_error(exc)}") from None
+        except UnicodeDecodeError:
+            raise KeyFileError(f"{path}: not a text file (a key file is YAML)") from None
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: a key file is a mapping with 'tenants' and 'keys'")
-        kf = cls.model_validate(data)
+            raise KeyFileError(f"{path}: a key file is a mapping with 'tenants' and 'keys'")
+        try:
+            kf = cls.model_validate(data)
+        except ValidationError as exc:
+            raise KeyFileError(f"{path}: not a key file: {describe_validation(exc)}") from None
         for entry in kf.keys:
             if entry.tenant not in kf.tenants:
-                raise ValueError(f"{path}: key {entry.sha256[:8]}... names tenant {entry.tenant!r}, which is not "
-                                 f"declared under 'tenants'")
+                raise KeyFileError(f"{path}: key {entry.sha256[:8]}... names tenant {entry.tenant!r}, which is not "
+                                   f"declared under 'tenants'")
         return kf
 
     def save(self, path: str | Path) -> None:
+        """Write atomically: a temporary file of its own (never a fixed name another writer shares), then rename."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         text = yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
-        tmp = p.with_suffix(p.suffix + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.chmod(0o600)
-        tmp.replace(p)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    @contextlib.contextmanager
+    def updating(cls, path: str | Path) -> Iterator[KeyFile]:
+        """Load, change and save the key file under an exclusive lock, so that writers at once (a script adding keys
+        in parallel) each keep their key: without it, each would save what it read and drop the others'."""
+        p = Path(path)
+        for parent in p.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise KeyFileError(f"{path}: {parent} is not a directory")
+                break
+        p.parent.mkdir(parents=True, exist_ok=True)
+        # A lock file beside it: the key file itself is replaced on every save, so a lock on it would not hold.
+        with open(p.with_name(p.name + ".lock"), "a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                kf = cls.load(p, missing_ok=True)
+                yield kf
+                kf.save(p)
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
     def add_key(self, tenant: str, lane: str | None = None, **limits: Any) -> str:
-        """Create a key for ``tenant`` (declaring the tenant if new); returns the key, which is stored only hashed."""
-        if tenant not in self.tenants:
-            self.tenants[tenant] = TenantConfig(lane=lane or "standard", **limits)
-        elif lane is not None or limits:
-            cur = self.tenants[tenant].model_dump()
-            cur.update({k: v for k, v in limits.items() if v is not None})
-            if lane is not None:
-                cur["lane"] = lane
-            self.tenants[tenant] = TenantConfig(**cur)
+        """Create a key for ``tenant`` (declaring the tenant if new); returns the key, which is stored only hashed.
+        Raises KeyFileError for a limit that is not a positive number."""
+        try:
+            if tenant not in self.tenants:
+                self.tenants[tenant] = TenantConfig(lane=lane or "standard", **limits)
+            elif lane is not None or limits:
+                cur = self.tenants[tenant].model_dump()
+                cur.update({k: v for k, v in limits.items() if v is not None})
+                if lane is not None:
+                    cur["lane"] = lane
+                self.tenants[tenant] = TenantConfig(**cur)
+        except ValidationError as exc:
+            raise KeyFileError(describe_validation(exc)) from None
         key = new_key()
         self.keys.append(KeyEntry(sha256=hash_key(key), tenant=tenant))
         return key
@@ -175,11 +257,10 @@ class Tenants:
         self._by_hash = {e.sha256: self.by_name[e.tenant] for e in keyfile.keys}
 
     @classmethod
-    def load(cls, path: str | Path | None) -> Tenants:
-        return cls(KeyFile.load(path) if path else KeyFile())
-
-    def __bool__(self) -> bool:
-        return bool(self._by_hash)
+    def load(cls, path: str | Path | None) -> Tenants | None:
+        """The key file's table, or None when no key file is configured. A configured file that is missing raises;
+        one without keys gives an empty table, which admits no one (never "no authentication")."""
+        return cls(KeyFile.load(path)) if path else None
 
     def lookup(self, key: bytes | str | None) -> Tenant | None:
         if not key:

@@ -12,6 +12,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, fiel
 from tailguard.backends.upstream.pool import RoutingConfig, UpstreamConfig
 from tailguard.observe.tracing_config import TracingConfig
 from tailguard.policy.lanes import CapacityConfig, LaneConfig, default_lanes
+from tailguard.policy.tenants import describe_yaml_error
 from tailguard.slo.config import MonitorConfig
 
 
@@ -228,7 +229,11 @@ class ServerConfig(BaseModel):
         data: dict[str, Any] = {}
         if path:
             text = Path(path).read_text(encoding="utf-8")
-            loaded = yaml.safe_load(text) or {}
+            try:
+                loaded = yaml.safe_load(text) or {}
+            except yaml.YAMLError as exc:
+                # One line without PyYAML's excerpt of the file (its lines may hold keys).
+                raise ValueError(f"{path}: {describe_yaml_error(exc)}") from None
             if not isinstance(loaded, dict):
                 raise ValueError(f"{path}: the config file must be a mapping of settings")
             data.update(loaded)

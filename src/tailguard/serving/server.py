@@ -113,7 +113,12 @@ def serve(config: ServerConfig, engine_args: Any | None = None) -> int:
     server = _server(app, config, own_process=True)
     log.info("tailguard serving %s on http://%s:%d (store: %s, text storage %s)", config.model, config.host,
              config.port, describe_store_target(config.store_path), "on, redacted" if config.store_text else "off")
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        # uvicorn shuts down cleanly on Ctrl-C, then raises the signal again for the caller: that is an exit, not
+        # an error (128 + SIGINT, as a shell reports it).
+        return 130
     return 0
 
 
