@@ -681,3 +681,20 @@ def test_a_bad_upstream_url_is_refused_without_printing_its_password(url, why):
         UpstreamConfig(url=url)
     # What the CLI and the admin API show of it: the messages, without the input.
     assert "TYPOSECRET" not in str(exc.value.errors(include_input=False, include_url=False))
+
+
+def test_a_newcomer_that_would_miss_its_deadline_takes_no_place_from_a_full_lane():
+    """The heaviest tenant's newest request gives way only to a request that will take its place: one refused for its
+    deadline leaves the queue as it was (both were refused, and the queue left one short)."""
+    async def main():
+        lanes, now, build = _drained_lane(1.0, waiters=18, gap_s=1.25, max_queue=10)  # 0.8/s, 10 waiting
+        flood = await build()
+        assert lanes.lanes["std"].waiting == 10
+        with pytest.raises(Overloaded, match="past its 1 s deadline"):
+            await lanes.acquire("std", "alice")
+        await spin()
+        assert lanes.lanes["std"].waiting == 10 and not any(t.done() for t in flood[8:])
+        for t in flood:
+            t.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+    run(main())

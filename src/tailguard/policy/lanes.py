@@ -378,26 +378,25 @@ class Lanes:
             return None
         return (self._ahead(lane, tenant) + 1) / rate
 
-    def _make_room(self, lane: LaneState, tenant: str, now: float) -> bool:
-        """A full lane takes a request of a tenant holding fewer waiters than the heaviest by refusing that tenant's
-        newest waiter instead (the queue's bound is shared, its burden is not); False when ``tenant`` is the
-        heaviest, or as heavy as any."""
+    @staticmethod
+    def _room_victim(lane: LaneState, tenant: str) -> _Waiter | None:
+        """Who gives way when a full lane takes a request of ``tenant``: the newest waiter of the tenant holding the
+        most waiters, when that is more than ``tenant``'s own plus one (the queue's bound is shared, its burden is
+        not); None when ``tenant`` is the heaviest, or as heavy as any."""
         own = len(lane.queues.get(tenant, ()))
-        heavy, q = max(((t, q) for t, q in lane.queues.items() if t != tenant), key=lambda tq: len(tq[1]),
-                       default=("", None))
+        q = max((q for t, q in lane.queues.items() if t != tenant), key=len, default=None)
         if q is None or len(q) <= own + 1:
-            return False
-        for w in reversed(q):
-            if not w.future.done():
-                self._forget(lane, w)
-                lane.refused += 1
-                wait = self.estimated_wait(lane, now, heavy)
-                w.future.set_exception(Overloaded(
-                    f"lane {lane.name!r} is full ({lane.cfg.max_queue} waiting) and most of its waiting requests are "
-                    "this caller's: the newest of them gives way to another caller's",
-                    wait if wait is not None else lane.cfg.max_queue_wait_s))
-                return True
-        return False
+            return None
+        return next((w for w in reversed(q) if not w.future.done()), None)
+
+    def _give_way(self, lane: LaneState, w: _Waiter, now: float) -> None:
+        self._forget(lane, w)
+        lane.refused += 1
+        wait = self.estimated_wait(lane, now, w.tenant)
+        w.future.set_exception(Overloaded(
+            f"lane {lane.name!r} is full ({lane.cfg.max_queue} waiting) and most of its waiting requests are this "
+            "caller's: the newest of them gives way to another caller's",
+            wait if wait is not None else lane.cfg.max_queue_wait_s))
 
     async def acquire(self, name: str, tenant: str = "", now: float | None = None, tokens: int = 0) -> float:
         """Wait for a slot in lane ``name`` for a request of ``tokens`` estimated tokens (prompt + max_tokens; 0:
@@ -413,16 +412,20 @@ class Lanes:
         elif lane.waiting == 0 and self._local_ok(lane, tokens) and await self._fleet_take(lane, tokens):
             self._admit(lane, now, tokens)
             return 0.0
-        if lane.waiting >= lane.cfg.max_queue and not self._make_room(lane, tenant, now):
+        victim = self._room_victim(lane, tenant) if lane.waiting >= lane.cfg.max_queue else None
+        if lane.waiting >= lane.cfg.max_queue and victim is None:
             lane.refused += 1
             wait = self.estimated_wait(lane, now, tenant)
             raise Overloaded(f"lane {name!r} is full ({lane.cfg.max_queue} waiting)",
                              wait if wait is not None else lane.cfg.max_queue_wait_s)
+        # (The victim's place is not ahead of this request: the round-robin takes at most own + 1 of its tenant's.)
         wait = self.estimated_wait(lane, now, tenant)
         if wait is not None and wait > lane.cfg.max_queue_wait_s and lane.in_use > 0:
             lane.refused += 1  # refused before it costs anything: it would miss its deadline anyway
             raise Overloaded(f"lane {name!r} would admit this request in about {wait:.1f} s, past its "
                              f"{lane.cfg.max_queue_wait_s:g} s deadline", wait)
+        if victim is not None:  # only now that this request will take the place
+            self._give_way(lane, victim, now)
         w = _Waiter(asyncio.get_running_loop().create_future(), tenant, now, tokens)
         if lane.waiting == 0:
             lane.busy_mark = now  # the queue forms: the first gap runs from here
