@@ -687,13 +687,15 @@ def test_a_newcomer_that_would_miss_its_deadline_takes_no_place_from_a_full_lane
     """The heaviest tenant's newest request gives way only to a request that will take its place: one refused for its
     deadline leaves the queue as it was (both were refused, and the queue left one short)."""
     async def main():
-        lanes, now, build = _drained_lane(1.0, waiters=18, gap_s=1.25, max_queue=10)  # 0.8/s, 10 waiting
+        lanes, now, build = _drained_lane(1.0, waiters=10, gap_s=1.25, admitted=0, max_queue=10)  # full
         flood = await build()
-        assert lanes.lanes["std"].waiting == 10
+        std = lanes.lanes["std"]
+        std.gaps.extend((now[0], 1.25) for _ in range(8))  # a drain history of 0.8 admissions a second
+        assert std.waiting == 10
         with pytest.raises(Overloaded, match="past its 1 s deadline"):
             await lanes.acquire("std", "alice")
         await spin()
-        assert lanes.lanes["std"].waiting == 10 and not any(t.done() for t in flood[8:])
+        assert std.waiting == 10 and not any(t.done() for t in flood)
         for t in flood:
             t.cancel()
         await asyncio.gather(*flood, return_exceptions=True)
