@@ -140,3 +140,12 @@ def test_the_credential_finders_are_linear_on_hostile_text(text):
     t0 = time.thread_time()
     list(find_secrets(text))
     assert time.thread_time() - t0 < 1.0
+
+
+def test_the_mask_without_extras_keeps_a_urls_host_and_hides_its_password():
+    from tailguard.observe.redaction import mask_plain
+
+    text = "cannot reach postgresql://bob:s3cretPw@db.example.com/x; card 4111111111111111, mail bob@example.com"
+    assert mask_plain(text) == ("cannot reach postgresql://<SECRET>@db.example.com/x; card <CREDIT_CARD>, mail "
+                                "<EMAIL_ADDRESS>")
+    assert mask_plain("the model `gpt-x` does not exist") == "the model `gpt-x` does not exist"

@@ -841,16 +841,29 @@ def _dotted(host: str) -> bool:
     return "." in host.strip(".")
 
 
-def mask_plain(text: str) -> str:
-    """``text`` with what this module finds on its own masked, no Presidio needed: payment cards, resident IDs,
-    credentials and e-mail addresses (any dotted host). For short texts a client wrote that a record keeps without
-    text storage: an error message quotes the model name, field name or ``logit_bias`` key the client sent. Phone
-    numbers need libphonenumber, an extra, and are not looked for."""
-    found = [("CREDIT_CARD", s, e) for s, e in find_cards(text)]
-    found += [("CN_RESIDENT_ID" if full else "CN_RESIDENT_ID_15", s, e) for s, e, full in find_cn_ids(text)]
-    found += list(find_secrets(text))
+def find_own(text: str, is_domain: Callable[[str], bool], budget: _Budget | None = None) -> list[tuple[str, int, int]]:
+    """What this module finds on its own, no extra needed: payment cards, resident IDs, credentials, e-mail addresses
+    (``is_domain`` judges their hosts), as (kind, start, end), overlaps not yet resolved."""
+    found: list[tuple[str, int, int]] = [("CREDIT_CARD", s, e) for s, e in find_cards(text)]
+    found.extend(("CN_RESIDENT_ID" if full else "CN_RESIDENT_ID_15", s, e) for s, e, full in find_cn_ids(text))
+    secrets = list(find_secrets(text))
+    found.extend(secrets)
     if "@" in text or "\uff20" in text:
-        found += [("EMAIL_ADDRESS", s, e) for s, e in find_emails(text, _dotted)]
+        # The password of "scheme://user:password@host" (or a token: "https://ghp_...@github.com") reads as an
+        # e-mail's local part: it is redacted as what it is, and the host stays. (A local part holds no "@": the
+        # first one in an address is its own.)
+        userinfo_ends = {e for _, _, e in secrets if text.startswith("@", e)}
+        found.extend(("EMAIL_ADDRESS", s, e) for s, e in find_emails(text, is_domain, budget)
+                     if text.find("@", s, e) not in userinfo_ends)
+    return found
+
+
+def mask_plain(text: str) -> str:
+    """``text`` with what this module finds on its own masked (``find_own``, any dotted host taken for a domain).
+    For short texts a client wrote that a record keeps without text storage: an error message quotes the model
+    name, field name or ``logit_bias`` key the client sent. Phone numbers need libphonenumber, an extra, and are not
+    looked for."""
+    found = find_own(text, _dotted)
     if not found:
         return text
     out, last = [], 0
@@ -929,19 +942,7 @@ class Redactor:
         from presidio_analyzer import RecognizerResult
 
         budget = _Budget((self.budget_ms + self.budget_ms_per_kchar * len(text) / 1000) / 1000)
-        found: list[tuple[str, int, int]] = []
-        found.extend(("CREDIT_CARD", s, e) for s, e in find_cards(text))
-        found.extend(("CN_RESIDENT_ID" if full else "CN_RESIDENT_ID_15", s, e)
-                     for s, e, full in find_cn_ids(text))
-        secrets = list(find_secrets(text))
-        found.extend(secrets)
-        if "@" in text or "\uff20" in text:
-            # The password of "scheme://user:password@host" (or a token: "https://ghp_...@github.com") reads as an
-            # e-mail's local part: it is redacted as what it is, and the host stays. (A local part holds no "@": the
-            # first one in an address is its own.)
-            userinfo_ends = {e for _, _, e in secrets if text.startswith("@", e)}
-            found.extend(("EMAIL_ADDRESS", s, e) for s, e in find_emails(text, self._is_domain, budget)
-                         if text.find("@", s, e) not in userinfo_ends)
+        found = find_own(text, self._is_domain, budget)
         self._ips.find(text, budget, found)
         self._phones.find(text, budget, found)
         return [RecognizerResult(kind.removesuffix("_15"), start, end, 0.5 + _RANK[kind] / 10)

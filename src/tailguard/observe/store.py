@@ -264,10 +264,18 @@ def unstored_record(tl: Timeline, pseudonym: Callable[[str | None], str | None] 
     rec["user"] = pseudonym(rec["user"]) if pseudonym is not None else None
     if rec.get("error"):
         rec["error"] = clean_error(rec["error"])
-    sampling = rec.get("sampling")
-    if sampling and sampling.get("stop"):
-        rec["sampling"] = {**sampling, "stop": None, "stop_count": len(sampling["stop"])}
+    rec["sampling"] = stops_kept(rec.get("sampling"), None)
     return rec
+
+
+def stops_kept(sampling: dict[str, Any] | None,
+               redact: Callable[[str | None], str | None] | None) -> dict[str, Any] | None:
+    """Sampling parameters as a record keeps them: stop sequences are client text, redacted by ``redact`` (text
+    storage on), else withheld, their count kept."""
+    if not sampling or not sampling.get("stop"):
+        return sampling
+    stops = sampling["stop"]
+    return {**sampling, "stop": [redact(x) for x in stops] if redact is not None else None, "stop_count": len(stops)}
 
 
 # A batch the database cannot take for a reason of the moment (a lock, a full disk, an outage) is held and retried
@@ -664,16 +672,6 @@ class RequestStore:
         cleaned = self._redact(error) if self._redact is not None else mask_plain(error)
         return cleaned if cleaned is not None else error
 
-    def _sampling(self, sampling: dict[str, Any] | None, with_text: bool | None = None) -> dict[str, Any] | None:
-        """Stop sequences are client text: redacted with text storage on, withheld (only their count) otherwise."""
-        if not sampling or not sampling.get("stop"):
-            return sampling
-        out = dict(sampling)
-        keep = self.store_text if with_text is None else with_text
-        out["stop"] = [self._redact(s) for s in sampling["stop"]] if keep else None
-        out["stop_count"] = len(sampling["stop"])
-        return out
-
     def _row(self, tl: Timeline) -> tuple:
         rec = tl.to_record()
         s = rec["stages"]
@@ -699,7 +697,7 @@ class RequestStore:
         for extra in ("gateway", "speculation", "network", "interrupted", "upload", "client_wait", "client_waits"):
             if rec.get(extra):
                 body[extra] = rec[extra]
-        body["sampling"] = self._sampling(rec["sampling"])
+        body["sampling"] = stops_kept(rec["sampling"], self._redact if self.store_text else None)
         if tl.sealed is not None:  # encrypted token ids for a rebuild (observe/sealing.py)
             try:
                 body["sealed"] = tl.sealed()

@@ -33,7 +33,7 @@ async def get_request(request: Request) -> Response:
     # A client may reuse an ID: the in-memory record is the latest one; use it until the store has caught up.
     if recent is not None and (rec is None or rec.get("received_at") != recent.received_unix):
         # Not yet written by the batch writer: shown as the store will show it (never with text or the raw user).
-        rec = unstored_record(recent, state.store.pseudonym if state.store is not None else None)
+        rec = state.store.record_of(recent) if state.store is not None else unstored_record(recent)
     if rec is None:
         # Also what a client gets for another client's record: whether it exists is not its business.
         raise APIError(404, f"no record of request {rid[:128]!r} (records are kept "
