@@ -22,6 +22,7 @@ import httpx
 from rapidfuzz.distance import Levenshtein
 
 from tailguard.bench.redact import redact_url
+from tailguard.observe.store import first_line
 from tailguard.observe.stores import describe_store_target
 
 
@@ -41,7 +42,7 @@ def fetch_record(request_id: str, source: str | None = None, store: str | None =
             finally:
                 st.close()
         except (OSError, RuntimeError, ValueError) as exc:  # not there, not a store, unreachable, a newer schema
-            raise ReplayError(f"cannot read the store: {_first_line(exc)}") from exc
+            raise ReplayError(f"cannot read the store: {first_line(exc)}") from exc
         if rec is None:
             raise ReplayError(f"no record of request {request_id!r} in {describe_store_target(store)}")
         return rec
@@ -52,7 +53,7 @@ def fetch_record(request_id: str, source: str | None = None, store: str | None =
     try:
         r = httpx.get(f"{source.rstrip('/')}/v1/requests/{request_id}", headers=headers, timeout=30, trust_env=False)
     except httpx.HTTPError as exc:
-        raise ReplayError(f"{redact_url(source)}: {type(exc).__name__}: {_first_line(exc)}") from exc
+        raise ReplayError(f"{redact_url(source)}: {type(exc).__name__}: {first_line(exc)}") from exc
     if r.status_code != 200:
         try:
             msg = r.json()["error"]["message"]
@@ -138,16 +139,11 @@ def replay(rec: dict[str, Any], url: str, model: str | None = None, api_key: str
     try:
         return _replay(rec, url, model, api_key, timeout)
     except httpx.HTTPError as exc:
-        raise ReplayError(f"{redact_url(url)}: {type(exc).__name__}: {_first_line(exc)}") from exc
+        raise ReplayError(f"{redact_url(url)}: {type(exc).__name__}: {first_line(exc)}") from exc
     except (ValueError, AttributeError, TypeError) as exc:
-        raise ReplayError(f"{redact_url(url)} answered with a stream tailguard cannot read: {_first_line(exc)}") \
+        raise ReplayError(f"{redact_url(url)} answered with a stream tailguard cannot read: {first_line(exc)}") \
             from exc
 
-
-def _first_line(exc: BaseException) -> str:
-    """An error's first line (a driver's message goes on with hints on later lines)."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _replay(rec: dict[str, Any], url: str, model: str | None, api_key: str | None, timeout: float) -> ReplayResult:

@@ -89,14 +89,33 @@ def _server(app: Any, config: ServerConfig, own_process: bool) -> DrainingServer
 
 
 def store_problem(config: ServerConfig) -> str | None:
-    """Why the request store cannot be opened (a directory, a file that is not a database, a newer schema, an
-    unreachable PostgreSQL), said in one line before the server starts, or None. The server opens it again."""
+    """Why the request store cannot be opened (a directory, a file that is not a database, another application's
+    database, a newer schema, an unreachable PostgreSQL), said in one line before the server starts, or None. A SQLite
+    file gets its schema and key here, as the server would (no writer, no retention sweep: the server's store runs
+    those); a PostgreSQL store is opened and closed."""
+    from pathlib import Path
+
+    from tailguard.observe.store import (
+        check_store_target,
+        first_line,
+        is_postgres_url,
+        load_secret,
+        sqlite_path,
+    )
+    from tailguard.observe.store_sqlite import open_schema
     from tailguard.observe.stores import open_store
 
     try:
-        open_store(config.store_path, retention_days=config.retention_days).close()
+        check_store_target(config.store_path)
+        if is_postgres_url(config.store_path):
+            open_store(config.store_path, retention_days=config.retention_days).close()
+        else:
+            path = sqlite_path(config.store_path)
+            if path != ":memory:":
+                Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            open_schema(path, load_secret(path))
     except Exception as exc:  # noqa: BLE001 - whatever it is, the server cannot start on it: say so in one line
-        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return first_line(exc)
     return None
 
 
