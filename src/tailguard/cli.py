@@ -520,12 +520,12 @@ def _engine_problem(config: ServerConfig, engine_args: EngineArgs) -> str | None
     import copy
 
     from tailguard.engine_options import EngineOptionError, check_engine_args, check_model
+    from tailguard.serving.backend_factory import engine_args_for
 
-    merged = copy.copy(engine_args)
-    for key, value in config.engine.items():
-        if not hasattr(merged, key):
-            return f"bad configuration: unknown engine setting {key!r} in the config file"
-        setattr(merged, key, value)
+    try:
+        merged = engine_args_for(config, copy.copy(engine_args))
+    except ValueError as exc:
+        return f"bad configuration: {exc}"
     try:
         check_model(config.model, fake_ok=True)
         check_engine_args(merged)

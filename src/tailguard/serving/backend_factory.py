@@ -32,11 +32,15 @@ def build_backend(config: ServerConfig, engine_args: EngineArgs | None = None) -
         return LocalBackend(FakeEngine(timing, max_model_len=f.max_model_len, model_name="fake"))
     from tailguard.engine.engine import AsyncLLMEngine, EngineArgs
 
-    if engine_args is None:
-        engine_args = EngineArgs(model=config.model)
+    return LocalBackend(AsyncLLMEngine.from_args(engine_args_for(config, engine_args or EngineArgs(model=config.model))))
+
+
+def engine_args_for(config: ServerConfig, engine_args: EngineArgs) -> EngineArgs:
+    """``engine_args`` with the configuration's ``engine:`` settings (the config file's, and the engine flags given on
+    the command line) applied over them, and the configuration's model."""
     for key, value in config.engine.items():
         if not hasattr(engine_args, key):
             raise ValueError(f"unknown engine setting {key!r} in the config file")
         setattr(engine_args, key, value)
     engine_args.model = config.model
-    return LocalBackend(AsyncLLMEngine.from_args(engine_args))
+    return engine_args
