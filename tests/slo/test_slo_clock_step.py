@@ -103,3 +103,22 @@ def test_tiers_given_a_time_that_went_back_age_and_dwell_from_it():
     later = back + 100 - STEP_S
     assert tr.step(0.1, 10, now=later, window_s=60) == [] and tr.tier == 3  # dwell holds...
     assert tr.step(0.1, 10, now=later + 31, window_s=60) != [] and tr.tier == 0  # ...30 s from the step
+
+
+def test_the_steady_clock_follows_the_wall_forward_and_rejoins_it_after_a_step_back(monkeypatch):
+    """A gateway started before NTP set its clock must rejoin the fleet's timescale, not keep its start-up error."""
+    from tailguard.slo.windows import _SteadyTime
+
+    wall, mono = [1000.0], [50.0]
+    monkeypatch.setattr(time, "time", lambda: wall[0])
+    monkeypatch.setattr(time, "monotonic", lambda: mono[0])
+    clock = _SteadyTime()
+    wall[0] += 600.0  # NTP sets the clock forward
+    mono[0] += 1.0
+    assert clock() == 1600.0  # followed at once
+    wall[0] -= 10.0  # a step back: the clock goes on at the monotonic pace, never back
+    mono[0] += 4.0
+    assert clock() == 1604.0
+    wall[0] += 20.0  # the wall clock has caught up (1610 > 1605): followed again
+    mono[0] += 1.0
+    assert clock() == 1610.0

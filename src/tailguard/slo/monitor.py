@@ -16,8 +16,8 @@ for the fleet. Redis unreachable: this gateway judges its own windows and acts a
 
 Two clocks: ``clock`` (``time.time`` by default) stamps what people read (alert and action records, the time of an
 evaluation, the dashboard's history); ``steady`` places requests in the windows' slots and times the tiers' evidence
-and dwell. It never steps back (``steady_time``: Unix seconds at start, advanced by ``time.monotonic()``), so a wall
-clock stepped back cannot hold a tier on no evidence. Given a clock of its own and no ``steady`` (tests pass a fake
+and dwell. It never steps back (``steady_time``: the wall clock going forward, the monotonic clock's pace after a step
+back until the wall clock catches up), so a wall clock stepped back cannot hold a tier on no evidence. Given a clock of its own and no ``steady`` (tests pass a fake
 clock), the monitor judges by that clock, made never to step back.
 """
 

@@ -17,8 +17,8 @@ evaluator queries like a local one (``tailguard.slo.monitor``, ``join_fleet``).
 Window edges are slot-aligned: a window of ``n`` slots covers the current, partial slot and the ``n - 1`` before
 it, i.e. between ``(n - 1) * slot_s`` and ``n * slot_s`` seconds of history.
 
-Slots run on a steady clock (:func:`steady_time`): Unix seconds at start, advanced by ``time.monotonic()``. It never
-steps: when the wall clock steps back (an NTP step, a VM resume), requests would otherwise go into a slot whose
+Slots run on a steady clock (``steady_time``): the wall clock while it goes forward, and after a step back the last
+reading advanced by ``time.monotonic()`` until the wall clock catches up. It never steps back: when the wall clock steps back (an NTP step, a VM resume), requests would otherwise go into a slot whose
 index lies in the future, which no query covers until the wall clock catches up, and a tier would hold on no evidence
 for as long as the step.
 """
@@ -62,15 +62,25 @@ OPTIONAL_METRICS = ("tpot", "e2e_per_token", "tokenize", "prefill")
 STAGES = ("tokenize", "queue", "prefill", "decode", "stream")
 _STAGE_INDEX = {s: i for i, s in enumerate(STAGES)}
 
-_WALL_AT_LOAD = time.time()
-_MONO_AT_LOAD = time.monotonic()
+class _SteadyTime:
+    """Unix seconds that never step back: the wall clock while it goes forward; after a step back, the last reading
+    advanced by the monotonic clock until the wall clock catches up. Gateways of a fleet line their slots up by it,
+    so it rejoins the wall clock (a clock that was wrong at start, then set by NTP, is followed, not kept)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the request path and the evaluation thread both read it
+        self._last = time.time()
+        self._mono = time.monotonic()
+
+    def __call__(self) -> float:
+        with self._lock:
+            wall, mono = time.time(), time.monotonic()
+            t = max(wall, self._last + (mono - self._mono))
+            self._last, self._mono = t, mono
+            return t
 
 
-def steady_time() -> float:
-    """Seconds that never step: Unix time when this module was loaded, advanced by ``time.monotonic()`` since. It
-    reads like Unix time (a window's edges can be shown, and the slots of a fleet's gateways line up as long as their
-    clocks agreed when they started), but a step of the wall clock does not move it."""
-    return _WALL_AT_LOAD + (time.monotonic() - _MONO_AT_LOAD)
+steady_time = _SteadyTime()
 
 
 class NonDecreasing:
