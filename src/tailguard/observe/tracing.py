@@ -253,7 +253,6 @@ class RequestTracer:
             self.processor.on_end(_FinishedRequest(tl, trace))  # type: ignore[arg-type] - expanded by _SpanMaker
 
     def spans(self, tl: Timeline, trace: RequestTrace) -> list[ReadableSpan]:
-        s = tl.summary()
         bounds = tl.boundaries()
         # One anchor per request: the wall clock read at arrival. Every other instant is a monotonic offset from it,
         # in integer nanoseconds, so the spans nest and tile exactly as the stages do.
@@ -291,8 +290,11 @@ class RequestTracer:
                              status=status))
 
         events: list[Event] = []
-        if s.ttft is not None:
-            events.append(Event("gen_ai.first_token", timestamp=ns(r0 + s.ttft)))
+        # When the first token left, as it happened (the spans are the boundaries as they happened; TTFT, on the
+        # server's clock, leaves out a wait for a slow reader).
+        first = tl.token_sent[0] if tl.stream and tl.token_sent else (tl.token_times[0] if tl.token_times else None)
+        if first is not None:
+            events.append(Event("gen_ai.first_token", timestamp=ns(first)))
         operation = "chat" if tl.endpoint.endswith("/chat/completions") else "text_completion"
         status = (Status(StatusCode.ERROR, tl.error or f"HTTP {tl.status}") if tl.status >= 500
                   else Status(StatusCode.UNSET))
