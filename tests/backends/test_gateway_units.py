@@ -146,6 +146,13 @@ def _drained_lane(max_queue_wait_s: float, waiters: int, gap_s: float, admitted:
     return lanes, now, build
 
 
+async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    """End the waiters a test left queued."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def test_refused_at_once_when_the_drain_rate_says_the_deadline_cannot_be_met():
     async def main():
         # 8 admissions from the queue, 1.25 s apart: 0.8/s, so a request behind the one still waiting would wait
@@ -156,9 +163,7 @@ def test_refused_at_once_when_the_drain_rate_says_the_deadline_cannot_be_met():
             await lanes.acquire("std", "flood")
         assert exc.value.retry_after == 3  # ceil(2.5)
         assert lanes.lanes["std"].waiting == 1  # it never took a queue place
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(tasks)
     run(main())
 
 
@@ -174,9 +179,7 @@ def test_the_drain_rate_counts_only_time_when_requests_waited():
         now[0] = 100.0
         tasks = await build()
         assert lanes.drain_rate(lanes.lanes["std"], now[0]) == pytest.approx(10.0)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(tasks)
     run(main())
 
 
@@ -199,9 +202,7 @@ def test_one_tenants_queue_is_not_ahead_of_another_tenants_request():
         lanes.release("std")
         await spin()
         assert own.done() and own.exception() is None  # admitted second: one of the flood's, then alice
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(tasks)
     run(main())
 
 
@@ -223,9 +224,7 @@ def test_a_full_lane_refuses_the_heaviest_tenants_newest_request_not_a_newcomer(
         lanes.release("std")
         await spin()
         assert alice.done() and alice.exception() is None
-        for t in flood:
-            t.cancel()
-        await asyncio.gather(*flood, return_exceptions=True)
+        await _cancel_all(flood)
     run(main())
 
 
@@ -696,7 +695,5 @@ def test_a_newcomer_that_would_miss_its_deadline_takes_no_place_from_a_full_lane
             await lanes.acquire("std", "alice")
         await spin()
         assert std.waiting == 10 and not any(t.done() for t in flood)
-        for t in flood:
-            t.cancel()
-        await asyncio.gather(*flood, return_exceptions=True)
+        await _cancel_all(flood)
     run(main())
